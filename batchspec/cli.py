@@ -1,0 +1,230 @@
+"""The `batchspec` command: serve, generate, and the three services as subcommands."""
+import argparse
+import hashlib
+import logging
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+log = logging.getLogger("batchspec")
+DEFAULT_DRAFT_LAYERS = 4  # until a trained draft ships: the target's first layers
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"serve": serve, "generate": generate, "target": _service("target_service"),
+                "draft": _service("draft_service"), "coordinator": _service("coordinator")}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: batchspec {serve,generate,target,draft,coordinator} [options]\n\n"
+              "  serve        start target, draft and coordinator on loopback and serve\n"
+              "  generate     stream a completion from a running coordinator\n"
+              "  target       run the target service   (python -m target_service)\n"
+              "  draft        run the draft service    (python -m draft_service)\n"
+              "  coordinator  run the coordinator      (python -m coordinator)\n\n"
+              "`batchspec COMMAND --help` for each command's options.",
+              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:]) or 0
+
+
+def _service(module: str):
+    def run(argv):
+        import importlib
+
+        importlib.import_module(f"{module}.__main__").main(argv)
+    return run
+
+
+# ---- serve --------------------------------------------------------------------------------------
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchspec serve", description=(
+        "Start the target and draft services and the coordinator on loopback; serve until "
+        "stopped (Ctrl-C or SIGTERM)."))
+    parser.add_argument("--target-model", default="smollm2",
+                        help="target model: HF dir, .gguf file, hub id, or 'smollm2' (default)")
+    parser.add_argument("--draft-model", default=None,
+                        help="draft model (default: the target's first "
+                             f"{DEFAULT_DRAFT_LAYERS} layers)")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="keep only the draft model's first N layers")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer.json or dir (default: the target's own, if it has one)")
+    parser.add_argument("--port", type=int, default=50051, help="coordinator port")
+    parser.add_argument("--device", default="cpu", help="device of both models")
+    parser.add_argument("--target-device", default=None, help="overrides --device for the target")
+    parser.add_argument("--draft-device", default=None, help="overrides --device for the draft")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--startup-timeout", type=float, default=600.0,
+                        help="seconds to wait for each service to become healthy")
+    return parser
+
+
+def serve(argv) -> int:
+    args = serve_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
+    draft_model = args.draft_model or args.target_model
+    draft_layers = args.draft_layers
+    if args.draft_model is None and draft_layers is None:
+        draft_layers = DEFAULT_DRAFT_LAYERS
+    tokenizer = args.tokenizer or find_tokenizer(args.target_model)
+    target_port, draft_port = free_port(), free_port()
+    common = ["--dtype", args.dtype]
+    target_cmd = [sys.executable, "-m", "target_service", "--model", args.target_model,
+                  "--port", str(target_port), "--device", args.target_device or args.device]
+    draft_cmd = [sys.executable, "-m", "draft_service", "--model", draft_model,
+                 "--port", str(draft_port), "--device", args.draft_device or args.device]
+    if draft_layers:
+        draft_cmd += ["--num-layers", str(draft_layers)]
+    coordinator_cmd = [sys.executable, "-m", "coordinator", "--target",
+                       f"127.0.0.1:{target_port}", "--draft", f"127.0.0.1:{draft_port}",
+                       "--port", str(args.port), "-k", str(args.num_draft_tokens),
+                       "--batch-size", str(args.batch_size)]
+    if tokenizer:
+        coordinator_cmd += ["--tokenizer", tokenizer]
+    children = []
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    try:
+        children.append(subprocess.Popen(target_cmd + common))
+        children.append(subprocess.Popen(draft_cmd + common))
+        for port, name in ((target_port, "batchspec.v1.TargetService"),
+                           (draft_port, "batchspec.v1.DraftService")):
+            wait_healthy(f"127.0.0.1:{port}", name, args.startup_timeout, children)
+        children.append(subprocess.Popen(coordinator_cmd))
+        wait_healthy(f"127.0.0.1:{args.port}", "batchspec.v1.Coordinator", args.startup_timeout,
+                     children)
+        log.info("batchspec is serving on 127.0.0.1:%d; try: batchspec generate \"Hello\"",
+                 args.port)
+        while not stopping and all(c.poll() is None for c in children):
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_children(children)
+    failed = [c for c in children if c.returncode not in (0, -signal.SIGTERM, -signal.SIGINT)]
+    return 1 if failed else 0
+
+
+def stop_children(children) -> None:
+    """Coordinator first (it drains), then the services."""
+    for child in reversed(children):
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(address: str, service: str, timeout: float, children=()) -> None:
+    """Poll grpc.health.v1 until `service` is SERVING; fail early if a child died."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            dead = [c for c in children if c.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{dead[0].args[2]} exited with {dead[0].returncode}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+                if status.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{service} at {address} not healthy after {timeout}s")
+
+
+def find_tokenizer(model: str) -> str | None:
+    """The target's tokenizer as a tokenizer.json the coordinator can read without torch:
+    a model dir's own file, or one exported once from a GGUF file into the user cache."""
+    from batchspec import models
+
+    source = models.resolve(model)
+    local = pathlib.Path(source.path)
+    if source.gguf_file is None:
+        return str(local / "tokenizer.json") if (local / "tokenizer.json").is_file() else None
+    key = hashlib.sha256(f"{local.resolve()}/{source.gguf_file}".encode()).hexdigest()[:16]
+    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
+    out = cache / "batchspec" / "tokenizers" / key
+    if not (out / "tokenizer.json").is_file():
+        log.info("exporting the tokenizer of %s to %s", model, out)
+        models.export_tokenizer(model, out)
+    return str(out / "tokenizer.json")
+
+
+# ---- generate -----------------------------------------------------------------------------------
+def generate_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchspec generate",
+                                     description="Stream a completion to the terminal.")
+    parser.add_argument("prompt", nargs="?", default=None, help="prompt text")
+    parser.add_argument("--token-ids", default=None,
+                        help="comma-separated prompt token ids instead of text")
+    parser.add_argument("--address", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--stats", action="store_true", help="print speculation stats at the end")
+    return parser
+
+
+def generate(argv) -> int:
+    import grpc
+
+    from batchspec.v1 import generate_pb2, generate_pb2_grpc
+
+    args = generate_parser().parse_args(argv)
+    request = generate_pb2.GenerateRequest(max_new_tokens=args.max_new_tokens, stop=args.stop)
+    if args.token_ids:
+        request.prompt_token_ids.extend(int(t) for t in args.token_ids.split(","))
+    elif args.prompt is not None:
+        request.prompt = args.prompt
+    for field in ("temperature", "top_k", "top_p", "seed"):
+        if getattr(args, field) is not None:
+            setattr(request, field, getattr(args, field))
+    with grpc.insecure_channel(args.address) as channel:
+        stub = generate_pb2_grpc.CoordinatorStub(channel)
+        try:
+            for response in stub.Generate(request, timeout=args.timeout):
+                if args.token_ids:
+                    sys.stdout.write("".join(f"{t} " for t in response.token_ids))
+                else:
+                    sys.stdout.write(response.text)
+                sys.stdout.flush()
+                if response.finish_reason:
+                    last = response
+        except grpc.RpcError as error:
+            print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    print()
+    if args.stats:
+        reason = generate_pb2.FinishReason.Name(last.finish_reason)
+        print(f"[{reason}] {last.stats.num_generated_tokens} tokens, "
+              f"{last.stats.num_accepted_tokens}/{last.stats.num_drafted_tokens} drafts "
+              f"accepted, {last.stats.num_target_forward_passes} target passes",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Typed errors of batchspec and their one mapping to gRPC status codes.
+
+Domain code raises these; servicers and clients convert with `to_status_code` /
+`from_status_code`. Nothing else chooses a status code.
+"""
+import grpc
+
+
+class BatchspecError(Exception):
+    """Base class: a refused request or command with a message that says what to fix."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(BatchspecError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(BatchspecError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(BatchspecError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(BatchspecError):
+    """A length or state mismatch: the caller's view of a cache is not the service's."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(BatchspecError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(BatchspecError):
+    """A peer service is down or unreachable."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(BatchspecError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(BatchspecError):
+    code = grpc.StatusCode.CANCELLED
+
+
+_BY_CODE = {cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition,
+                                      ResourceExhausted, Unavailable, DeadlineExceeded, Cancelled)}
+
+
+def to_status_code(error: BaseException) -> grpc.StatusCode:
+    """The gRPC status for an exception; anything untyped is INTERNAL."""
+    return error.code if isinstance(error, BatchspecError) else grpc.StatusCode.INTERNAL
+
+
+def code_number(code: grpc.StatusCode) -> int:
+    """google.rpc.Code number of a grpc.StatusCode, as carried in CommandError."""
+    return code.value[0]
+
+
+def from_status_code(code: grpc.StatusCode | int, message: str) -> BatchspecError:
+    """Rebuild the typed error a peer reported (by StatusCode or google.rpc.Code number)."""
+    if isinstance(code, int):
+        code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+    cls = _BY_CODE.get(code, BatchspecError)
+    return cls(message)
+
+
+def abort_with(context: grpc.ServicerContext, error: BaseException) -> None:
+    """Ends an RPC with the status that belongs to `error` (raises, as context.abort does)."""
+    context.abort(to_status_code(error), str(error) or type(error).__name__)

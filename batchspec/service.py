@@ -1,0 +1,155 @@
+"""What both model services share: the command loop over a bidirectional stream and the
+cache commands (prefill, trim, release) of `batchspec.v1.cache.proto`."""
+import argparse
+import dataclasses
+import logging
+import random
+
+from batchspec import errors, models, runner as runner_lib, sampling, server as server_lib
+from batchspec.v1 import cache_pb2
+
+log = logging.getLogger(__name__)
+
+
+def serve_commands(commands, runner: runner_lib.ModelRunner, handle, result_type, context):
+    """Run a stream of commands in order, one result each; a refused command answers with a
+    CommandError and the stream stays open. `handle(kind, command)` returns (field, message)."""
+    for command in commands:
+        kind = command.WhichOneof("command")
+        try:
+            if kind is None:
+                raise errors.InvalidArgument("command has no body")
+            with runner.lock:
+                field, payload = handle(kind, getattr(command, kind))
+            yield result_type(command_id=command.command_id, **{field: payload})
+        except errors.BatchspecError as error:
+            yield result_type(command_id=command.command_id, error=command_error(error))
+        except Exception as error:  # a bug: say so without killing the stream
+            log.exception("command %s failed", kind)
+            yield result_type(command_id=command.command_id, error=command_error(error))
+        if not context.is_active():
+            return
+
+
+def command_error(error: BaseException) -> cache_pb2.CommandError:
+    code = errors.to_status_code(error)
+    return cache_pb2.CommandError(code=errors.code_number(code), message=str(error))
+
+
+def handle_cache_command(runner: runner_lib.ModelRunner, kind: str, command):
+    """The commands both services obey, or None for a kind that is the service's own."""
+    if kind == "prefill":
+        lens = runner.prefill([(e.seq_id, list(e.token_ids)) for e in command.entries])
+        return "prefill", cache_pb2.PrefillResult(cache_lens=lens)
+    if kind == "trim":
+        lens = runner.trim([(e.seq_id, e.expected_cache_len, e.keep_len) for e in command.entries])
+        return "trim", cache_pb2.TrimResult(cache_lens=lens)
+    if kind == "release":
+        remaining = runner.release(list(command.seq_ids))
+        return "release", cache_pb2.ReleaseResult(num_sequences=remaining)
+    return None
+
+
+def describe(runner: runner_lib.ModelRunner, dtype: str) -> cache_pb2.ModelInfo:
+    return cache_pb2.ModelInfo(model=runner.name, vocab_size=runner.vocab_size,
+                               eos_token_ids=runner.eos_token_ids,
+                               max_context_len=runner.max_context_len,
+                               num_sequences=len(runner.caches),
+                               num_cached_tokens=runner.num_cached_tokens(),
+                               device=str(runner.device), dtype=dtype)
+
+
+def to_sampling(params: cache_pb2.SamplingParams) -> sampling.Sampling:
+    if params.temperature < 0 or params.top_k < 0 or not 0 <= params.top_p <= 1:
+        raise errors.InvalidArgument("sampling: temperature >= 0, top_k >= 0, top_p in (0, 1]")
+    return sampling.Sampling(temperature=params.temperature, top_k=params.top_k,
+                             top_p=params.top_p or 1.0, seed=params.seed)
+
+
+def sampling_uniforms(seed: int, positions, stream: int):
+    """Uniforms in (0, 1], one per position, that depend only on (seed, position, stream):
+    seeded requests repeat whatever their batch mates and group sizes are."""
+    return [1.0 - random.Random(hash((seed, int(p), stream))).random() for p in positions]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceConfig:
+    """How to start a model service; built once from CLI flags."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_layers: int | None = None
+    grace_s: float = 10.0
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], not {self.port}")
+        if self.dtype not in models.DTYPES:
+            raise ValueError(f"dtype must be one of {models.DTYPES}, not {self.dtype!r}")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError("num_layers must be >= 1")
+
+
+def build_runner(config: ServiceConfig) -> runner_lib.ModelRunner:
+    import torch
+
+    model = models.load_causal_lm(config.model, dtype=config.dtype, device=config.device,
+                                  num_layers=config.num_layers)
+    return runner_lib.ModelRunner(model, name=config.model, device=torch.device(config.device),
+                                  eos_token_ids=models.eos_token_ids(model),
+                                  max_context_len=models.max_context_len(model))
+
+
+def add_service_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--model", default=models.SMOLLM2,
+                        help="local Hugging Face model dir, .gguf file, hub id, or 'smollm2' "
+                             "(the packaged SmolLM2-135M-Instruct; default)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    parser.add_argument("--port", type=int, default=default_port, help="port; 0 picks a free one")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    parser.add_argument("--dtype", default="float32", choices=models.DTYPES)
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="keep only the model's first N layers (a cheap draft)")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds to finish in-flight work on SIGTERM")
+
+
+def config_from_args(args) -> ServiceConfig:
+    return ServiceConfig(model=args.model, host=args.host, port=args.port, device=args.device,
+                         dtype=args.dtype, num_layers=args.num_layers, grace_s=args.grace)
+
+
+def start_model_service(config: ServiceConfig, make_servicer, add_to_server, service_name):
+    """Load the model, start serving; returns (server, port, health, runner). Health turns
+    SERVING only after the model is loaded and has run one warm-up forward."""
+    runner = build_runner(config)
+    warm_up(runner)
+    server, port, health = server_lib.create_server(f"{config.host}:{config.port}",
+                                                    [(add_to_server, make_servicer(runner),
+                                                      service_name)])
+    server.start()
+    server_lib.set_serving(health, [service_name])
+    log.info("%s serving %s on %s:%d (%s, %s)", service_name, config.model, config.host, port,
+             config.device, config.dtype)
+    return server, port, health, runner
+
+
+def warm_up(runner: runner_lib.ModelRunner) -> None:
+    runner.prefill([(-1, [0, 0])])
+    runner.release([-1])
+
+
+def main(role: str, default_port: int, make_servicer, add_to_server, service_name, argv=None):
+    parser = argparse.ArgumentParser(prog=f"batchspec {role}",
+                                     description=f"Serve the {role} model over gRPC.")
+    add_service_arguments(parser, default_port)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    config = config_from_args(args)
+    server, port, health, _ = start_model_service(config, make_servicer, add_to_server,
+                                                  service_name)
+    print(f"{role} listening on {config.host}:{port}", flush=True)
+    server_lib.run_until_signalled(server, health, [service_name], grace_s=config.grace_s)

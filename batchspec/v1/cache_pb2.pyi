@@ -1,0 +1,105 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class PrefillEntry(_message.Message):
+    __slots__ = ("seq_id", "token_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefillCommand(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[PrefillEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[PrefillEntry, _Mapping]]] = ...) -> None: ...
+
+class PrefillResult(_message.Message):
+    __slots__ = ("cache_lens",)
+    CACHE_LENS_FIELD_NUMBER: _ClassVar[int]
+    cache_lens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cache_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TrimEntry(_message.Message):
+    __slots__ = ("seq_id", "expected_cache_len", "keep_len")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LEN_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    expected_cache_len: int
+    keep_len: int
+    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., keep_len: _Optional[int] = ...) -> None: ...
+
+class TrimCommand(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[TrimEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[TrimEntry, _Mapping]]] = ...) -> None: ...
+
+class TrimResult(_message.Message):
+    __slots__ = ("cache_lens",)
+    CACHE_LENS_FIELD_NUMBER: _ClassVar[int]
+    cache_lens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cache_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseCommand(_message.Message):
+    __slots__ = ("seq_ids",)
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseResult(_message.Message):
+    __slots__ = ("num_sequences",)
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    num_sequences: int
+    def __init__(self, num_sequences: _Optional[int] = ...) -> None: ...
+
+class CommandError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_context_len", "num_sequences", "num_cached_tokens", "device", "dtype")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_context_len: int
+    num_sequences: int
+    num_cached_tokens: int
+    device: str
+    dtype: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...

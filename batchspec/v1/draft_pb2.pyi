@@ -1,0 +1,88 @@
+from batchspec.v1 import cache_pb2 as _cache_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProposeEntry(_message.Message):
+    __slots__ = ("seq_id", "expected_cache_len", "keep_len", "append_token_ids", "sampling")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LEN_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    expected_cache_len: int
+    keep_len: int
+    append_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _cache_pb2.SamplingParams
+    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., keep_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class ProposeCommand(_message.Message):
+    __slots__ = ("num_draft_tokens", "realign", "entries")
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REALIGN_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    num_draft_tokens: int
+    realign: bool
+    entries: _containers.RepeatedCompositeFieldContainer[ProposeEntry]
+    def __init__(self, num_draft_tokens: _Optional[int] = ..., realign: _Optional[bool] = ..., entries: _Optional[_Iterable[_Union[ProposeEntry, _Mapping]]] = ...) -> None: ...
+
+class SparseProbs(_message.Message):
+    __slots__ = ("token_ids", "probs_f16")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_F16_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs_f16: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs_f16: _Optional[bytes] = ...) -> None: ...
+
+class ProposeResultEntry(_message.Message):
+    __slots__ = ("seq_id", "draft_token_ids", "draft_probs", "cache_len")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedCompositeFieldContainer[SparseProbs]
+    cache_len: int
+    def __init__(self, seq_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseProbs, _Mapping]]] = ..., cache_len: _Optional[int] = ...) -> None: ...
+
+class ProposeResult(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[ProposeResultEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[ProposeResultEntry, _Mapping]]] = ...) -> None: ...
+
+class DraftCommand(_message.Message):
+    __slots__ = ("command_id", "prefill", "propose", "trim", "release")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    TRIM_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    prefill: _cache_pb2.PrefillCommand
+    propose: ProposeCommand
+    trim: _cache_pb2.TrimCommand
+    release: _cache_pb2.ReleaseCommand
+    def __init__(self, command_id: _Optional[int] = ..., prefill: _Optional[_Union[_cache_pb2.PrefillCommand, _Mapping]] = ..., propose: _Optional[_Union[ProposeCommand, _Mapping]] = ..., trim: _Optional[_Union[_cache_pb2.TrimCommand, _Mapping]] = ..., release: _Optional[_Union[_cache_pb2.ReleaseCommand, _Mapping]] = ...) -> None: ...
+
+class DraftResult(_message.Message):
+    __slots__ = ("command_id", "error", "prefill", "propose", "trim", "release")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    TRIM_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    error: _cache_pb2.CommandError
+    prefill: _cache_pb2.PrefillResult
+    propose: ProposeResult
+    trim: _cache_pb2.TrimResult
+    release: _cache_pb2.ReleaseResult
+    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[_Union[_cache_pb2.CommandError, _Mapping]] = ..., prefill: _Optional[_Union[_cache_pb2.PrefillResult, _Mapping]] = ..., propose: _Optional[_Union[ProposeResult, _Mapping]] = ..., trim: _Optional[_Union[_cache_pb2.TrimResult, _Mapping]] = ..., release: _Optional[_Union[_cache_pb2.ReleaseResult, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,81 @@
+from batchspec.v1 import cache_pb2 as _cache_pb2
+from batchspec.v1 import draft_pb2 as _draft_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifyEntry(_message.Message):
+    __slots__ = ("seq_id", "expected_cache_len", "append_token_ids", "draft_token_ids", "draft_probs", "sampling")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    expected_cache_len: int
+    append_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedCompositeFieldContainer[_draft_pb2.SparseProbs]
+    sampling: _cache_pb2.SamplingParams
+    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_draft_pb2.SparseProbs, _Mapping]]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class VerifyCommand(_message.Message):
+    __slots__ = ("realign", "entries")
+    REALIGN_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    realign: bool
+    entries: _containers.RepeatedCompositeFieldContainer[VerifyEntry]
+    def __init__(self, realign: _Optional[bool] = ..., entries: _Optional[_Iterable[_Union[VerifyEntry, _Mapping]]] = ...) -> None: ...
+
+class VerifyResultEntry(_message.Message):
+    __slots__ = ("seq_id", "num_accepted", "output_token_ids", "cache_len")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_accepted: int
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_len: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ...) -> None: ...
+
+class VerifyResult(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[VerifyResultEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[VerifyResultEntry, _Mapping]]] = ...) -> None: ...
+
+class TargetCommand(_message.Message):
+    __slots__ = ("command_id", "prefill", "verify", "trim", "release")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    TRIM_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    prefill: _cache_pb2.PrefillCommand
+    verify: VerifyCommand
+    trim: _cache_pb2.TrimCommand
+    release: _cache_pb2.ReleaseCommand
+    def __init__(self, command_id: _Optional[int] = ..., prefill: _Optional[_Union[_cache_pb2.PrefillCommand, _Mapping]] = ..., verify: _Optional[_Union[VerifyCommand, _Mapping]] = ..., trim: _Optional[_Union[_cache_pb2.TrimCommand, _Mapping]] = ..., release: _Optional[_Union[_cache_pb2.ReleaseCommand, _Mapping]] = ...) -> None: ...
+
+class TargetResult(_message.Message):
+    __slots__ = ("command_id", "error", "prefill", "verify", "trim", "release")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    TRIM_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    error: _cache_pb2.CommandError
+    prefill: _cache_pb2.PrefillResult
+    verify: VerifyResult
+    trim: _cache_pb2.TrimResult
+    release: _cache_pb2.ReleaseResult
+    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[_Union[_cache_pb2.CommandError, _Mapping]] = ..., prefill: _Optional[_Union[_cache_pb2.PrefillResult, _Mapping]] = ..., verify: _Optional[_Union[VerifyResult, _Mapping]] = ..., trim: _Optional[_Union[_cache_pb2.TrimResult, _Mapping]] = ..., release: _Optional[_Union[_cache_pb2.ReleaseResult, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,114 @@
+"""python -m coordinator --target HOST:P --draft HOST:P --port P"""
+import argparse
+import dataclasses
+import logging
+
+from batchspec import errors, server as server_lib
+from batchspec.v1 import generate_pb2_grpc
+from coordinator import scheduler
+from coordinator.clients import DraftClient, TargetClient
+from coordinator.engine import Engine, EngineConfig
+from coordinator.servicer import SERVICE_NAME, CoordinatorServicer, Limits
+from coordinator.text import TextCodec
+
+log = logging.getLogger("coordinator")
+DEFAULT_PORT = 50051
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorConfig:
+    target: str
+    draft: str | None
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    tokenizer: str | None = None
+    engine: EngineConfig = EngineConfig()
+    max_new_tokens: int = 4096
+    connect_timeout_s: float = 60.0
+    grace_s: float = 10.0
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], not {self.port}")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchspec coordinator",
+                                     description="Serve the public Generate API.")
+    parser.add_argument("--target", required=True, help="target service HOST:PORT")
+    parser.add_argument("--draft", default=None,
+                        help="draft service HOST:PORT (omit for target-only decoding)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer.json or a directory holding it (enables text prompts)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="K per step")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences in the pool")
+    parser.add_argument("--max-queue", type=int, default=1024,
+                        help="requests that may wait for the pool before RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-new-tokens", type=int, default=4096,
+                        help="largest max_new_tokens a request may ask for")
+    parser.add_argument("--connect-timeout", type=float, default=60.0,
+                        help="seconds to wait for the services at start-up")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds to finish in-flight requests on SIGTERM")
+    return parser
+
+
+def config_from_args(args) -> CoordinatorConfig:
+    engine = EngineConfig(num_draft_tokens=args.num_draft_tokens,
+                          policy=scheduler.GroupPolicy(batch_size=args.batch_size),
+                          max_num_seqs=args.max_num_seqs, max_queue=args.max_queue)
+    return CoordinatorConfig(target=args.target, draft=args.draft, host=args.host,
+                             port=args.port, tokenizer=args.tokenizer, engine=engine,
+                             max_new_tokens=args.max_new_tokens,
+                             connect_timeout_s=args.connect_timeout, grace_s=args.grace)
+
+
+def start(config: CoordinatorConfig):
+    """Connect to the services, start the engine and the server. Returns (server, port,
+    health, engine); health is SERVING once both peers answered."""
+    target = TargetClient(config.target)
+    target.wait_ready(config.connect_timeout_s)
+    info = target.describe()
+    draft = None
+    if config.draft:
+        draft = DraftClient(config.draft)
+        draft.wait_ready(config.connect_timeout_s)
+        draft_info = draft.describe()
+        if draft_info.vocab_size > info.vocab_size:
+            raise errors.FailedPrecondition(
+                f"the draft's vocabulary ({draft_info.vocab_size}) is larger than the "
+                f"target's ({info.vocab_size}): they do not share a tokenizer")
+    codec = TextCodec(config.tokenizer) if config.tokenizer else None
+    engine = Engine(target, draft, config.engine, info.eos_token_ids)
+    engine.start()
+    limits = Limits(info.vocab_size, info.max_context_len, config.max_new_tokens)
+    servicer = CoordinatorServicer(engine, limits, codec)
+    server, port, health = server_lib.create_server(
+        f"{config.host}:{config.port}",
+        [(generate_pb2_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)])
+    server.start()
+    server_lib.set_serving(health, [SERVICE_NAME])
+    log.info("coordinator on %s:%d: target %s (%s), draft %s, K=%d, batch %d", config.host, port,
+             config.target, info.model, config.draft or "none",
+             config.engine.num_draft_tokens, config.engine.policy.batch_size)
+    return server, port, health, engine
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s coordinator %(levelname)s %(message)s")
+    config = config_from_args(args)
+    server, port, health, engine = start(config)
+    print(f"coordinator listening on {config.host}:{port}", flush=True)
+    server_lib.run_until_signalled(server, health, [SERVICE_NAME], grace_s=config.grace_s,
+                                   on_stop=engine.stop)
+
+
+if __name__ == "__main__":
+    main()

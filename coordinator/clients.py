@@ -1,0 +1,187 @@
+"""Clients of the draft and target services: the one place where the coordinator converts
+between its plain Python records and the internal protobuf messages."""
+import dataclasses
+import itertools
+import queue
+import threading
+
+import grpc
+
+from batchspec import errors, server as server_lib
+from batchspec.v1 import cache_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from coordinator.sequence import SamplingSpec
+
+_END = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_context_len: int
+    num_sequences: int
+    num_cached_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposeSpec:
+    seq_id: int
+    expected_cache_len: int
+    keep_len: int
+    append_token_ids: list[int]
+    sampling: SamplingSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    seq_id: int
+    draft_token_ids: list[int]
+    draft_probs: list  # opaque wire form, passed through to the target untouched
+    cache_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifySpec:
+    seq_id: int
+    expected_cache_len: int
+    append_token_ids: list[int]
+    draft_token_ids: list[int]
+    draft_probs: list
+    sampling: SamplingSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyOutcome:
+    seq_id: int
+    num_accepted: int
+    output_token_ids: list[int]
+    cache_len: int
+
+
+class CommandStream:
+    """One bidirectional command stream: `call` sends a command and waits for its result.
+    A broken stream raises errors.Unavailable; a refused command raises its typed error."""
+
+    def __init__(self, method, command_type, timeout: float | None = None):
+        self._requests: queue.Queue = queue.Queue()
+        self._command_type = command_type
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._responses = method(iter(self._requests.get, _END), timeout=timeout)
+
+    def call(self, **command):
+        with self._lock:
+            command_id = next(self._ids)
+            self._requests.put(self._command_type(command_id=command_id, **command))
+            try:
+                result = next(self._responses)
+            except (grpc.RpcError, StopIteration) as error:
+                raise errors.Unavailable(f"command stream broke: {_describe(error)}") from error
+        if result.command_id != command_id:
+            raise errors.Unavailable(f"result {result.command_id} answers no command "
+                                     f"(expected {command_id})")
+        kind = result.WhichOneof("result")
+        if kind == "error":
+            raise errors.from_status_code(result.error.code, result.error.message)
+        return getattr(result, kind)
+
+    def close(self):
+        self._requests.put(_END)
+        self._responses.cancel()
+
+
+def _describe(error) -> str:
+    if isinstance(error, grpc.RpcError):
+        return f"{error.code().name}: {error.details()}"
+    return "stream ended"
+
+
+class ServiceClient:
+    """What both internal services answer: cache commands and Describe."""
+
+    stub_type = None
+    command_type = None
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=server_lib.CHANNEL_OPTIONS)
+        self.stub = self.stub_type(self.channel)
+        self._stream: CommandStream | None = None
+
+    @property
+    def stream(self) -> CommandStream:
+        if self._stream is None:
+            self._stream = CommandStream(self.stub.RunCommands, self.command_type)
+        return self._stream
+
+    def reset(self) -> None:
+        """Drop the stream (after a failure); the next call opens a new one."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def wait_ready(self, timeout: float) -> None:
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError as error:
+            raise errors.Unavailable(f"{self.address} not reachable in {timeout}s") from error
+
+    def describe(self, timeout: float = 10.0) -> ModelInfo:
+        try:
+            info = self.stub.Describe(cache_pb2.DescribeRequest(), timeout=timeout)
+        except grpc.RpcError as error:
+            raise errors.Unavailable(f"{self.address}: {_describe(error)}") from error
+        return ModelInfo(info.model, info.vocab_size, list(info.eos_token_ids),
+                         info.max_context_len, info.num_sequences, info.num_cached_tokens)
+
+    def prefill(self, entries: list[tuple[int, list[int]]]) -> list[int]:
+        result = self.stream.call(prefill=cache_pb2.PrefillCommand(entries=[
+            cache_pb2.PrefillEntry(seq_id=s, token_ids=t) for s, t in entries]))
+        return list(result.cache_lens)
+
+    def trim(self, entries: list[tuple[int, int, int]]) -> list[int]:
+        result = self.stream.call(trim=cache_pb2.TrimCommand(entries=[
+            cache_pb2.TrimEntry(seq_id=s, expected_cache_len=e, keep_len=k)
+            for s, e, k in entries]))
+        return list(result.cache_lens)
+
+    def release(self, seq_ids: list[int]) -> int:
+        return self.stream.call(release=cache_pb2.ReleaseCommand(seq_ids=seq_ids)).num_sequences
+
+    def close(self) -> None:
+        self.reset()
+        self.channel.close()
+
+
+def _sampling(spec: SamplingSpec) -> cache_pb2.SamplingParams:
+    return cache_pb2.SamplingParams(temperature=spec.temperature, top_k=spec.top_k,
+                                    top_p=spec.top_p, seed=spec.seed)
+
+
+class DraftClient(ServiceClient):
+    stub_type = draft_pb2_grpc.DraftServiceStub
+    command_type = draft_pb2.DraftCommand
+
+    def propose(self, num_drafts: int, realign: bool, specs: list[ProposeSpec]) -> list[Proposal]:
+        result = self.stream.call(propose=draft_pb2.ProposeCommand(
+            num_draft_tokens=num_drafts, realign=realign, entries=[
+                draft_pb2.ProposeEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
+                                       keep_len=s.keep_len, append_token_ids=s.append_token_ids,
+                                       sampling=_sampling(s.sampling)) for s in specs]))
+        return [Proposal(e.seq_id, list(e.draft_token_ids), list(e.draft_probs), e.cache_len)
+                for e in result.entries]
+
+
+class TargetClient(ServiceClient):
+    stub_type = target_pb2_grpc.TargetServiceStub
+    command_type = target_pb2.TargetCommand
+
+    def verify(self, realign: bool, specs: list[VerifySpec]) -> list[VerifyOutcome]:
+        result = self.stream.call(verify=target_pb2.VerifyCommand(realign=realign, entries=[
+            target_pb2.VerifyEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
+                                   append_token_ids=s.append_token_ids,
+                                   draft_token_ids=s.draft_token_ids, draft_probs=s.draft_probs,
+                                   sampling=_sampling(s.sampling)) for s in specs]))
+        return [VerifyOutcome(e.seq_id, e.num_accepted, list(e.output_token_ids), e.cache_len)
+                for e in result.entries]

@@ -1,0 +1,393 @@
+"""The step loop: admit -> pick a group -> draft -> verify -> commit -> stream out.
+
+One engine thread owns every Sequence; request threads talk to it only through `submit`,
+`cancel` and each request's event queue. The engine keeps every committed token, so a lost
+service is re-prefilled from this record: a draft outage degrades to target-only decoding,
+a target outage makes requests wait (bounded by their deadlines).
+"""
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+
+from batchspec import errors
+from coordinator import scheduler
+from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
+from coordinator.sequence import Finish, SamplingSpec, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    num_draft_tokens: int = 4
+    policy: scheduler.GroupPolicy = scheduler.GroupPolicy()
+    max_num_seqs: int = 64  # sequences stepped concurrently (the pool)
+    max_queue: int = 1024  # requests waiting for a pool slot; beyond it RESOURCE_EXHAUSTED
+    reconnect_backoff_s: tuple[float, float] = (0.2, 5.0)  # first and longest retry delay
+
+    def __post_init__(self):
+        if not 1 <= self.num_draft_tokens <= 32:
+            raise ValueError("num_draft_tokens must be in [1, 32]")
+        if self.max_num_seqs < 1 or self.max_queue < 0:
+            raise ValueError("max_num_seqs must be >= 1 and max_queue >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What a request's stream receives: new tokens, and at the end a finish or an error."""
+
+    token_ids: list[int]
+    finish: Finish | None = None
+    error: errors.BatchspecError | None = None
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_grouped_steps: int = 0
+    num_realigned_steps: int = 0
+    num_draft_fallback_steps: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+
+class RequestHandle:
+    def __init__(self, seq: Sequence, deadline: float | None):
+        self.seq = seq
+        self.deadline = deadline  # time.monotonic() value, or None
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.cancelled = threading.Event()
+
+
+class Engine:
+    def __init__(self, target: TargetClient, draft: DraftClient | None, config: EngineConfig,
+                 eos_token_ids: list[int]):
+        self.target = target
+        self.draft = draft
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stats = EngineStats()
+        self._ids = itertools.count(1)
+        self._lock = threading.Condition()
+        self._waiting: list[RequestHandle] = []
+        self._active: dict[int, RequestHandle] = {}
+        self._stopping = False
+        self._thread_exit = False
+        self._thread: threading.Thread | None = None
+        self._draft_up = draft is not None
+        self._target_up = True
+        self._next_retry = 0.0
+        self._retry_delay = config.reconnect_backoff_s[0]
+
+    # ---- request side (any thread) ------------------------------------------------------------
+    def submit(self, prompt_token_ids: list[int], max_new_tokens: int,
+               sampling: SamplingSpec = SamplingSpec(), *, ignore_eos: bool = False,
+               deadline: float | None = None, stop_check=None) -> RequestHandle:
+        seq = Sequence(next(self._ids), list(prompt_token_ids), max_new_tokens,
+                       frozenset() if ignore_eos else self.eos_token_ids, sampling,
+                       stop_check=stop_check)
+        handle = RequestHandle(seq, deadline)
+        with self._lock:
+            if self._stopping:
+                raise errors.Unavailable("the coordinator is shutting down")
+            if len(self._waiting) >= self.config.max_queue:
+                raise errors.ResourceExhausted(
+                    f"{len(self._waiting)} requests already wait; retry later")
+            self._waiting.append(handle)
+            self._lock.notify_all()
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        handle.cancelled.set()
+        with self._lock:
+            self._lock.notify_all()
+
+    def num_running(self) -> int:
+        return len(self._active)
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Stop admitting; finish in-flight work for up to grace_s seconds; fail the rest."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        end = time.monotonic() + grace_s
+        while (self._active or self._waiting) and time.monotonic() < end:
+            time.sleep(0.05)
+        with self._lock:
+            self._thread_exit = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for handle in list(self._active.values()) + self._waiting:
+            handle.events.put(Event([], error=errors.Unavailable("the coordinator stopped")))
+
+    # ---- the loop (engine thread) -------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._waiting or self._active or self._thread_exit):
+                    self._lock.wait(timeout=1.0)
+                if self._thread_exit:
+                    return
+            try:
+                self.step()
+            except Exception as error:  # keep serving: fail only what this step touched
+                log.exception("engine step failed")
+                self._fail_all(error)
+
+    def step(self) -> None:
+        """One iteration: drop cancelled/expired requests, admit, then step one group."""
+        self._reap()
+        if not self._ensure_services():
+            time.sleep(min(0.05, self._retry_delay))
+            return
+        self._admit()
+        active = [h.seq for h in self._active.values()]
+        group = scheduler.pick_group(active, self.config.policy, self.stats.num_steps)
+        if group is None:
+            return
+        self._step_group(group)
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            handles = list(self._active.values()) + self._waiting
+        for handle in handles:
+            if handle.cancelled.is_set():
+                self._end(handle, errors.Cancelled("the client cancelled"))
+            elif handle.deadline is not None and now > handle.deadline:
+                self._end(handle, errors.DeadlineExceeded(
+                    f"deadline passed after {handle.seq.num_generated} tokens"))
+
+    def _admit(self) -> None:
+        with self._lock:
+            room = self.config.max_num_seqs - len(self._active)
+            new, self._waiting = self._waiting[:room], self._waiting[room:]
+        if not new:
+            return
+        entries = [(h.seq.seq_id, h.seq.token_ids[:-1]) for h in new]
+        try:
+            self.target.prefill(entries)
+        except errors.BatchspecError as error:
+            if isinstance(error, errors.Unavailable):
+                self._target_lost(error)
+                with self._lock:
+                    self._waiting = new + self._waiting
+                return
+            for h in new:
+                h.events.put(Event([], error=error))
+            return
+        for h in new:
+            h.seq.target_cache_len = h.seq.committed_len - 1
+            h.seq.draft_cache_len = None
+            h.seq.last_step = self.stats.num_steps
+            self._active[h.seq.seq_id] = h
+        self._prefill_draft([h.seq for h in new])
+
+    def _prefill_draft(self, seqs: list[Sequence]) -> None:
+        """Start (or restart) the draft's caches from the committed record."""
+        if not self._draft_up or not seqs:
+            return
+        try:
+            self.draft.prefill([(s.seq_id, s.token_ids[:-1]) for s in seqs])
+        except errors.Unavailable as error:
+            self._draft_lost(error)
+            return
+        for s in seqs:
+            s.draft_cache_len = s.draft_valid_len = s.committed_len - 1
+
+    def _step_group(self, group: scheduler.Group) -> None:
+        seqs = group.sequences
+        proposals = self._propose(seqs, group.mixed)
+        if proposals is not None:
+            seqs = [s for s in seqs if s.seq_id in proposals]
+        specs = [VerifySpec(s.seq_id, s.target_cache_len, s.token_ids[s.target_cache_len:],
+                            *(proposals[s.seq_id] if proposals else ([], [])), s.sampling)
+                 for s in seqs]
+        started = time.perf_counter()
+        try:
+            outcomes = self.target.verify(group.mixed, specs)
+        except errors.Unavailable as error:
+            self._target_lost(error)
+            return
+        self.stats.verify_seconds += time.perf_counter() - started
+        self._count_step(group, proposals is None)
+        finished = []
+        for seq, outcome in zip(seqs, outcomes):
+            if self._commit(seq, outcome, num_drafts=len(specs[0].draft_token_ids)):
+                finished.append(seq)
+        self._release(finished)
+
+    def _propose(self, seqs: list[Sequence], mixed: bool) -> dict | None:
+        """{seq_id: (draft_token_ids, draft_probs)} for the rows that can draft together, or
+        None when the draft service is down (target-only decoding)."""
+        if not self._draft_up:
+            return None
+        ready = [s for s in seqs if s.draft_cache_len is not None]
+        rows, width = scheduler.draft_plan(ready) if ready else ([], 0)
+        if not rows:
+            return None
+        num_drafts = self.config.num_draft_tokens
+        specs = [ProposeSpec(s.seq_id, s.draft_cache_len, s.committed_len - width,
+                             s.token_ids[s.committed_len - width:], s.sampling) for s in rows]
+        started = time.perf_counter()
+        try:
+            proposals = self.draft.propose(num_drafts, mixed, specs)
+        except errors.Unavailable as error:
+            self._draft_lost(error)
+            return None
+        self.stats.draft_seconds += time.perf_counter() - started
+        for seq, proposal in zip(rows, proposals):
+            seq.draft_cache_len = proposal.cache_len
+        return {p.seq_id: (p.draft_token_ids, p.draft_probs) for p in proposals}
+
+    def _commit(self, seq: Sequence, outcome, num_drafts: int) -> bool:
+        """Apply one verification to its sequence; True when the sequence finished."""
+        before = seq.committed_len
+        if outcome.seq_id != seq.seq_id or outcome.cache_len != before + outcome.num_accepted:
+            raise errors.FailedPrecondition(
+                f"target answered seq {outcome.seq_id} with cache {outcome.cache_len}; expected "
+                f"seq {seq.seq_id} with {before + outcome.num_accepted}")
+        seq.target_cache_len = outcome.cache_len
+        if num_drafts:
+            # The draft cached committed[:before] and drafts 1..K-1; those up to the first
+            # rejection are now committed.
+            seq.draft_valid_len = before + min(outcome.num_accepted, num_drafts - 1)
+        seq.stats.num_drafted_tokens += num_drafts
+        seq.stats.num_accepted_tokens += outcome.num_accepted
+        seq.stats.num_target_forward_passes += 1
+        seq.last_step = self.stats.num_steps
+        committed = seq.commit(outcome.output_token_ids)
+        if seq.finish is None and seq.stop_check is not None and seq.stop_check(seq):
+            seq.finish = Finish.STOP_STRING
+        handle = self._active[seq.seq_id]
+        handle.events.put(Event(committed, finish=seq.finish))
+        return seq.finish is not None
+
+    def _count_step(self, group: scheduler.Group, fallback: bool) -> None:
+        self.stats.num_steps += 1
+        if group.mixed:
+            self.stats.num_realigned_steps += 1
+        else:
+            self.stats.num_grouped_steps += 1
+        if fallback:
+            self.stats.num_draft_fallback_steps += 1
+
+    # ---- endings and releases -----------------------------------------------------------------
+    def _end(self, handle: RequestHandle, error: errors.BatchspecError) -> None:
+        """End a request early with an error; release it from both services."""
+        seq = handle.seq
+        with self._lock:
+            if handle in self._waiting:
+                self._waiting.remove(handle)
+        if seq.seq_id in self._active:
+            self._release([seq])
+        handle.events.put(Event([], error=error))
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        if not seqs:
+            return
+        for seq in seqs:
+            self._active.pop(seq.seq_id, None)
+        if self._target_up:
+            self._release_in(self.target, [s for s in seqs if s.target_cache_len is not None])
+        if self._draft_up:
+            self._release_in(self.draft, [s for s in seqs if s.draft_cache_len is not None])
+
+    def _release_in(self, client, seqs: list[Sequence]) -> None:
+        if not seqs:
+            return
+        try:
+            client.release([s.seq_id for s in seqs])
+        except errors.Unavailable as error:
+            log.warning("release on %s failed (%s); its caches go with the restart",
+                        client.address, error)
+
+    def _fail_all(self, error: Exception) -> None:
+        typed = error if isinstance(error, errors.BatchspecError) else errors.BatchspecError(
+            f"internal error: {error}")
+        for handle in list(self._active.values()):
+            self._end(handle, typed)
+
+    # ---- lost services ------------------------------------------------------------------------
+    def _draft_lost(self, error) -> None:
+        log.warning("draft service lost (%s): decoding with the target alone", error)
+        self._draft_up = False
+        self.draft.reset()
+        for handle in self._active.values():
+            handle.seq.draft_cache_len = None
+        self._schedule_retry()
+
+    def _target_lost(self, error) -> None:
+        log.warning("target service lost (%s): requests wait for it", error)
+        self._target_up = False
+        self.target.reset()
+        for handle in self._active.values():
+            handle.seq.target_cache_len = None
+        self._schedule_retry()
+
+    def _schedule_retry(self) -> None:
+        self._next_retry = time.monotonic() + self._retry_delay
+        self._retry_delay = min(self._retry_delay * 2, self.config.reconnect_backoff_s[1])
+
+    def _ensure_services(self) -> bool:
+        """Reconnect lost services when their retry is due; True when the target is usable."""
+        if (self._target_up and (self._draft_up or self.draft is None)) or \
+                time.monotonic() < self._next_retry:
+            return self._target_up
+        if not self._target_up:
+            self._target_up = self._reconnect(self.target, self._resync_target)
+        if self.draft is not None and not self._draft_up:
+            self._draft_up = self._reconnect(self.draft, self._resync_draft)
+        if self._target_up and (self._draft_up or self.draft is None):
+            self._retry_delay = self.config.reconnect_backoff_s[0]
+        else:
+            self._schedule_retry()
+        return self._target_up
+
+    def _reconnect(self, client, resync) -> bool:
+        try:
+            client.reset()
+            if client.describe(timeout=1.0).num_sequences:
+                self._forget_stale(client)
+            resync()
+        except errors.Unavailable as error:
+            log.info("%s still unavailable: %s", client.address, error)
+            client.reset()
+            return False
+        log.info("%s is back: caches re-prefilled from the coordinator's record", client.address)
+        return True
+
+    def _forget_stale(self, client) -> None:
+        """The service kept running while its stream broke: drop what it still holds of
+        ours, since the record here is the truth."""
+        for handle in list(self._active.values()):
+            try:
+                client.release([handle.seq.seq_id])
+            except errors.NotFound:
+                pass
+
+    def _resync_target(self) -> None:
+        seqs = [h.seq for h in self._active.values()]
+        if seqs:
+            self.target.prefill([(s.seq_id, s.token_ids[:-1]) for s in seqs])
+        for s in seqs:
+            s.target_cache_len = s.committed_len - 1
+
+    def _resync_draft(self) -> None:
+        seqs = [h.seq for h in self._active.values()]
+        if seqs:
+            self.draft.prefill([(s.seq_id, s.token_ids[:-1]) for s in seqs])
+        for s in seqs:
+            s.draft_cache_len = s.draft_valid_len = s.committed_len - 1

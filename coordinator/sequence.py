@@ -1,0 +1,95 @@
+"""One request's sequence and the bookkeeping of what each service has cached for it.
+
+Invariants between steps, for an active sequence with committed length L
+(prompt + generated tokens):
+- target_cache_len == L - 1: the target holds every committed token but the last, which is
+  fed first in the next verification.
+- draft_valid_len <= draft_cache_len and draft_valid_len <= L - 1: the first draft_valid_len
+  positions of the draft cache are committed tokens; what follows them (rejected proposals)
+  is rolled back before the next proposal.
+Lengths are explicit integers; nothing is derived from token values (pad and EOS may share ids).
+"""
+import dataclasses
+import enum
+import time
+
+
+class Finish(enum.Enum):
+    STOP = "stop"  # an end-of-sequence token (kept in the output)
+    LENGTH = "length"  # max_new_tokens reached
+    STOP_STRING = "stop_string"  # a stop string appeared in the text
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSpec:
+    """How a request picks tokens; temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+@dataclasses.dataclass
+class Stats:
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_target_forward_passes: int = 0
+
+
+@dataclasses.dataclass
+class Sequence:
+    seq_id: int
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    sampling: SamplingSpec = SamplingSpec()
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
+    target_cache_len: int = 0
+    draft_cache_len: int | None = 0  # None: not cached in the draft service (must prefill)
+    draft_valid_len: int = 0
+    finish: Finish | None = None
+    stats: Stats = dataclasses.field(default_factory=Stats)
+    last_step: int = 0  # engine step at which the sequence last advanced (for fairness)
+    created: float = dataclasses.field(default_factory=time.monotonic)
+    # Optional callable(Sequence) -> bool, asked after each commit (stop strings).
+    stop_check: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def committed_len(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    def commit(self, output_token_ids: list[int]) -> list[int]:
+        """Append the step's output tokens, stopping at the first stop token (kept) and at
+        max_new_tokens. Returns the tokens actually committed."""
+        committed = []
+        for token_id in output_token_ids:
+            if self.finish is not None:
+                break
+            self.token_ids.append(token_id)
+            committed.append(token_id)
+            if token_id in self.stop_token_ids:
+                self.finish = Finish.STOP
+            elif self.num_generated >= self.max_new_tokens:
+                self.finish = Finish.LENGTH
+        return committed
+
+    def draft_append_need(self) -> int:
+        """Committed tokens the draft must be fed before proposing (>= 1: the last one)."""
+        return self.committed_len - min(self.draft_valid_len, self.committed_len - 1)

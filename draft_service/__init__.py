@@ -1,0 +1,1 @@
+"""The draft service: hosts the draft model and proposes tokens."""

@@ -1,0 +1,73 @@
+"""The draft's K-step proposal loop over a group."""
+import dataclasses
+
+import torch
+
+from batchspec import errors, probs_wire, runner as runner_lib, sampling
+from batchspec.sampling import Sampling
+from batchspec.service import sampling_uniforms
+
+DRAFT_STREAM = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposeRow:
+    seq_id: int
+    expected_cache_len: int
+    keep_len: int
+    append_token_ids: list[int]  # committed tokens after keep_len, ending with the last one
+    sampling: Sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    seq_id: int
+    draft_token_ids: list[int]
+    draft_probs: list[tuple[list[int], bytes]]  # wire form per drafted token; empty if greedy
+    cache_len: int
+
+
+def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: int, *,
+            realign: bool):
+    """Draft num_drafts tokens per row: one forward for the appended tokens, then one per
+    draft but the last. Cache on return: keep_len + appended + K - 1 positions (the K-th
+    draft is never fed; it is cached next step if accepted)."""
+    if num_drafts < 1:
+        raise errors.InvalidArgument("num_draft_tokens must be >= 1")
+    specs = [runner_lib.RowSpec(r.seq_id, r.expected_cache_len, r.keep_len, r.append_token_ids)
+             for r in rows]
+    group = runner.open_group(specs, realign=realign, extra_positions=num_drafts - 1)
+    all_greedy = all(r.sampling.greedy for r in rows)
+    next_input = torch.tensor([r.append_token_ids for r in rows])
+    first_position = [r.keep_len + len(r.append_token_ids) for r in rows]
+    drafts, wires = [], [[] for _ in rows]
+    for j in range(num_drafts):  # the K-th draft is never fed
+        logits = group.step(next_input, num_logits=1)[:, -1]  # [batch, vocab]
+        if all_greedy:
+            token_ids = logits.argmax(-1)
+        else:
+            token_ids = sample_rows(rows, logits, [p + j for p in first_position], wires)
+        drafts.append(token_ids)
+        next_input = token_ids[:, None]
+    cache_lens = [p + num_drafts - 1 for p in first_position]
+    runner.store([r.seq_id for r in rows], group.rows_after(cache_lens))
+    stacked = torch.stack(drafts, dim=1).tolist()  # [batch, K]
+    return [Proposal(r.seq_id, d, w, c) for r, d, w, c in zip(rows, stacked, wires, cache_lens)], group
+
+
+def sample_rows(rows, logits, positions, wires) -> torch.Tensor:
+    """Sample one draft token per row from its processed distribution, as sent on the wire."""
+    probs = sampling.processed_probs(
+        logits[:, None], torch.tensor([r.sampling.temperature for r in rows]),
+        torch.tensor([r.sampling.top_k for r in rows]),
+        torch.tensor([r.sampling.top_p for r in rows]))[:, 0]  # [batch, vocab]
+    chosen = []
+    for i, row in enumerate(rows):
+        if row.sampling.greedy:
+            chosen.append(int(probs[i].argmax()))
+            continue
+        sent, token_ids, payload = probs_wire.wire_round_trip(probs[i])
+        wires[i].append((token_ids, payload))
+        u = sampling_uniforms(row.sampling.seed, [positions[i]], DRAFT_STREAM)
+        chosen.append(int(sampling.sample_inverse_cdf(sent[None], torch.tensor(u))[0]))
+    return torch.tensor(chosen)

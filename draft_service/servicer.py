@@ -1,0 +1,37 @@
+"""gRPC edge of the draft service: protobuf in, proposer call, protobuf out."""
+from batchspec import errors, service
+from batchspec.v1 import draft_pb2, draft_pb2_grpc
+from draft_service import proposer
+
+SERVICE_NAME = "batchspec.v1.DraftService"
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, runner, dtype: str = "float32"):
+        self.runner = runner
+        self.dtype = dtype
+
+    def RunCommands(self, request_iterator, context):
+        yield from service.serve_commands(request_iterator, self.runner, self.handle,
+                                          draft_pb2.DraftResult, context)
+
+    def Describe(self, request, context):
+        return service.describe(self.runner, self.dtype)
+
+    def handle(self, kind, command):
+        handled = service.handle_cache_command(self.runner, kind, command)
+        if handled is not None:
+            return handled
+        rows = [proposer.ProposeRow(e.seq_id, e.expected_cache_len, e.keep_len,
+                                    list(e.append_token_ids), service.to_sampling(e.sampling))
+                for e in command.entries]
+        if not rows:
+            raise errors.InvalidArgument("propose names no sequence")
+        proposals, _ = proposer.propose(self.runner, rows, command.num_draft_tokens,
+                                        realign=command.realign)
+        return "propose", draft_pb2.ProposeResult(entries=[
+            draft_pb2.ProposeResultEntry(
+                seq_id=p.seq_id, draft_token_ids=p.draft_token_ids, cache_len=p.cache_len,
+                draft_probs=[draft_pb2.SparseProbs(token_ids=ids, probs_f16=payload)
+                             for ids, payload in p.draft_probs])
+            for p in proposals])

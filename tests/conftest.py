@@ -1,0 +1,72 @@
+import contextlib
+import dataclasses
+import pathlib
+import sys
+
+import grpc
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+import tiny_models  # noqa: E402
+from batchspec import service  # noqa: E402
+from batchspec.v1 import draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc  # noqa: E402
+from coordinator import __main__ as coordinator_main  # noqa: E402
+from coordinator import scheduler  # noqa: E402
+from coordinator.engine import EngineConfig  # noqa: E402
+from draft_service.servicer import SERVICE_NAME as DRAFT_NAME, DraftServicer  # noqa: E402
+from target_service.servicer import SERVICE_NAME as TARGET_NAME, TargetServicer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """{arch: (target_dir, draft_dir)} for the tiny Llama-style and GPT-2-style pairs."""
+    root = tmp_path_factory.mktemp("models")
+    return {arch: tiny_models.save_pair(arch, root) for arch in tiny_models.BUILDERS}
+
+
+@dataclasses.dataclass
+class Stack:
+    target_port: int
+    draft_port: int
+    port: int
+    engine: object
+    target_runner: object
+    draft_runner: object
+
+    def stub(self):
+        channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        return generate_pb2_grpc.CoordinatorStub(channel)
+
+
+def start_target(model_dir):
+    return service.start_model_service(service.ServiceConfig(model=model_dir), TargetServicer,
+                                       target_pb2_grpc.add_TargetServiceServicer_to_server,
+                                       TARGET_NAME)
+
+
+def start_draft(model_dir):
+    return service.start_model_service(service.ServiceConfig(model=model_dir), DraftServicer,
+                                       draft_pb2_grpc.add_DraftServiceServicer_to_server,
+                                       DRAFT_NAME)
+
+
+@contextlib.contextmanager
+def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, **engine_kwargs):
+    """Target, draft and coordinator servers in this process, on free loopback ports."""
+    target_server, target_port, _, target_runner = start_target(target_dir)
+    draft_server, draft_port, _, draft_runner = start_draft(draft_dir)
+    engine_config = EngineConfig(num_draft_tokens=num_draft_tokens,
+                                 policy=scheduler.GroupPolicy(batch_size=batch_size),
+                                 **engine_kwargs)
+    config = coordinator_main.CoordinatorConfig(
+        target=f"127.0.0.1:{target_port}", draft=f"127.0.0.1:{draft_port}", port=0,
+        engine=engine_config, connect_timeout_s=10)
+    server, port, _, engine = coordinator_main.start(config)
+    try:
+        yield Stack(target_port, draft_port, port, engine, target_runner, draft_runner)
+    finally:
+        server.stop(0)
+        engine.stop()
+        target_server.stop(0)
+        draft_server.stop(0)

@@ -1,0 +1,79 @@
+"""Pure coordinator parts: sequence bookkeeping and group selection (no torch, no gRPC)."""
+import subprocess
+import sys
+
+from coordinator import scheduler
+from coordinator.sequence import Finish, Sequence
+
+
+def seq(seq_id, length, generated=0, last_step=0, max_new=100, stop=(3,)):
+    s = Sequence(seq_id, list(range(10, 10 + length)), max_new, frozenset(stop))
+    s.token_ids += [50] * generated
+    s.last_step = last_step
+    s.draft_valid_len = s.committed_len - 1
+    return s
+
+
+def test_commit_stops_at_first_eos_and_keeps_it():
+    s = seq(1, 4)
+    assert s.commit([7, 3, 8]) == [7, 3]
+    assert s.finish is Finish.STOP and s.generated_token_ids == [7, 3]
+
+
+def test_commit_never_exceeds_the_requests_own_max_new_tokens():
+    s = seq(1, 4, max_new=3)
+    assert s.commit([5, 6]) == [5, 6] and s.finish is None
+    assert s.commit([7, 8, 9]) == [7]
+    assert s.finish is Finish.LENGTH and s.num_generated == 3
+
+
+def test_eos_equal_to_pad_like_ids_is_found_by_position_not_by_value():
+    s = seq(1, 3, stop=())  # ignore_eos: token 3 is an ordinary token
+    assert s.commit([3, 3]) == [3, 3] and s.finish is None
+
+
+def test_draft_append_need_follows_the_valid_prefix():
+    s = seq(1, 5)
+    assert s.draft_append_need() == 1  # only the last committed token
+    s.draft_valid_len = s.committed_len - 2  # the previous step accepted all drafts
+    assert s.draft_append_need() == 2
+
+
+def test_pick_group_prefers_the_largest_equal_length_bucket():
+    active = [seq(1, 5), seq(2, 7), seq(3, 7), seq(4, 7), seq(5, 9)]
+    group = scheduler.pick_group(active, scheduler.GroupPolicy(batch_size=4), step=1)
+    assert not group.mixed
+    assert [s.seq_id for s in group.sequences] == [2, 3, 4]
+
+
+def test_pick_group_caps_at_batch_size_and_keeps_identity():
+    active = [seq(i, 6) for i in range(1, 11)]
+    group = scheduler.pick_group(active, scheduler.GroupPolicy(batch_size=4), step=1)
+    assert [s.seq_id for s in group.sequences] == [1, 2, 3, 4]
+    assert all(s.committed_len == 6 for s in group.sequences)
+
+
+def test_pick_group_falls_back_to_a_mixed_group_when_no_bucket_fills():
+    active = [seq(1, 5), seq(2, 6), seq(3, 7), seq(4, 8)]
+    group = scheduler.pick_group(active, scheduler.GroupPolicy(batch_size=4), step=1)
+    assert group.mixed and len(group.sequences) == 4
+
+
+def test_a_starved_sequence_forces_a_step_that_includes_it():
+    active = [seq(1, 5, last_step=0)] + [seq(i, 9, last_step=9) for i in range(2, 6)]
+    group = scheduler.pick_group(active, scheduler.GroupPolicy(batch_size=4, max_wait_steps=4),
+                                 step=10)
+    assert 1 in [s.seq_id for s in group.sequences] and group.mixed
+
+
+def test_draft_plan_widens_appends_and_drops_rows_too_short_for_them():
+    a, b, c = seq(1, 6), seq(2, 6), seq(3, 1)
+    b.draft_valid_len = b.committed_len - 2
+    rows, width = scheduler.draft_plan([a, b, c])
+    assert width == 2 and [s.seq_id for s in rows] == [1, 2]
+
+
+def test_coordinator_does_not_import_torch():
+    code = ("import sys, coordinator.__main__, coordinator.engine, coordinator.servicer; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,0 +1,120 @@
+"""Greedy output through the real gRPC services equals the target alone at batch 1 (float32,
+CPU), under concurrency, mixed prompt lengths, batch sizes 1..16, K 1..8 and early stops."""
+import concurrent.futures
+import random
+
+import grpc
+import pytest
+from transformers import AutoModelForCausalLM
+
+import tiny_models
+from batchspec.v1 import generate_pb2
+from conftest import running_stack
+
+
+def random_requests(seed: int, count: int):
+    rng = random.Random(seed)
+    return [([rng.randrange(4, tiny_models.VOCAB) for _ in range(rng.randint(1, 24))],
+             rng.randint(1, 40)) for _ in range(count)]
+
+
+def generate_all(stub, requests, **fields):
+    def one(request):
+        prompt, max_new = request
+        responses = list(stub.Generate(generate_pb2.GenerateRequest(
+            prompt_token_ids=prompt, max_new_tokens=max_new, **fields), timeout=120))
+        return [t for r in responses for t in r.token_ids], responses[-1]
+
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(one, requests))
+
+
+@pytest.fixture(scope="module")
+def references(model_dirs):
+    cache = {}
+
+    def reference(arch, prompt, max_new):
+        key = (arch, tuple(prompt), max_new)
+        if key not in cache:
+            model = AutoModelForCausalLM.from_pretrained(model_dirs[arch][0])
+            cache[key] = tiny_models.reference_greedy(model, prompt, max_new)
+        return cache[key]
+    return reference
+
+
+@pytest.mark.parametrize("arch,batch_size,num_draft_tokens", [
+    ("llama", 1, 1), ("llama", 4, 3), ("llama", 16, 8), ("llama", 8, 5),
+    ("gpt2", 1, 2), ("gpt2", 4, 4), ("gpt2", 16, 6), ("gpt2", 8, 8),
+])
+def test_greedy_output_is_the_targets_own(model_dirs, references, arch, batch_size,
+                                          num_draft_tokens):
+    requests = random_requests(seed=batch_size * 10 + num_draft_tokens, count=32)
+    target_dir, draft_dir = model_dirs[arch]
+    with running_stack(target_dir, draft_dir, batch_size=batch_size,
+                       num_draft_tokens=num_draft_tokens) as stack:
+        results = generate_all(stack.stub(), requests)
+        assert stack.engine.stats.num_steps > 0
+        assert len(stack.target_runner.caches) == 0 and len(stack.draft_runner.caches) == 0
+    mismatches = [i for i, ((prompt, max_new), (tokens, _)) in enumerate(zip(requests, results))
+                  if tokens != references(arch, prompt, max_new)]
+    assert not mismatches, f"requests {mismatches} differ from target-only greedy decoding"
+    finishes = {last.finish_reason for _, last in results}
+    assert generate_pb2.FINISH_REASON_STOP in finishes  # early stops were exercised
+    assert generate_pb2.FINISH_REASON_LENGTH in finishes
+    accepted = sum(last.stats.num_accepted_tokens for _, last in results)
+    drafted = sum(last.stats.num_drafted_tokens for _, last in results)
+    assert 0 < accepted < drafted  # the draft was sometimes right and sometimes wrong
+    for (prompt, max_new), (tokens, last) in zip(requests, results):
+        assert len(tokens) <= max_new
+        assert last.stats.num_generated_tokens == len(tokens)
+        assert last.stats.num_prompt_tokens == len(prompt)
+
+
+def test_both_grouped_and_realigned_steps_happen_and_stay_exact(model_dirs, references):
+    requests = random_requests(seed=99, count=24)
+    target_dir, draft_dir = model_dirs["gpt2"]
+    with running_stack(target_dir, draft_dir, batch_size=6, num_draft_tokens=3) as stack:
+        results = generate_all(stack.stub(), requests)
+        stats = stack.engine.stats
+    assert stats.num_grouped_steps > 0 and stats.num_realigned_steps > 0
+    assert all(tokens == references("gpt2", p, m) for (p, m), (tokens, _) in zip(requests, results))
+
+
+def test_ignore_eos_runs_to_max_new_tokens(model_dirs):
+    target_dir, draft_dir = model_dirs["llama"]
+    with running_stack(target_dir, draft_dir, batch_size=4) as stack:
+        results = generate_all(stack.stub(), [([5, 6, 7], 60)] * 4, ignore_eos=True)
+    for tokens, last in results:
+        assert len(tokens) == 60 and last.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+
+
+BAD_REQUESTS = [
+    ({"max_new_tokens": 5}, "empty"),
+    ({"prompt_token_ids": [5], "max_new_tokens": 0}, "max_new_tokens"),
+    ({"prompt_token_ids": [5], "max_new_tokens": 100_000}, "max_new_tokens"),
+    ({"prompt_token_ids": [5] * 250, "max_new_tokens": 10}, "context"),
+    ({"prompt_token_ids": [5, tiny_models.VOCAB], "max_new_tokens": 5}, "vocabulary"),
+    ({"prompt_token_ids": [-1], "max_new_tokens": 5}, "vocabulary"),
+    ({"prompt": "hello", "max_new_tokens": 5}, "tokenizer"),
+    ({"prompt_token_ids": [5], "max_new_tokens": 5, "temperature": -1.0}, "temperature"),
+    ({"prompt_token_ids": [5], "max_new_tokens": 5, "top_p": 0.0}, "top_p"),
+    ({"prompt_token_ids": [5], "max_new_tokens": 5, "top_p": 1.5}, "top_p"),
+    ({"prompt_token_ids": [5], "max_new_tokens": 5, "top_k": -2}, "top_k"),
+    ({"prompt_token_ids": [5], "max_new_tokens": 5, "stop": ["x"]}, "tokenizer"),
+]
+
+
+def test_bad_input_is_refused_clearly_while_others_go_on(model_dirs, references):
+    target_dir, draft_dir = model_dirs["llama"]
+    with running_stack(target_dir, draft_dir, batch_size=4) as stack:
+        stub = stack.stub()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            good = pool.submit(generate_all, stub, [([7, 8, 9], 30)] * 3)
+            for fields, word in BAD_REQUESTS:
+                with pytest.raises(grpc.RpcError) as caught:
+                    list(stub.Generate(generate_pb2.GenerateRequest(**fields), timeout=30))
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
+                assert word in caught.value.details(), caught.value.details()
+            results = good.result(timeout=120)
+    expected = references("llama", [7, 8, 9], 30)
+    assert all(tokens == expected for tokens, _ in results)
