@@ -1,0 +1,5 @@
+import sys
+
+from batchspec.cli import main
+
+sys.exit(main())

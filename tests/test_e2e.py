@@ -1,0 +1,40 @@
+"""End to end: `batchspec serve` starts the three real processes, as a user would."""
+import shutil
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+from transformers import AutoModelForCausalLM
+
+import tiny_models
+from batchspec.cli import free_port, wait_healthy
+from batchspec.v1 import generate_pb2_grpc
+from test_exactness import generate_all, random_requests
+
+
+def batchspec_command() -> list[str]:
+    installed = shutil.which("batchspec")
+    return [installed] if installed else [sys.executable, "-m", "batchspec"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_serve_three_processes_exact_on_32_concurrent_requests(model_dirs, arch):
+    target_dir, draft_dir = model_dirs[arch]
+    port = free_port()
+    server = subprocess.Popen(batchspec_command() + [
+        "serve", "--target-model", target_dir, "--draft-model", draft_dir, "--port", str(port),
+        "--batch-size", "8", "-k", "4", "--startup-timeout", "120"])
+    try:
+        wait_healthy(f"127.0.0.1:{port}", "batchspec.v1.Coordinator", 120, [server])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            requests = random_requests(seed=7, count=32)
+            results = generate_all(generate_pb2_grpc.CoordinatorStub(channel), requests)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(timeout=60)
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    for (prompt, max_new), (tokens, _) in zip(requests, results):
+        assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
+    assert code == 0

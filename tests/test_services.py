@@ -1,0 +1,106 @@
+"""The internal services over real gRPC on port 0: cache commands, refusals, health, reflection."""
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from batchspec import errors
+from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
+from coordinator.sequence import SamplingSpec
+from conftest import start_draft, start_target
+
+GREEDY = SamplingSpec()
+
+
+@pytest.fixture(scope="module")
+def target(model_dirs):
+    server, port, _, runner = start_target(model_dirs["llama"][0])
+    client = TargetClient(f"127.0.0.1:{port}")
+    yield client, runner, port
+    client.close()
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def draft(model_dirs):
+    server, port, _, runner = start_draft(model_dirs["llama"][1])
+    client = DraftClient(f"127.0.0.1:{port}")
+    yield client, runner, port
+    client.close()
+    server.stop(0)
+
+
+def test_verify_keeps_the_cache_at_committed_minus_one(target):
+    client, runner, _ = target
+    client.prefill([(1, [5, 6, 7])])
+    [outcome] = client.verify(False, [VerifySpec(1, 3, [8], [9, 10], [], GREEDY)])
+    assert 0 <= outcome.num_accepted <= 2
+    assert len(outcome.output_token_ids) == outcome.num_accepted + 1
+    assert outcome.cache_len == 4 + outcome.num_accepted == runner.caches[1].length
+    client.release([1])
+
+
+def test_length_mismatch_is_refused_and_the_stream_goes_on(target):
+    client, runner, _ = target
+    client.prefill([(2, [5, 6, 7])])
+    with pytest.raises(errors.FailedPrecondition, match="expected cache length 2"):
+        client.verify(False, [VerifySpec(2, 2, [8], [9], [], GREEDY)])
+    assert runner.caches[2].length == 3  # nothing computed on the wrong cache
+    with pytest.raises(errors.FailedPrecondition):
+        client.trim([(2, 4, 1)])
+    assert client.trim([(2, 3, 1)]) == [1]
+    assert client.release([2]) == 0
+
+
+def test_unknown_duplicate_and_released_ids_get_their_codes(target):
+    client, _, _ = target
+    with pytest.raises(errors.NotFound):
+        client.verify(False, [VerifySpec(404, 0, [1], [], [], GREEDY)])
+    client.prefill([(3, [5])])
+    with pytest.raises(errors.AlreadyExists):
+        client.prefill([(3, [5])])
+    client.release([3])
+    with pytest.raises(errors.NotFound):
+        client.release([3])
+    with pytest.raises(errors.InvalidArgument, match="vocabulary"):
+        client.prefill([(4, [5, 10_000])])
+    assert client.describe().num_sequences == 0
+
+
+def test_mixed_lengths_need_an_explicit_realign(target):
+    client, _, _ = target
+    client.prefill([(5, [5, 6]), (6, [5, 6, 7, 8])])
+    specs = [VerifySpec(5, 2, [7], [1], [], GREEDY), VerifySpec(6, 4, [9], [1], [], GREEDY)]
+    with pytest.raises(errors.FailedPrecondition, match="realign"):
+        client.verify(False, specs)
+    outcomes = client.verify(True, specs)
+    assert [o.cache_len for o in outcomes] == [3 + outcomes[0].num_accepted,
+                                               5 + outcomes[1].num_accepted]
+    client.release([5, 6])
+
+
+def test_draft_proposes_k_tokens_and_caches_k_minus_one(draft):
+    client, runner, _ = draft
+    client.prefill([(1, [5, 6, 7]), (2, [8, 9, 10])])
+    proposals = client.propose(3, False, [ProposeSpec(1, 3, 3, [11], GREEDY),
+                                          ProposeSpec(2, 3, 3, [12], GREEDY)])
+    assert [len(p.draft_token_ids) for p in proposals] == [3, 3]
+    assert [p.cache_len for p in proposals] == [6, 6] == [runner.caches[s].length for s in (1, 2)]
+    # roll back to the committed prefix plus one accepted draft, feeding two tokens
+    again = client.propose(2, False, [ProposeSpec(1, 6, 3, [11, 20], GREEDY)])
+    assert again[0].cache_len == 3 + 2 + 1
+    client.release([1, 2])
+    assert client.describe().num_sequences == 0
+
+
+def test_health_says_serving_and_reflection_lists_the_service(target):
+    _, _, port = target
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="batchspec.v1.TargetService"), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        [response] = list(stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        names = {s.name for s in response.list_services_response.service}
+        assert {"batchspec.v1.TargetService", "grpc.health.v1.Health"} <= names
