@@ -113,7 +113,7 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     keep = ranks[None, None, :] < k[:, None, None]
     sorted_probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep &= mass_before < top_p[:, None, None]
+    keep = keep & (mass_before < top_p[:, None, None])
     sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
     probs = torch.empty_like(scaled).scatter_(-1, order, sorted_logits.softmax(dim=-1))
     one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()

@@ -39,6 +39,7 @@ class Proposal:
     draft_token_ids: list[int]
     draft_probs: list  # opaque wire form, passed through to the target untouched
     cache_len: int
+    probs_bytes: int  # bytes the draft distributions take on the wire (0 when greedy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +170,8 @@ class DraftClient(ServiceClient):
                 draft_pb2.ProposeEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
                                        keep_len=s.keep_len, append_token_ids=s.append_token_ids,
                                        sampling=_sampling(s.sampling)) for s in specs]))
-        return [Proposal(e.seq_id, list(e.draft_token_ids), list(e.draft_probs), e.cache_len)
-                for e in result.entries]
+        return [Proposal(e.seq_id, list(e.draft_token_ids), list(e.draft_probs), e.cache_len,
+                         sum(p.ByteSize() for p in e.draft_probs)) for e in result.entries]
 
 
 class TargetClient(ServiceClient):

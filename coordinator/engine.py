@@ -52,6 +52,8 @@ class EngineStats:
     num_draft_fallback_steps: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    num_sampled_rows: int = 0  # (sequence, step) pairs that sent draft distributions
+    num_draft_probs_bytes: int = 0  # their wire size, summed
 
 
 class RequestHandle:
@@ -250,6 +252,9 @@ class Engine:
         self.stats.draft_seconds += time.perf_counter() - started
         for seq, proposal in zip(rows, proposals):
             seq.draft_cache_len = proposal.cache_len
+            if proposal.probs_bytes:
+                self.stats.num_sampled_rows += 1
+                self.stats.num_draft_probs_bytes += proposal.probs_bytes
         return {p.seq_id: (p.draft_token_ids, p.draft_probs) for p in proposals}
 
     def _commit(self, seq: Sequence, outcome, num_drafts: int) -> bool:

@@ -81,6 +81,19 @@ def test_processed_probs_applies_temperature_top_k_and_top_p():
     torch.testing.assert_close(probs[3, 0], torch.tensor([0.5, 0.3, 0.15, 0.05]))
 
 
+def test_processed_probs_handles_several_positions_per_row():
+    logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(3))
+    probs = sampling.processed_probs(logits, torch.tensor([0.0, 0.7, 1.3]),
+                                     torch.tensor([0, 4, 0]), torch.tensor([1.0, 1.0, 0.9]))
+    assert probs.shape == (3, 5, 11)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3, 5))
+    assert ((probs[1] > 0).sum(-1) == 4).all()  # top_k 4 at every position
+    for t in range(5):  # each position matches the single-position computation
+        single = sampling.processed_probs(logits[:, t:t + 1], torch.tensor([0.0, 0.7, 1.3]),
+                                          torch.tensor([0, 4, 0]), torch.tensor([1.0, 1.0, 0.9]))
+        torch.testing.assert_close(probs[:, t:t + 1], single)
+
+
 def test_wire_round_trip_is_what_the_verifier_decodes():
     probs = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(0)), -1)
     sent, token_ids, payload = probs_wire.wire_round_trip(probs)
