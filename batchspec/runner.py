@@ -186,11 +186,18 @@ class GroupForward:
             pads = torch.tensor(self.pads, device=device)
             self.mask = (columns[None, :] >= pads[:, None]).long()  # [batch, width]
         self.stack_seconds = time.perf_counter() - started
+        self.forward_seconds = 0.0
+
+    @property
+    def realign_seconds(self) -> float:
+        """Time spent stacking caches, counted only when rows had to be left-padded."""
+        return self.stack_seconds if self.realigned else 0.0
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, *, num_logits: int) -> torch.Tensor:
         """Feed input_ids [batch, T] to every row; returns the last num_logits logits
         [batch, num_logits, vocab] in float32."""
+        started = time.perf_counter()
         batch, num_new = input_ids.shape
         device = self.runner.device
         starts = torch.tensor(self.lengths, device=device)
@@ -204,7 +211,9 @@ class GroupForward:
                                 logits_to_keep=num_logits, **kwargs)
         self.cache = out.past_key_values
         self.lengths = [n + num_new for n in self.lengths]
-        return out.logits[:, -num_logits:].float()
+        logits = out.logits[:, -num_logits:].float()
+        self.forward_seconds += time.perf_counter() - started
+        return logits
 
     def rows_after(self, keep_lens: list[int]) -> list[SeqCache]:
         """Per-row caches holding each row's first keep_lens[i] real positions (views)."""

@@ -4,23 +4,33 @@ import argparse
 import dataclasses
 import logging
 import random
+import time
 
 from batchspec import errors, models, runner as runner_lib, sampling, server as server_lib
+from batchspec.metrics import ServiceMetrics, serve_metrics
 from batchspec.v1 import cache_pb2
 
 log = logging.getLogger(__name__)
 
 
-def serve_commands(commands, runner: runner_lib.ModelRunner, handle, result_type, context):
+def serve_commands(commands, runner: runner_lib.ModelRunner, handle, result_type, context,
+                   metrics=None):
     """Run a stream of commands in order, one result each; a refused command answers with a
     CommandError and the stream stays open. `handle(kind, command)` returns (field, message)."""
     for command in commands:
+        received = time.monotonic()
         kind = command.WhichOneof("command")
         try:
             if kind is None:
                 raise errors.InvalidArgument("command has no body")
             with runner.lock:
+                waited = time.monotonic() - received
+                if command.timeout_ms and waited * 1000 > command.timeout_ms:
+                    raise errors.DeadlineExceeded(
+                        f"{kind} waited {waited:.3f}s, past its {command.timeout_ms}ms timeout")
                 field, payload = handle(kind, getattr(command, kind))
+                if metrics is not None:
+                    metrics.observe(kind, time.monotonic() - received, runner)
             yield result_type(command_id=command.command_id, **{field: payload})
         except errors.BatchspecError as error:
             yield result_type(command_id=command.command_id, error=command_error(error))
@@ -29,6 +39,13 @@ def serve_commands(commands, runner: runner_lib.ModelRunner, handle, result_type
             yield result_type(command_id=command.command_id, error=command_error(error))
         if not context.is_active():
             return
+
+
+def timing(group, started: float) -> cache_pb2.CommandTiming:
+    """How a group command spent its time (started: its time.perf_counter() at receipt)."""
+    return cache_pb2.CommandTiming(compute_seconds=time.perf_counter() - started,
+                                   realign_seconds=group.realign_seconds,
+                                   forward_seconds=group.forward_seconds)
 
 
 def command_error(error: BaseException) -> cache_pb2.CommandError:
@@ -83,6 +100,7 @@ class ServiceConfig:
     dtype: str = "float32"
     num_layers: int | None = None
     grace_s: float = 10.0
+    metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: a free port
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -115,11 +133,14 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int) ->
                         help="keep only the model's first N layers (a cheap draft)")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds to finish in-flight work on SIGTERM")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on this port (0: a free one)")
 
 
 def config_from_args(args) -> ServiceConfig:
     return ServiceConfig(model=args.model, host=args.host, port=args.port, device=args.device,
-                         dtype=args.dtype, num_layers=args.num_layers, grace_s=args.grace)
+                         dtype=args.dtype, num_layers=args.num_layers, grace_s=args.grace,
+                         metrics_port=args.metrics_port)
 
 
 def start_model_service(config: ServiceConfig, make_servicer, add_to_server, service_name):
@@ -127,9 +148,14 @@ def start_model_service(config: ServiceConfig, make_servicer, add_to_server, ser
     SERVING only after the model is loaded and has run one warm-up forward."""
     runner = build_runner(config)
     warm_up(runner)
+    role = service_name.rsplit(".", 1)[-1]
+    metrics = ServiceMetrics(role)
+    if config.metrics_port is not None:
+        http = serve_metrics(metrics.registry, config.metrics_port, config.host)
+        log.info("%s metrics on http://%s:%d/metrics", role, config.host, http.server_port)
+    servicer = make_servicer(runner, dtype=config.dtype, metrics=metrics)
     server, port, health = server_lib.create_server(f"{config.host}:{config.port}",
-                                                    [(add_to_server, make_servicer(runner),
-                                                      service_name)])
+                                                    [(add_to_server, servicer, service_name)])
     server.start()
     server_lib.set_serving(health, [service_name])
     log.info("%s serving %s on %s:%d (%s, %s)", service_name, config.model, config.host, port,

@@ -4,11 +4,13 @@ import dataclasses
 import logging
 
 from batchspec import errors, server as server_lib
+from batchspec.metrics import CoordinatorMetrics, serve_metrics
 from batchspec.v1 import generate_pb2_grpc
 from coordinator import scheduler
 from coordinator.clients import DraftClient, TargetClient
 from coordinator.engine import Engine, EngineConfig
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer, Limits
+from coordinator.telemetry import Telemetry
 from coordinator.text import TextCodec
 
 log = logging.getLogger("coordinator")
@@ -26,6 +28,7 @@ class CoordinatorConfig:
     max_new_tokens: int = 4096
     connect_timeout_s: float = 60.0
     grace_s: float = 10.0
+    metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: a free port
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -55,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to wait for the services at start-up")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds to finish in-flight requests on SIGTERM")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on this port (0: a free one)")
     return parser
 
 
@@ -65,12 +70,30 @@ def config_from_args(args) -> CoordinatorConfig:
     return CoordinatorConfig(target=args.target, draft=args.draft, host=args.host,
                              port=args.port, tokenizer=args.tokenizer, engine=engine,
                              max_new_tokens=args.max_new_tokens,
-                             connect_timeout_s=args.connect_timeout, grace_s=args.grace)
+                             connect_timeout_s=args.connect_timeout, grace_s=args.grace,
+                             metrics_port=args.metrics_port)
 
 
-def start(config: CoordinatorConfig):
-    """Connect to the services, start the engine and the server. Returns (server, port,
-    health, engine); health is SERVING once both peers answered."""
+@dataclasses.dataclass
+class Running:
+    """A started coordinator."""
+
+    server: object
+    port: int
+    health: object
+    engine: Engine
+    metrics: CoordinatorMetrics
+    metrics_port: int | None
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        server_lib.set_serving(self.health, [SERVICE_NAME], serving=False)
+        self.engine.stop(grace_s)
+        self.server.stop(grace_s).wait()
+
+
+def start(config: CoordinatorConfig) -> Running:
+    """Connect to the services, start the engine and the server. Health is SERVING once both
+    peers answered, and only while they stay reachable."""
     target = TargetClient(config.target)
     target.wait_ready(config.connect_timeout_s)
     info = target.describe()
@@ -84,19 +107,27 @@ def start(config: CoordinatorConfig):
                 f"the draft's vocabulary ({draft_info.vocab_size}) is larger than the "
                 f"target's ({info.vocab_size}): they do not share a tokenizer")
     codec = TextCodec(config.tokenizer) if config.tokenizer else None
-    engine = Engine(target, draft, config.engine, info.eos_token_ids)
-    engine.start()
+    metrics = CoordinatorMetrics(info.model, config.engine.num_draft_tokens)
+    metrics_port = None
+    if config.metrics_port is not None:
+        metrics_port = serve_metrics(metrics.registry, config.metrics_port,
+                                     config.host).server_port
+        log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)
+    engine = Engine(target, draft, config.engine, info.eos_token_ids, Telemetry(metrics))
     limits = Limits(info.vocab_size, info.max_context_len, config.max_new_tokens)
     servicer = CoordinatorServicer(engine, limits, codec)
     server, port, health = server_lib.create_server(
         f"{config.host}:{config.port}",
         [(generate_pb2_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)])
+    # SERVING only while every peer is reachable; the engine says when that changes.
+    engine.on_health = lambda serving: server_lib.set_serving(health, [SERVICE_NAME], serving)
+    engine.start()
     server.start()
     server_lib.set_serving(health, [SERVICE_NAME])
     log.info("coordinator on %s:%d: target %s (%s), draft %s, K=%d, batch %d", config.host, port,
              config.target, info.model, config.draft or "none",
              config.engine.num_draft_tokens, config.engine.policy.batch_size)
-    return server, port, health, engine
+    return Running(server, port, health, engine, metrics, metrics_port)
 
 
 def main(argv=None):
@@ -104,10 +135,10 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s coordinator %(levelname)s %(message)s")
     config = config_from_args(args)
-    server, port, health, engine = start(config)
-    print(f"coordinator listening on {config.host}:{port}", flush=True)
-    server_lib.run_until_signalled(server, health, [SERVICE_NAME], grace_s=config.grace_s,
-                                   on_stop=engine.stop)
+    running = start(config)
+    print(f"coordinator listening on {config.host}:{running.port}", flush=True)
+    server_lib.run_until_signalled(running.server, running.health, [SERVICE_NAME],
+                                   grace_s=config.grace_s, on_stop=running.engine.stop)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,19 @@ class VerifySpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class Timing:
+    """A service's own account of a command; round trip minus compute is RPC + encoding."""
+
+    compute_seconds: float = 0.0
+    realign_seconds: float = 0.0
+    forward_seconds: float = 0.0
+
+
+def _timing(message) -> Timing:
+    return Timing(message.compute_seconds, message.realign_seconds, message.forward_seconds)
+
+
+@dataclasses.dataclass(frozen=True)
 class VerifyOutcome:
     seq_id: int
     num_accepted: int
@@ -64,21 +77,34 @@ class CommandStream:
     """One bidirectional command stream: `call` sends a command and waits for its result.
     A broken stream raises errors.Unavailable; a refused command raises its typed error."""
 
-    def __init__(self, method, command_type, timeout: float | None = None):
+    def __init__(self, method, command_type, stall_timeout_s: float = 120.0):
+        self._stall_timeout_s = stall_timeout_s
         self._requests: queue.Queue = queue.Queue()
         self._command_type = command_type
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._responses = method(iter(self._requests.get, _END), timeout=timeout)
+        self._responses = method(iter(self._requests.get, _END))
 
-    def call(self, **command):
+    def call(self, timeout: float | None = None, **command):
+        """Send one command and wait for its result. With a timeout, the service is told how
+        long we wait (it refuses what it cannot start in time). A service that does not answer
+        within timeout + stall_timeout_s is taken for hung: the stream is cancelled under it
+        (raising Unavailable)."""
         with self._lock:
             command_id = next(self._ids)
-            self._requests.put(self._command_type(command_id=command_id, **command))
+            timeout_ms = int(timeout * 1000) if timeout else 0
+            self._requests.put(self._command_type(command_id=command_id, timeout_ms=timeout_ms,
+                                                  **command))
+            watchdog = threading.Timer((timeout or 0) + self._stall_timeout_s,
+                                       self._responses.cancel)
+            watchdog.daemon = True
+            watchdog.start()
             try:
                 result = next(self._responses)
             except (grpc.RpcError, StopIteration) as error:
                 raise errors.Unavailable(f"command stream broke: {_describe(error)}") from error
+            finally:
+                watchdog.cancel()
         if result.command_id != command_id:
             raise errors.Unavailable(f"result {result.command_id} answers no command "
                                      f"(expected {command_id})")
@@ -164,25 +190,28 @@ class DraftClient(ServiceClient):
     stub_type = draft_pb2_grpc.DraftServiceStub
     command_type = draft_pb2.DraftCommand
 
-    def propose(self, num_drafts: int, realign: bool, specs: list[ProposeSpec]) -> list[Proposal]:
-        result = self.stream.call(propose=draft_pb2.ProposeCommand(
+    def propose(self, num_drafts: int, realign: bool, specs: list[ProposeSpec],
+                timeout: float | None = None) -> tuple[list[Proposal], Timing]:
+        result = self.stream.call(timeout=timeout, propose=draft_pb2.ProposeCommand(
             num_draft_tokens=num_drafts, realign=realign, entries=[
                 draft_pb2.ProposeEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
                                        keep_len=s.keep_len, append_token_ids=s.append_token_ids,
                                        sampling=_sampling(s.sampling)) for s in specs]))
         return [Proposal(e.seq_id, list(e.draft_token_ids), list(e.draft_probs), e.cache_len,
-                         sum(p.ByteSize() for p in e.draft_probs)) for e in result.entries]
+                         sum(p.ByteSize() for p in e.draft_probs))
+                for e in result.entries], _timing(result.timing)
 
 
 class TargetClient(ServiceClient):
     stub_type = target_pb2_grpc.TargetServiceStub
     command_type = target_pb2.TargetCommand
 
-    def verify(self, realign: bool, specs: list[VerifySpec]) -> list[VerifyOutcome]:
-        result = self.stream.call(verify=target_pb2.VerifyCommand(realign=realign, entries=[
+    def verify(self, realign: bool, specs: list[VerifySpec],
+               timeout: float | None = None) -> tuple[list[VerifyOutcome], Timing]:
+        result = self.stream.call(timeout=timeout, verify=target_pb2.VerifyCommand(realign=realign, entries=[
             target_pb2.VerifyEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
                                    append_token_ids=s.append_token_ids,
                                    draft_token_ids=s.draft_token_ids, draft_probs=s.draft_probs,
                                    sampling=_sampling(s.sampling)) for s in specs]))
         return [VerifyOutcome(e.seq_id, e.num_accepted, list(e.output_token_ids), e.cache_len)
-                for e in result.entries]
+                for e in result.entries], _timing(result.timing)

@@ -16,6 +16,7 @@ from batchspec import errors
 from coordinator import scheduler
 from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
 from coordinator.sequence import Finish, SamplingSpec, Sequence
+from coordinator.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,11 @@ class EngineStats:
     num_grouped_steps: int = 0
     num_realigned_steps: int = 0
     num_draft_fallback_steps: int = 0
-    draft_seconds: float = 0.0
+    draft_seconds: float = 0.0  # coordinator-side round trips
     verify_seconds: float = 0.0
+    draft_compute_seconds: float = 0.0  # the services' own accounts
+    verify_compute_seconds: float = 0.0
+    realign_seconds: float = 0.0  # both services, mixed steps only
     num_sampled_rows: int = 0  # (sequence, step) pairs that sent draft distributions
     num_draft_probs_bytes: int = 0  # their wire size, summed
 
@@ -62,16 +66,23 @@ class RequestHandle:
         self.deadline = deadline  # time.monotonic() value, or None
         self.events: queue.Queue[Event] = queue.Queue()
         self.cancelled = threading.Event()
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
 
 
 class Engine:
     def __init__(self, target: TargetClient, draft: DraftClient | None, config: EngineConfig,
-                 eos_token_ids: list[int]):
+                 eos_token_ids: list[int], telemetry: Telemetry | None = None,
+                 on_health=None):
         self.target = target
         self.draft = draft
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stats = EngineStats()
+        self.telemetry = telemetry or Telemetry()
+        # on_health(bool): told whether every peer is reachable, whenever that changes
+        self.on_health = on_health or (lambda serving: None)
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
         self._waiting: list[RequestHandle] = []
@@ -155,6 +166,7 @@ class Engine:
             time.sleep(min(0.05, self._retry_delay))
             return
         self._admit()
+        self.telemetry.queue(len(self._active), len(self._waiting))
         active = [h.seq for h in self._active.values()]
         group = scheduler.pick_group(active, self.config.policy, self.stats.num_steps)
         if group is None:
@@ -195,6 +207,7 @@ class Engine:
             h.seq.draft_cache_len = None
             h.seq.last_step = self.stats.num_steps
             self._active[h.seq.seq_id] = h
+            self.telemetry.admitted(h.seq.committed_len)
         self._prefill_draft([h.seq for h in new])
 
     def _prefill_draft(self, seqs: list[Sequence]) -> None:
@@ -211,7 +224,8 @@ class Engine:
 
     def _step_group(self, group: scheduler.Group) -> None:
         seqs = group.sequences
-        proposals = self._propose(seqs, group.mixed)
+        timeout = self._time_left([self._active[s.seq_id] for s in seqs])
+        proposals, draft_timing = self._propose(seqs, group.mixed, timeout)
         if proposals is not None:
             seqs = [s for s in seqs if s.seq_id in proposals]
         specs = [VerifySpec(s.seq_id, s.target_cache_len, s.token_ids[s.target_cache_len:],
@@ -219,43 +233,51 @@ class Engine:
                  for s in seqs]
         started = time.perf_counter()
         try:
-            outcomes = self.target.verify(group.mixed, specs)
+            outcomes, timing = self.target.verify(group.mixed, specs, timeout=timeout)
         except errors.Unavailable as error:
             self._target_lost(error)
             return
-        self.stats.verify_seconds += time.perf_counter() - started
-        self._count_step(group, proposals is None)
+        except errors.DeadlineExceeded:
+            return  # the rows' deadlines passed while queued: _reap ends them next step
+        verify_s = time.perf_counter() - started
+        self._count_step(group, proposals is None, draft_timing, timing, verify_s)
         finished = []
         for seq, outcome in zip(seqs, outcomes):
             if self._commit(seq, outcome, num_drafts=len(specs[0].draft_token_ids)):
                 finished.append(seq)
         self._release(finished)
 
-    def _propose(self, seqs: list[Sequence], mixed: bool) -> dict | None:
-        """{seq_id: (draft_token_ids, draft_probs)} for the rows that can draft together, or
-        None when the draft service is down (target-only decoding)."""
+    def _time_left(self, handles) -> float | None:
+        deadlines = [h.deadline for h in handles if h.deadline is not None]
+        return max(0.001, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _propose(self, seqs: list[Sequence], mixed: bool, timeout: float | None):
+        """({seq_id: (draft_token_ids, draft_probs)}, timing) for the rows that can draft
+        together; (None, None) when the draft service is down (target-only decoding)."""
         if not self._draft_up:
-            return None
+            return None, None
         ready = [s for s in seqs if s.draft_cache_len is not None]
         rows, width = scheduler.draft_plan(ready) if ready else ([], 0)
         if not rows:
-            return None
+            return None, None
         num_drafts = self.config.num_draft_tokens
         specs = [ProposeSpec(s.seq_id, s.draft_cache_len, s.committed_len - width,
                              s.token_ids[s.committed_len - width:], s.sampling) for s in rows]
         started = time.perf_counter()
         try:
-            proposals = self.draft.propose(num_drafts, mixed, specs)
+            proposals, timing = self.draft.propose(num_drafts, mixed, specs, timeout=timeout)
         except errors.Unavailable as error:
             self._draft_lost(error)
-            return None
+            return None, None
+        except errors.DeadlineExceeded:
+            return None, None
         self.stats.draft_seconds += time.perf_counter() - started
         for seq, proposal in zip(rows, proposals):
             seq.draft_cache_len = proposal.cache_len
             if proposal.probs_bytes:
                 self.stats.num_sampled_rows += 1
                 self.stats.num_draft_probs_bytes += proposal.probs_bytes
-        return {p.seq_id: (p.draft_token_ids, p.draft_probs) for p in proposals}
+        return {p.seq_id: (p.draft_token_ids, p.draft_probs) for p in proposals}, timing
 
     def _commit(self, seq: Sequence, outcome, num_drafts: int) -> bool:
         """Apply one verification to its sequence; True when the sequence finished."""
@@ -277,17 +299,29 @@ class Engine:
         if seq.finish is None and seq.stop_check is not None and seq.stop_check(seq):
             seq.finish = Finish.STOP_STRING
         handle = self._active[seq.seq_id]
+        self.telemetry.committed(handle, len(committed), num_drafts, outcome.num_accepted)
         handle.events.put(Event(committed, finish=seq.finish))
+        if seq.finish is not None:
+            self.telemetry.finished(handle)
         return seq.finish is not None
 
-    def _count_step(self, group: scheduler.Group, fallback: bool) -> None:
-        self.stats.num_steps += 1
+    def _count_step(self, group: scheduler.Group, fallback: bool, draft_timing, timing,
+                    verify_s: float) -> None:
+        stats = self.stats
+        stats.num_steps += 1
         if group.mixed:
-            self.stats.num_realigned_steps += 1
+            stats.num_realigned_steps += 1
         else:
-            self.stats.num_grouped_steps += 1
+            stats.num_grouped_steps += 1
         if fallback:
-            self.stats.num_draft_fallback_steps += 1
+            stats.num_draft_fallback_steps += 1
+        draft_s = draft_timing.compute_seconds if draft_timing else 0.0
+        realign_s = timing.realign_seconds + (draft_timing.realign_seconds if draft_timing else 0)
+        stats.verify_seconds += verify_s
+        stats.verify_compute_seconds += timing.compute_seconds
+        stats.draft_compute_seconds += draft_s
+        stats.realign_seconds += realign_s
+        self.telemetry.step(group.mixed, fallback, draft_s, verify_s, realign_s)
 
     # ---- endings and releases -----------------------------------------------------------------
     def _end(self, handle: RequestHandle, error: errors.BatchspecError) -> None:
@@ -298,6 +332,7 @@ class Engine:
                 self._waiting.remove(handle)
         if seq.seq_id in self._active:
             self._release([seq])
+        self.telemetry.failed()
         handle.events.put(Event([], error=error))
 
     def _release(self, seqs: list[Sequence]) -> None:
@@ -329,6 +364,7 @@ class Engine:
     def _draft_lost(self, error) -> None:
         log.warning("draft service lost (%s): decoding with the target alone", error)
         self._draft_up = False
+        self.on_health(False)
         self.draft.reset()
         for handle in self._active.values():
             handle.seq.draft_cache_len = None
@@ -337,6 +373,7 @@ class Engine:
     def _target_lost(self, error) -> None:
         log.warning("target service lost (%s): requests wait for it", error)
         self._target_up = False
+        self.on_health(False)
         self.target.reset()
         for handle in self._active.values():
             handle.seq.target_cache_len = None
@@ -357,6 +394,7 @@ class Engine:
             self._draft_up = self._reconnect(self.draft, self._resync_draft)
         if self._target_up and (self._draft_up or self.draft is None):
             self._retry_delay = self.config.reconnect_backoff_s[0]
+            self.on_health(True)
         else:
             self._schedule_retry()
         return self._target_up

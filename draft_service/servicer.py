@@ -1,4 +1,6 @@
 """gRPC edge of the draft service: protobuf in, proposer call, protobuf out."""
+import time
+
 from batchspec import errors, service
 from batchspec.v1 import draft_pb2, draft_pb2_grpc
 from draft_service import proposer
@@ -7,13 +9,14 @@ SERVICE_NAME = "batchspec.v1.DraftService"
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, runner, dtype: str = "float32"):
+    def __init__(self, runner, dtype: str = "float32", metrics=None):
         self.runner = runner
         self.dtype = dtype
+        self.metrics = metrics
 
     def RunCommands(self, request_iterator, context):
         yield from service.serve_commands(request_iterator, self.runner, self.handle,
-                                          draft_pb2.DraftResult, context)
+                                          draft_pb2.DraftResult, context, self.metrics)
 
     def Describe(self, request, context):
         return service.describe(self.runner, self.dtype)
@@ -22,14 +25,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         handled = service.handle_cache_command(self.runner, kind, command)
         if handled is not None:
             return handled
+        started = time.perf_counter()
         rows = [proposer.ProposeRow(e.seq_id, e.expected_cache_len, e.keep_len,
                                     list(e.append_token_ids), service.to_sampling(e.sampling))
                 for e in command.entries]
         if not rows:
             raise errors.InvalidArgument("propose names no sequence")
-        proposals, _ = proposer.propose(self.runner, rows, command.num_draft_tokens,
-                                        realign=command.realign)
-        return "propose", draft_pb2.ProposeResult(entries=[
+        proposals, group = proposer.propose(self.runner, rows, command.num_draft_tokens,
+                                            realign=command.realign)
+        return "propose", draft_pb2.ProposeResult(timing=service.timing(group, started), entries=[
             draft_pb2.ProposeResultEntry(
                 seq_id=p.seq_id, draft_token_ids=p.draft_token_ids, cache_len=p.cache_len,
                 draft_probs=[draft_pb2.SparseProbs(token_ids=ids, probs_f16=payload)

@@ -1,4 +1,6 @@
 """gRPC edge of the target service: protobuf in, verifier call, protobuf out."""
+import time
+
 import torch
 
 from batchspec import errors, probs_wire, service
@@ -9,13 +11,14 @@ SERVICE_NAME = "batchspec.v1.TargetService"
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, runner, dtype: str = "float32"):
+    def __init__(self, runner, dtype: str = "float32", metrics=None):
         self.runner = runner
         self.dtype = dtype
+        self.metrics = metrics
 
     def RunCommands(self, request_iterator, context):
         yield from service.serve_commands(request_iterator, self.runner, self.handle,
-                                          target_pb2.TargetResult, context)
+                                          target_pb2.TargetResult, context, self.metrics)
 
     def Describe(self, request, context):
         return service.describe(self.runner, self.dtype)
@@ -24,11 +27,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         handled = service.handle_cache_command(self.runner, kind, command)
         if handled is not None:
             return handled
+        started = time.perf_counter()
         rows = [to_verify_row(e, self.runner.vocab_size) for e in command.entries]
         if not rows:
             raise errors.InvalidArgument("verify names no sequence")
-        outcomes, _ = verifier.verify(self.runner, rows, realign=command.realign)
-        return "verify", target_pb2.VerifyResult(entries=[
+        outcomes, group = verifier.verify(self.runner, rows, realign=command.realign)
+        return "verify", target_pb2.VerifyResult(timing=service.timing(group, started), entries=[
             target_pb2.VerifyResultEntry(seq_id=o.seq_id, num_accepted=o.num_accepted,
                                          output_token_ids=o.output_token_ids,
                                          cache_len=o.cache_len) for o in outcomes])

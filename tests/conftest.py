@@ -62,11 +62,11 @@ def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, **
     config = coordinator_main.CoordinatorConfig(
         target=f"127.0.0.1:{target_port}", draft=f"127.0.0.1:{draft_port}", port=0,
         engine=engine_config, connect_timeout_s=10)
-    server, port, _, engine = coordinator_main.start(config)
+    running = coordinator_main.start(config)
     try:
-        yield Stack(target_port, draft_port, port, engine, target_runner, draft_runner)
+        yield Stack(target_port, draft_port, running.port, running.engine, target_runner,
+                    draft_runner)
     finally:
-        server.stop(0)
-        engine.stop()
+        running.stop(0)
         target_server.stop(0)
         draft_server.stop(0)

@@ -33,7 +33,7 @@ def draft(model_dirs):
 def test_verify_keeps_the_cache_at_committed_minus_one(target):
     client, runner, _ = target
     client.prefill([(1, [5, 6, 7])])
-    [outcome] = client.verify(False, [VerifySpec(1, 3, [8], [9, 10], [], GREEDY)])
+    [outcome], _ = client.verify(False, [VerifySpec(1, 3, [8], [9, 10], [], GREEDY)])
     assert 0 <= outcome.num_accepted <= 2
     assert len(outcome.output_token_ids) == outcome.num_accepted + 1
     assert outcome.cache_len == 4 + outcome.num_accepted == runner.caches[1].length
@@ -73,7 +73,8 @@ def test_mixed_lengths_need_an_explicit_realign(target):
     specs = [VerifySpec(5, 2, [7], [1], [], GREEDY), VerifySpec(6, 4, [9], [1], [], GREEDY)]
     with pytest.raises(errors.FailedPrecondition, match="realign"):
         client.verify(False, specs)
-    outcomes = client.verify(True, specs)
+    outcomes, timing = client.verify(True, specs)
+    assert timing.realign_seconds > 0 and timing.forward_seconds > 0
     assert [o.cache_len for o in outcomes] == [3 + outcomes[0].num_accepted,
                                                5 + outcomes[1].num_accepted]
     client.release([5, 6])
@@ -82,12 +83,13 @@ def test_mixed_lengths_need_an_explicit_realign(target):
 def test_draft_proposes_k_tokens_and_caches_k_minus_one(draft):
     client, runner, _ = draft
     client.prefill([(1, [5, 6, 7]), (2, [8, 9, 10])])
-    proposals = client.propose(3, False, [ProposeSpec(1, 3, 3, [11], GREEDY),
+    proposals, timing = client.propose(3, False, [ProposeSpec(1, 3, 3, [11], GREEDY),
                                           ProposeSpec(2, 3, 3, [12], GREEDY)])
     assert [len(p.draft_token_ids) for p in proposals] == [3, 3]
+    assert timing.realign_seconds == 0 and timing.forward_seconds > 0
     assert [p.cache_len for p in proposals] == [6, 6] == [runner.caches[s].length for s in (1, 2)]
     # roll back to the committed prefix plus one accepted draft, feeding two tokens
-    again = client.propose(2, False, [ProposeSpec(1, 6, 3, [11, 20], GREEDY)])
+    again, _ = client.propose(2, False, [ProposeSpec(1, 6, 3, [11, 20], GREEDY)])
     assert again[0].cache_len == 3 + 2 + 1
     client.release([1, 2])
     assert client.describe().num_sequences == 0

@@ -103,3 +103,13 @@ class ModelInfo(_message.Message):
     device: str
     dtype: str
     def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class CommandTiming(_message.Message):
+    __slots__ = ("compute_seconds", "realign_seconds", "forward_seconds")
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REALIGN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    compute_seconds: float
+    realign_seconds: float
+    forward_seconds: float
+    def __init__(self, compute_seconds: _Optional[float] = ..., realign_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ...) -> None: ...

@@ -52,24 +52,28 @@ class ProposeResultEntry(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseProbs, _Mapping]]] = ..., cache_len: _Optional[int] = ...) -> None: ...
 
 class ProposeResult(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "timing")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[ProposeResultEntry]
-    def __init__(self, entries: _Optional[_Iterable[_Union[ProposeResultEntry, _Mapping]]] = ...) -> None: ...
+    timing: _cache_pb2.CommandTiming
+    def __init__(self, entries: _Optional[_Iterable[_Union[ProposeResultEntry, _Mapping]]] = ..., timing: _Optional[_Union[_cache_pb2.CommandTiming, _Mapping]] = ...) -> None: ...
 
 class DraftCommand(_message.Message):
-    __slots__ = ("command_id", "prefill", "propose", "trim", "release")
+    __slots__ = ("command_id", "timeout_ms", "prefill", "propose", "trim", "release")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
     TRIM_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     command_id: int
+    timeout_ms: int
     prefill: _cache_pb2.PrefillCommand
     propose: ProposeCommand
     trim: _cache_pb2.TrimCommand
     release: _cache_pb2.ReleaseCommand
-    def __init__(self, command_id: _Optional[int] = ..., prefill: _Optional[_Union[_cache_pb2.PrefillCommand, _Mapping]] = ..., propose: _Optional[_Union[ProposeCommand, _Mapping]] = ..., trim: _Optional[_Union[_cache_pb2.TrimCommand, _Mapping]] = ..., release: _Optional[_Union[_cache_pb2.ReleaseCommand, _Mapping]] = ...) -> None: ...
+    def __init__(self, command_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., prefill: _Optional[_Union[_cache_pb2.PrefillCommand, _Mapping]] = ..., propose: _Optional[_Union[ProposeCommand, _Mapping]] = ..., trim: _Optional[_Union[_cache_pb2.TrimCommand, _Mapping]] = ..., release: _Optional[_Union[_cache_pb2.ReleaseCommand, _Mapping]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
     __slots__ = ("command_id", "error", "prefill", "propose", "trim", "release")

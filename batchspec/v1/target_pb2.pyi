@@ -45,24 +45,28 @@ class VerifyResultEntry(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "timing")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[VerifyResultEntry]
-    def __init__(self, entries: _Optional[_Iterable[_Union[VerifyResultEntry, _Mapping]]] = ...) -> None: ...
+    timing: _cache_pb2.CommandTiming
+    def __init__(self, entries: _Optional[_Iterable[_Union[VerifyResultEntry, _Mapping]]] = ..., timing: _Optional[_Union[_cache_pb2.CommandTiming, _Mapping]] = ...) -> None: ...
 
 class TargetCommand(_message.Message):
-    __slots__ = ("command_id", "prefill", "verify", "trim", "release")
+    __slots__ = ("command_id", "timeout_ms", "prefill", "verify", "trim", "release")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     TRIM_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     command_id: int
+    timeout_ms: int
     prefill: _cache_pb2.PrefillCommand
     verify: VerifyCommand
     trim: _cache_pb2.TrimCommand
     release: _cache_pb2.ReleaseCommand
-    def __init__(self, command_id: _Optional[int] = ..., prefill: _Optional[_Union[_cache_pb2.PrefillCommand, _Mapping]] = ..., verify: _Optional[_Union[VerifyCommand, _Mapping]] = ..., trim: _Optional[_Union[_cache_pb2.TrimCommand, _Mapping]] = ..., release: _Optional[_Union[_cache_pb2.ReleaseCommand, _Mapping]] = ...) -> None: ...
+    def __init__(self, command_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., prefill: _Optional[_Union[_cache_pb2.PrefillCommand, _Mapping]] = ..., verify: _Optional[_Union[VerifyCommand, _Mapping]] = ..., trim: _Optional[_Union[_cache_pb2.TrimCommand, _Mapping]] = ..., release: _Optional[_Union[_cache_pb2.ReleaseCommand, _Mapping]] = ...) -> None: ...
 
 class TargetResult(_message.Message):
     __slots__ = ("command_id", "error", "prefill", "verify", "trim", "release")

@@ -1,0 +1,61 @@
+"""Feeds engine events into Prometheus metrics (or nowhere, when metrics are off)."""
+import time
+
+from batchspec.metrics import CoordinatorMetrics
+
+
+class Telemetry:
+    def __init__(self, metrics: CoordinatorMetrics | None = None):
+        self.metrics = metrics
+
+    def queue(self, running: int, waiting: int) -> None:
+        if self.metrics:
+            self.metrics.requests_running.set(running)
+            self.metrics.requests_waiting.set(waiting)
+
+    def admitted(self, num_prompt_tokens: int) -> None:
+        if self.metrics:
+            self.metrics.prompt_tokens.inc(num_prompt_tokens)
+
+    def step(self, mixed: bool, fallback: bool, draft_s: float, verify_s: float,
+             realign_s: float) -> None:
+        m = self.metrics
+        if not m:
+            return
+        (m.realigned_steps if mixed else m.grouped_steps).inc()
+        if fallback:
+            m.draft_fallback_steps.inc()
+        else:
+            m.draft_seconds.observe(draft_s)
+        m.verify_seconds.observe(verify_s)
+        if mixed:
+            m.realign_seconds.observe(realign_s)
+
+    def committed(self, handle, num_tokens: int, num_drafts: int, num_accepted: int) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        if m and num_tokens:
+            if handle.first_token_at is None:
+                m.time_to_first_token.observe(now - handle.arrival)
+            else:
+                gap = (now - handle.last_token_at) / num_tokens
+                for _ in range(num_tokens):
+                    m.inter_token_latency.observe(gap)
+            m.generation_tokens.inc(num_tokens)
+        if num_tokens:
+            handle.first_token_at = handle.first_token_at or now
+            handle.last_token_at = now
+        if m and num_drafts:
+            m.num_drafts.inc()
+            m.num_draft_tokens.inc(num_drafts)
+            m.num_accepted_tokens.inc(num_accepted)
+            for position in range(min(num_accepted, len(m.accepted_per_pos))):
+                m.accepted_per_pos[position].inc()
+
+    def finished(self, handle) -> None:
+        if self.metrics:
+            self.metrics.e2e_latency.observe(time.monotonic() - handle.arrival)
+
+    def failed(self) -> None:
+        if self.metrics:
+            self.metrics.failed_requests.inc()
