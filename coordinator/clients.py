@@ -92,7 +92,7 @@ class CommandStream:
         (raising Unavailable)."""
         with self._lock:
             command_id = next(self._ids)
-            timeout_ms = int(timeout * 1000) if timeout else 0
+            timeout_ms = min(int(timeout * 1000), 2**32 - 1) if timeout else 0
             self._requests.put(self._command_type(command_id=command_id, timeout_ms=timeout_ms,
                                                   **command))
             watchdog = threading.Timer((timeout or 0) + self._stall_timeout_s,

@@ -33,39 +33,45 @@ class Stack:
     engine: object
     target_runner: object
     draft_runner: object
+    target_server: object
+    draft_server: object
+    metrics_port: int | None
 
     def stub(self):
         channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         return generate_pb2_grpc.CoordinatorStub(channel)
 
 
-def start_target(model_dir):
-    return service.start_model_service(service.ServiceConfig(model=model_dir), TargetServicer,
+def start_target(model_dir, port=0):
+    return service.start_model_service(service.ServiceConfig(model=model_dir, port=port),
+                                       TargetServicer,
                                        target_pb2_grpc.add_TargetServiceServicer_to_server,
                                        TARGET_NAME)
 
 
-def start_draft(model_dir):
-    return service.start_model_service(service.ServiceConfig(model=model_dir), DraftServicer,
+def start_draft(model_dir, port=0):
+    return service.start_model_service(service.ServiceConfig(model=model_dir, port=port),
+                                       DraftServicer,
                                        draft_pb2_grpc.add_DraftServiceServicer_to_server,
                                        DRAFT_NAME)
 
 
 @contextlib.contextmanager
-def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, **engine_kwargs):
+def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, metrics_port=None,
+                  **engine_kwargs):
     """Target, draft and coordinator servers in this process, on free loopback ports."""
     target_server, target_port, _, target_runner = start_target(target_dir)
     draft_server, draft_port, _, draft_runner = start_draft(draft_dir)
     engine_config = EngineConfig(num_draft_tokens=num_draft_tokens,
                                  policy=scheduler.GroupPolicy(batch_size=batch_size),
-                                 **engine_kwargs)
+                                 reconnect_backoff_s=(0.05, 0.5), **engine_kwargs)
     config = coordinator_main.CoordinatorConfig(
         target=f"127.0.0.1:{target_port}", draft=f"127.0.0.1:{draft_port}", port=0,
-        engine=engine_config, connect_timeout_s=10)
+        engine=engine_config, connect_timeout_s=10, metrics_port=metrics_port)
     running = coordinator_main.start(config)
     try:
         yield Stack(target_port, draft_port, running.port, running.engine, target_runner,
-                    draft_runner)
+                    draft_runner, target_server, draft_server, running.metrics_port)
     finally:
         running.stop(0)
         target_server.stop(0)

@@ -1,0 +1,196 @@
+"""Serving on bad days: lost services, cancellation, deadlines, load, shutdown, metrics."""
+import concurrent.futures
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from transformers import AutoModelForCausalLM
+
+import tiny_models
+from batchspec.v1 import generate_pb2
+from conftest import running_stack, start_draft, start_target
+
+LONG = 200  # tokens: long enough that a restart lands mid-run
+
+
+def stream(stub, prompt, max_new, timeout=120, **fields):
+    responses = stub.Generate(generate_pb2.GenerateRequest(
+        prompt_token_ids=prompt, max_new_tokens=max_new, ignore_eos=True, **fields),
+        timeout=timeout)
+    return [t for r in responses for t in r.token_ids]
+
+
+def prompts(count):
+    return [[4 + (7 * i + j) % 90 for j in range(1 + i % 9)] for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def llama_model(model_dirs):
+    return AutoModelForCausalLM.from_pretrained(model_dirs["llama"][0])
+
+
+def wait_for(predicate, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def run_with_outage(stack, restart, count=8):
+    """Start `count` long requests, call restart() once tokens flow, return the outputs."""
+    stub = stack.stub()
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        futures = [pool.submit(stream, stub, p, LONG) for p in prompts(count)]
+        assert wait_for(lambda: stack.engine.stats.num_steps > 5)
+        restart()
+        return [f.result(timeout=120) for f in futures]
+
+
+def test_draft_loss_falls_back_to_the_target_and_recovers(model_dirs, llama_model):
+    target_dir, draft_dir = model_dirs["llama"]
+    with running_stack(target_dir, draft_dir, batch_size=2, num_draft_tokens=3) as stack:
+        restarted = {}
+
+        def restart():
+            stack.draft_server.stop(0).wait()
+            assert wait_for(lambda: stack.engine.stats.num_draft_fallback_steps > 3)
+            restarted["speculative_steps"] = (stack.engine.stats.num_steps
+                                              - stack.engine.stats.num_draft_fallback_steps)
+            server, _, _, runner = start_draft(draft_dir, port=stack.draft_port)
+            restarted["server"], restarted["runner"] = server, runner
+
+        outputs = run_with_outage(stack, restart)
+        stats = stack.engine.stats
+        speculative_after = stats.num_steps - stats.num_draft_fallback_steps
+        assert speculative_after > restarted["speculative_steps"]  # speculating again
+        assert len(restarted["runner"].caches) == 0
+        restarted["server"].stop(0)
+    for prompt, tokens in zip(prompts(8), outputs):
+        assert tokens == tiny_models.reference_greedy(llama_model, prompt, LONG, ignore_eos=True)
+
+
+def test_target_restart_loses_nothing_and_stays_exact(model_dirs, llama_model):
+    target_dir, draft_dir = model_dirs["llama"]
+    with running_stack(target_dir, draft_dir, batch_size=2, num_draft_tokens=3) as stack:
+        restarted = {}
+
+        def restart():
+            stack.target_server.stop(0).wait()
+            time.sleep(0.5)
+            server, _, _, runner = start_target(target_dir, port=stack.target_port)
+            restarted["server"], restarted["runner"] = server, runner
+
+        outputs = run_with_outage(stack, restart)
+        assert wait_for(lambda: len(restarted["runner"].caches) == 0)
+        restarted["server"].stop(0)
+    for prompt, tokens in zip(prompts(8), outputs):
+        assert tokens == tiny_models.reference_greedy(llama_model, prompt, LONG, ignore_eos=True)
+
+
+def test_a_request_whose_deadline_passes_during_a_target_outage_fails_cleanly(model_dirs):
+    target_dir, draft_dir = model_dirs["llama"]
+    with running_stack(target_dir, draft_dir, batch_size=2) as stack:
+        stub = stack.stub()
+        stack.target_server.stop(0).wait()
+        with pytest.raises(grpc.RpcError) as caught:
+            stream(stub, [5, 6, 7], 20, timeout=1.0)
+        assert caught.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       grpc.StatusCode.UNAVAILABLE)
+        server, _, _, runner = start_target(target_dir, port=stack.target_port)
+        assert len(stream(stub, [5, 6, 7], 20)) == 20  # and the next one is served
+        assert wait_for(lambda: not runner.caches)
+        server.stop(0)
+
+
+def test_cancelled_stream_is_released_from_both_services(model_dirs):
+    target_dir, draft_dir = model_dirs["llama"]
+    with running_stack(target_dir, draft_dir, batch_size=2, num_draft_tokens=2) as stack:
+        call = stack.stub().Generate(generate_pb2.GenerateRequest(
+            prompt_token_ids=[5, 6], max_new_tokens=240, ignore_eos=True))
+        next(call)
+        assert stack.target_runner.caches and stack.draft_runner.caches
+        call.cancel()
+        assert wait_for(lambda: not stack.target_runner.caches
+                        and not stack.draft_runner.caches, timeout=5)
+        assert stack.engine.num_running() == 0
+
+
+def test_deadline_ends_the_request_and_frees_its_caches(model_dirs):
+    target_dir, draft_dir = model_dirs["gpt2"]
+    with running_stack(target_dir, draft_dir, batch_size=1, num_draft_tokens=1) as stack:
+        with pytest.raises(grpc.RpcError) as caught:
+            stream(stack.stub(), [5] * 10, 240, timeout=0.05)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert wait_for(lambda: not stack.target_runner.caches
+                        and not stack.draft_runner.caches, timeout=5)
+
+
+def test_hundreds_of_streams_complete_or_are_refused_cleanly(model_dirs):
+    target_dir, draft_dir = model_dirs["gpt2"]
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    requests = [(p, 6 + i % 5) for i, p in enumerate(prompts(300))]
+    expected = {}
+    with running_stack(target_dir, draft_dir, batch_size=16, num_draft_tokens=3,
+                       max_num_seqs=32, max_queue=100) as stack:
+        stub = stack.stub()
+
+        def one(request):
+            try:
+                return stream(stub, *request, timeout=60)
+            except grpc.RpcError as error:
+                return error.code()
+
+        with concurrent.futures.ThreadPoolExecutor(300) as pool:
+            outcomes = list(pool.map(one, requests))
+        assert wait_for(lambda: not stack.target_runner.caches and not stack.draft_runner.caches)
+    refused = [o for o in outcomes if isinstance(o, grpc.StatusCode)]
+    assert set(refused) <= {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    completed = [(r, o) for r, o in zip(requests, outcomes) if not isinstance(o, grpc.StatusCode)]
+    assert len(completed) >= 100
+    for (prompt, max_new), tokens in completed:
+        key = (tuple(prompt), max_new)
+        if key not in expected:
+            expected[key] = tiny_models.reference_greedy(model, prompt, max_new, ignore_eos=True)
+        assert tokens == expected[key]
+
+
+def test_shutdown_finishes_in_flight_work_and_refuses_new(model_dirs):
+    target_dir, draft_dir = model_dirs["llama"]
+    with running_stack(target_dir, draft_dir, batch_size=4) as stack:
+        stub = stack.stub()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(stream, stub, p, 120) for p in prompts(4)]
+            assert wait_for(lambda: stack.engine.stats.num_steps > 2)
+            stopper = threading.Thread(target=stack.engine.stop, args=(30,))
+            stopper.start()
+            time.sleep(0.05)
+            with pytest.raises(grpc.RpcError) as caught:
+                stream(stub, [5, 6], 5)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert all(len(f.result(timeout=60)) == 120 for f in futures)
+            stopper.join(timeout=60)
+
+
+def test_metrics_use_vllm_names_and_count_work(model_dirs):
+    target_dir, draft_dir = model_dirs["llama"]
+    with running_stack(target_dir, draft_dir, batch_size=4, metrics_port=0) as stack:
+        for p in prompts(4):
+            stream(stack.stub(), p, 20)
+        body = urllib.request.urlopen(
+            f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5).read().decode()
+    values = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = values.get(name.split("{")[0], 0) + float(value)
+    assert values["vllm:spec_decode_num_draft_tokens_total"] > 0
+    assert values["vllm:generation_tokens_total"] == 80
+    assert values["vllm:time_to_first_token_seconds_count"] == 4
+    assert values["vllm:e2e_request_latency_seconds_count"] == 4
+    assert "vllm:spec_decode_num_accepted_tokens_per_pos_total" in values
+    assert values["batchspec:grouped_steps_total"] + values["batchspec:realigned_steps_total"] > 0
+    assert "vllm:num_requests_running" in values and "batchspec:verify_seconds_count" in values
