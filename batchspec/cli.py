@@ -16,12 +16,14 @@ DEFAULT_DRAFT_LAYERS = 4  # until a trained draft ships: the target's first laye
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"serve": serve, "generate": generate, "target": _service("target_service"),
-                "draft": _service("draft_service"), "coordinator": _service("coordinator")}
+    commands = {"serve": serve, "generate": generate, "health": health,
+                "target": _service("target_service"), "draft": _service("draft_service"),
+                "coordinator": _service("coordinator")}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: batchspec {serve,generate,target,draft,coordinator} [options]\n\n"
+        print("usage: batchspec {serve,generate,health,target,draft,coordinator} [options]\n\n"
               "  serve        start target, draft and coordinator on loopback and serve\n"
               "  generate     stream a completion from a running coordinator\n"
+              "  health       exit 0 when a server's grpc.health.v1 says SERVING\n"
               "  target       run the target service   (python -m target_service)\n"
               "  draft        run the draft service    (python -m draft_service)\n"
               "  coordinator  run the coordinator      (python -m coordinator)\n\n"
@@ -167,6 +169,22 @@ def find_tokenizer(model: str) -> str | None:
         log.info("exporting the tokenizer of %s to %s", model, out)
         models.export_tokenizer(model, out)
     return str(out / "tokenizer.json")
+
+
+# ---- health -------------------------------------------------------------------------------------
+def health(argv) -> int:
+    """A container healthcheck over the standard gRPC health protocol."""
+    parser = argparse.ArgumentParser(prog="batchspec health", description=health.__doc__)
+    parser.add_argument("address", help="HOST:PORT")
+    parser.add_argument("service", nargs="?", default="", help="service name ('' = server)")
+    parser.add_argument("--timeout", type=float, default=3.0)
+    args = parser.parse_args(argv)
+    try:
+        wait_healthy(args.address, args.service, args.timeout)
+    except TimeoutError as error:
+        print(error, file=sys.stderr)
+        return 1
+    return 0
 
 
 # ---- generate -----------------------------------------------------------------------------------

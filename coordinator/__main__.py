@@ -1,6 +1,7 @@
 """python -m coordinator --target HOST:P --draft HOST:P --port P"""
 import argparse
 import dataclasses
+import itertools
 import logging
 
 from batchspec import errors, server as server_lib
@@ -9,6 +10,7 @@ from batchspec.v1 import generate_pb2_grpc
 from coordinator import scheduler
 from coordinator.clients import DraftClient, TargetClient
 from coordinator.engine import Engine, EngineConfig
+from coordinator.router import Router
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer, Limits
 from coordinator.telemetry import Telemetry
 from coordinator.text import TextCodec
@@ -19,8 +21,8 @@ DEFAULT_PORT = 50051
 
 @dataclasses.dataclass(frozen=True)
 class CoordinatorConfig:
-    target: str
-    draft: str | None
+    targets: tuple[str, ...]
+    drafts: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     tokenizer: str | None = None
@@ -31,6 +33,8 @@ class CoordinatorConfig:
     metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: a free port
 
     def __post_init__(self):
+        if not self.targets:
+            raise ValueError("at least one --target is needed")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], not {self.port}")
         if self.max_new_tokens < 1:
@@ -40,9 +44,11 @@ class CoordinatorConfig:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchspec coordinator",
                                      description="Serve the public Generate API.")
-    parser.add_argument("--target", required=True, help="target service HOST:PORT")
-    parser.add_argument("--draft", default=None,
-                        help="draft service HOST:PORT (omit for target-only decoding)")
+    parser.add_argument("--target", action="append", required=True,
+                        help="target service HOST:PORT; repeat or comma-separate for replicas")
+    parser.add_argument("--draft", action="append", default=[],
+                        help="draft service HOST:PORT; repeat or comma-separate for replicas "
+                             "(omit for target-only decoding)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     parser.add_argument("--tokenizer", default=None,
@@ -67,7 +73,8 @@ def config_from_args(args) -> CoordinatorConfig:
     engine = EngineConfig(num_draft_tokens=args.num_draft_tokens,
                           policy=scheduler.GroupPolicy(batch_size=args.batch_size),
                           max_num_seqs=args.max_num_seqs, max_queue=args.max_queue)
-    return CoordinatorConfig(target=args.target, draft=args.draft, host=args.host,
+    return CoordinatorConfig(targets=split_addresses(args.target),
+                             drafts=split_addresses(args.draft), host=args.host,
                              port=args.port, tokenizer=args.tokenizer, engine=engine,
                              max_new_tokens=args.max_new_tokens,
                              connect_timeout_s=args.connect_timeout, grace_s=args.grace,
@@ -81,7 +88,7 @@ class Running:
     server: object
     port: int
     health: object
-    engine: Engine
+    engine: Router
     metrics: CoordinatorMetrics
     metrics_port: int | None
 
@@ -91,17 +98,43 @@ class Running:
         self.server.stop(grace_s).wait()
 
 
+def connect(client, timeout_s: float):
+    """Wait for a service and describe it (then close this probe connection)."""
+    try:
+        client.wait_ready(timeout_s)
+        return client.describe()
+    finally:
+        client.close()
+
+
+def build_router(config: CoordinatorConfig, eos_token_ids, telemetry) -> Router:
+    """One engine per target replica; engine i uses draft replica i first and fails over to
+    the others in turn. Each engine has its own connections (its own command streams)."""
+    seq_ids = itertools.count(1)
+    engines = []
+    for i, address in enumerate(config.targets):
+        n = len(config.drafts)
+        order = [config.drafts[(i + j) % n] for j in range(n)]
+        engines.append(Engine(TargetClient(address), [DraftClient(a) for a in order],
+                              config.engine, eos_token_ids, telemetry, seq_ids=seq_ids))
+    router = Router(engines, config.engine.max_queue)
+    telemetry.source = router
+    return router
+
+
+def split_addresses(values: list[str]) -> tuple[str, ...]:
+    return tuple(a.strip() for v in values for a in v.split(",") if a.strip())
+
+
 def start(config: CoordinatorConfig) -> Running:
     """Connect to the services, start the engine and the server. Health is SERVING once both
     peers answered, and only while they stay reachable."""
-    target = TargetClient(config.target)
-    target.wait_ready(config.connect_timeout_s)
-    info = target.describe()
-    draft = None
-    if config.draft:
-        draft = DraftClient(config.draft)
-        draft.wait_ready(config.connect_timeout_s)
-        draft_info = draft.describe()
+    infos = [connect(TargetClient(a), config.connect_timeout_s) for a in config.targets]
+    info = infos[0]
+    if len({(i.vocab_size, tuple(i.eos_token_ids)) for i in infos}) != 1:
+        raise errors.FailedPrecondition("target replicas host different models")
+    for address in config.drafts:
+        draft_info = connect(DraftClient(address), config.connect_timeout_s)
         if draft_info.vocab_size > info.vocab_size:
             raise errors.FailedPrecondition(
                 f"the draft's vocabulary ({draft_info.vocab_size}) is larger than the "
@@ -113,7 +146,7 @@ def start(config: CoordinatorConfig) -> Running:
         metrics_port = serve_metrics(metrics.registry, config.metrics_port,
                                      config.host).server_port
         log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)
-    engine = Engine(target, draft, config.engine, info.eos_token_ids, Telemetry(metrics))
+    engine = build_router(config, info.eos_token_ids, Telemetry(metrics))
     limits = Limits(info.vocab_size, info.max_context_len, config.max_new_tokens)
     servicer = CoordinatorServicer(engine, limits, codec)
     server, port, health = server_lib.create_server(
@@ -124,8 +157,8 @@ def start(config: CoordinatorConfig) -> Running:
     engine.start()
     server.start()
     server_lib.set_serving(health, [SERVICE_NAME])
-    log.info("coordinator on %s:%d: target %s (%s), draft %s, K=%d, batch %d", config.host, port,
-             config.target, info.model, config.draft or "none",
+    log.info("coordinator on %s:%d: targets %s (%s), drafts %s, K=%d, batch %d", config.host,
+             port, ",".join(config.targets), info.model, ",".join(config.drafts) or "none",
              config.engine.num_draft_tokens, config.engine.policy.batch_size)
     return Running(server, port, health, engine, metrics, metrics_port)
 

@@ -72,25 +72,31 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, target: TargetClient, draft: DraftClient | None, config: EngineConfig,
+    def __init__(self, target: TargetClient, drafts: list[DraftClient], config: EngineConfig,
                  eos_token_ids: list[int], telemetry: Telemetry | None = None,
-                 on_health=None):
+                 on_health=None, seq_ids=None):
         self.target = target
-        self.draft = draft
+        # Draft replicas this engine may use, one at a time; on a loss it fails over in order.
+        self.drafts = list(drafts)
+        self._draft_index = 0
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stats = EngineStats()
         self.telemetry = telemetry or Telemetry()
         # on_health(bool): told whether every peer is reachable, whenever that changes
         self.on_health = on_health or (lambda serving: None)
-        self._ids = itertools.count(1)
+        # handoff(engine, handles) -> bool: another engine adopts our requests when our
+        # target is lost (set by the Router when there are several target replicas)
+        self.handoff = None
+        # sequence ids are unique across every engine of a router (they share the counter)
+        self._ids = seq_ids if seq_ids is not None else itertools.count(1)
         self._lock = threading.Condition()
         self._waiting: list[RequestHandle] = []
         self._active: dict[int, RequestHandle] = {}
         self._stopping = False
         self._thread_exit = False
         self._thread: threading.Thread | None = None
-        self._draft_up = draft is not None
+        self._draft_up = bool(self.drafts)
         self._target_up = True
         self._next_retry = 0.0
         self._retry_delay = config.reconnect_backoff_s[0]
@@ -118,11 +124,37 @@ class Engine:
         with self._lock:
             self._lock.notify_all()
 
+    @property
+    def draft(self) -> DraftClient | None:
+        return self.drafts[self._draft_index] if self.drafts else None
+
+    @property
+    def target_up(self) -> bool:
+        return self._target_up
+
+    @property
+    def draft_up(self) -> bool:
+        return self._draft_up
+
     def num_running(self) -> int:
         return len(self._active)
 
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    def load(self) -> int:
+        return len(self._active) + len(self._waiting)
+
+    def adopt(self, handles: list[RequestHandle]) -> None:
+        """Take over requests from another engine; they are prefilled here from their
+        committed tokens at the next admission, ahead of new arrivals."""
+        for handle in handles:
+            handle.seq.target_cache_len = 0
+            handle.seq.draft_cache_len = None
+            handle.seq.draft_valid_len = 0
+        with self._lock:
+            self._waiting = list(handles) + self._waiting
+            self._lock.notify_all()
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -149,7 +181,9 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._waiting or self._active or self._thread_exit):
+                # a lost service is retried even with nothing to do, so it can take work again
+                while not (self._waiting or self._active or self._thread_exit
+                           or not self._target_up):
                     self._lock.wait(timeout=1.0)
                 if self._thread_exit:
                     return
@@ -195,9 +229,9 @@ class Engine:
             self.target.prefill(entries)
         except errors.BatchspecError as error:
             if isinstance(error, errors.Unavailable):
-                self._target_lost(error)
                 with self._lock:
                     self._waiting = new + self._waiting
+                self._target_lost(error)
                 return
             for h in new:
                 h.events.put(Event([], error=error))
@@ -371,13 +405,31 @@ class Engine:
         self._schedule_retry()
 
     def _target_lost(self, error) -> None:
-        log.warning("target service lost (%s): requests wait for it", error)
         self._target_up = False
         self.on_health(False)
         self.target.reset()
         for handle in self._active.values():
             handle.seq.target_cache_len = None
         self._schedule_retry()
+        if self._hand_off():
+            log.warning("target %s lost (%s): its requests moved to other replicas",
+                        self.target.address, error)
+        else:
+            log.warning("target %s lost (%s): requests wait for it", self.target.address, error)
+
+    def _hand_off(self) -> bool:
+        """Give every request to other engines, if there are any to take them."""
+        with self._lock:
+            handles = list(self._active.values()) + self._waiting
+        if not handles or self.handoff is None or not self.handoff(self, handles):
+            return False
+        if self._draft_up:
+            self._release_in(self.draft, [h.seq for h in self._active.values()
+                                          if h.seq.draft_cache_len is not None])
+        with self._lock:
+            self._active.clear()
+            self._waiting = [h for h in self._waiting if h not in handles]
+        return True
 
     def _schedule_retry(self) -> None:
         self._next_retry = time.monotonic() + self._retry_delay
@@ -390,14 +442,22 @@ class Engine:
             return self._target_up
         if not self._target_up:
             self._target_up = self._reconnect(self.target, self._resync_target)
-        if self.draft is not None and not self._draft_up:
-            self._draft_up = self._reconnect(self.draft, self._resync_draft)
+        if self.drafts and not self._draft_up:
+            self._draft_up = self._reconnect_draft()
         if self._target_up and (self._draft_up or self.draft is None):
             self._retry_delay = self.config.reconnect_backoff_s[0]
             self.on_health(True)
         else:
             self._schedule_retry()
         return self._target_up
+
+    def _reconnect_draft(self) -> bool:
+        """Try the draft replicas in turn, starting with the current one."""
+        for _ in range(len(self.drafts)):
+            if self._reconnect(self.draft, self._resync_draft):
+                return True
+            self._draft_index = (self._draft_index + 1) % len(self.drafts)
+        return False
 
     def _reconnect(self, client, resync) -> bool:
         try:

@@ -7,9 +7,13 @@ from batchspec.metrics import CoordinatorMetrics
 class Telemetry:
     def __init__(self, metrics: CoordinatorMetrics | None = None):
         self.metrics = metrics
+        # Several engines share one Telemetry: the gauges show the totals of this source.
+        self.source = None
 
     def queue(self, running: int, waiting: int) -> None:
         if self.metrics:
+            if self.source is not None:
+                running, waiting = self.source.num_running(), self.source.num_waiting()
             self.metrics.requests_running.set(running)
             self.metrics.requests_waiting.set(waiting)
 

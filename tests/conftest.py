@@ -66,7 +66,7 @@ def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, me
                                  policy=scheduler.GroupPolicy(batch_size=batch_size),
                                  reconnect_backoff_s=(0.05, 0.5), **engine_kwargs)
     config = coordinator_main.CoordinatorConfig(
-        target=f"127.0.0.1:{target_port}", draft=f"127.0.0.1:{draft_port}", port=0,
+        targets=(f"127.0.0.1:{target_port}",), drafts=(f"127.0.0.1:{draft_port}",), port=0,
         engine=engine_config, connect_timeout_s=10, metrics_port=metrics_port)
     running = coordinator_main.start(config)
     try:

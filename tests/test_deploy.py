@@ -1,0 +1,229 @@
+"""compose.yaml against the Compose rules that matter here, and its command lines run as real
+processes on loopback: 1 coordinator, 2 targets, 2 drafts (no Docker engine on this machine)."""
+import concurrent.futures
+import copy
+import pathlib
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+
+import grpc
+import pytest
+import yaml
+from transformers import AutoModelForCausalLM
+
+import tiny_models
+from batchspec import service
+from batchspec.cli import free_port, wait_healthy
+from batchspec.v1 import generate_pb2_grpc
+from coordinator import __main__ as coordinator_main
+from test_e2e import batchspec_command
+from test_exactness import generate_all, random_requests
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SERVICE_NAMES = {"target": "batchspec.v1.TargetService", "draft": "batchspec.v1.DraftService",
+                 "coordinator": "batchspec.v1.Coordinator"}
+
+
+class _Reset:
+    """Compose's `!reset` tag: drop the key from what the file overrides."""
+
+
+def _loader():
+    loader = type("ComposeLoader", (yaml.SafeLoader,), {})
+    loader.add_constructor("!reset", lambda _loader, _node: _Reset())
+    return loader
+
+
+def interpolate(value, env):
+    """${VAR:-default} and ${VAR} as Compose expands them."""
+    if isinstance(value, str):
+        return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}",
+                      lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    return value
+
+
+def merge(base, override):
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for key, value in override.items():
+            if isinstance(value, _Reset):
+                out.pop(key, None)
+            else:
+                out[key] = merge(base.get(key), value) if key in base else value
+        return out
+    return copy.deepcopy(override)
+
+
+def load_compose(*names, env=None):
+    env = dict(env or {})
+    model = {}
+    for name in names:
+        doc = yaml.load((ROOT / name).read_text(), Loader=_loader())
+        for svc_name, svc in doc.get("services", {}).items():
+            if "extends" in svc:
+                ext = svc.pop("extends")
+                base_doc = yaml.load((ROOT / ext.get("file", name)).read_text(), Loader=_loader())
+                doc["services"][svc_name] = merge(base_doc["services"][ext["service"]], svc)
+        model = merge(model, {k: v for k, v in doc.items() if not k.startswith("x-")})
+    return interpolate(model, env)
+
+
+def flag(command, name):
+    values = [command[i + 1] for i, word in enumerate(command) if word == name]
+    return values
+
+
+def parse_service_command(command):
+    parser = __import__("argparse").ArgumentParser()
+    service.add_service_arguments(parser, 0)
+    return parser.parse_args(command[2:])
+
+
+@pytest.mark.parametrize("files", [("compose.yaml",), ("compose.yaml", "compose.scale.yaml")])
+def test_compose_services_gpus_health_and_wiring(files):
+    compose = load_compose(*files)
+    services = compose["services"]
+    assert {"coordinator", "draft", "target"} <= set(services)
+    assert "models" in compose["volumes"]
+    model_services = [n for n in services if n != "coordinator"]
+    gpus = []
+    for name in model_services:
+        svc = services[name]
+        [device] = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert "gpu" in device["capabilities"] and len(device["device_ids"]) == 1
+        gpus.append(device["device_ids"][0])
+        assert any(v.startswith("models:") for v in svc["volumes"])
+        args = parse_service_command(svc["command"])
+        assert svc["command"][:2] == ["batchspec", "draft" if "draft" in name else "target"]
+        check_healthcheck(svc, args.port, SERVICE_NAMES[svc["command"][1]])
+    assert len(set(gpus)) == len(gpus), "each model service reserves its own GPU"
+    coordinator = services["coordinator"]
+    args = coordinator_main.build_parser().parse_args(coordinator["command"][2:])
+    assert coordinator["ports"] == [f"50051:{args.port}"]
+    check_healthcheck(coordinator, args.port, SERVICE_NAMES["coordinator"])
+    peers = coordinator_main.split_addresses(args.target) + coordinator_main.split_addresses(
+        args.draft)
+    assert sorted(h for h, _ in (p.split(":") for p in peers)) == sorted(model_services)
+    for peer in peers:
+        host, port = peer.split(":")
+        assert parse_service_command(services[host]["command"]).port == int(port)
+        assert coordinator["depends_on"][host] == {"condition": "service_healthy"}
+
+
+def check_healthcheck(svc, port, name):
+    test = svc["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "batchspec", "health"]
+    assert test[3] == f"127.0.0.1:{port}" and test[4] == name
+
+
+def test_environment_picks_gpus_models_and_port():
+    compose = load_compose("compose.yaml", env={"TARGET_GPU": "5", "DRAFT_GPU": "6",
+                                                "TARGET_MODEL": "/models/big",
+                                                "COORDINATOR_PORT": "7000"})
+    services = compose["services"]
+    devices = lambda n: services[n]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert devices("target")["device_ids"] == ["5"] and devices("draft")["device_ids"] == ["6"]
+    assert parse_service_command(services["target"]["command"]).model == "/models/big"
+    assert services["coordinator"]["ports"] == ["7000:50051"]
+
+
+def test_cpu_override_reserves_no_gpu():
+    services = load_compose("compose.yaml", "compose.cpu.yaml")["services"]
+    for name in ("target", "draft"):
+        assert "deploy" not in services[name]
+        assert parse_service_command(services[name]["command"]).device == "cpu"
+
+
+def test_dockerfile_builds_protos_runs_as_non_root_and_asks_for_cuda_explicitly():
+    text = (ROOT / "Dockerfile").read_text()
+    assert "gen_protos.py" in text and re.search(r"^USER (?!root)\w+", text, re.M)
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+
+
+def loopback_commands(model_dirs):
+    """The scale-out compose command lines, rewritten for loopback: each service gets free
+    ports, the tiny models and the CPU; coordinator peers point at the mapped ports."""
+    compose = load_compose("compose.yaml", "compose.scale.yaml", env={"DRAFT_LAYERS": "2"})
+    services = compose["services"]
+    target_dir, draft_dir = model_dirs["llama"]
+    ports, metrics, commands = {}, {}, {}
+    for name, svc in services.items():
+        command = list(svc["command"])
+        ports[name], metrics[name] = free_port(), free_port()
+        for key, value in (("--host", "127.0.0.1"), ("--port", str(ports[name])),
+                           ("--metrics-port", str(metrics[name])), ("--device", "cpu"),
+                           ("--model", draft_dir if "draft" in name else target_dir)):
+            if key in command:
+                command[command.index(key) + 1] = value
+        commands[name] = command
+    coordinator = commands["coordinator"]
+    i = coordinator.index("--tokenizer")
+    del coordinator[i:i + 2]
+    for i, word in enumerate(coordinator):
+        if word in ("--target", "--draft"):
+            host = coordinator[i + 1].split(":")[0]
+            coordinator[i + 1] = f"127.0.0.1:{ports[host]}"
+    return commands, ports, metrics
+
+
+def command_count(metrics_port, command):
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
+    total = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith("batchspec:command_seconds_count") and f'command="{command}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_compose_command_lines_scale_out_exactly_on_loopback(model_dirs):
+    commands, ports, metrics = loopback_commands(model_dirs)
+    exe = batchspec_command()
+    processes = {}
+    try:
+        for name in [n for n in commands if n != "coordinator"]:
+            processes[name] = subprocess.Popen(exe + commands[name][1:])
+        for name, process in processes.items():
+            kind = "draft" if "draft" in name else "target"
+            wait_healthy(f"127.0.0.1:{ports[name]}", SERVICE_NAMES[kind], 120, [process])
+        processes["coordinator"] = subprocess.Popen(exe + commands["coordinator"][1:])
+        address = f"127.0.0.1:{ports['coordinator']}"
+        wait_healthy(address, SERVICE_NAMES["coordinator"], 60, [processes["coordinator"]])
+        model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"][0])
+        with grpc.insecure_channel(address) as channel:
+            stub = generate_pb2_grpc.CoordinatorStub(channel)
+            requests = random_requests(seed=3, count=32)
+            results = generate_all(stub, requests)
+            for (prompt, max_new), (tokens, _) in zip(requests, results):
+                assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
+            for name in ("target", "target-2"):
+                assert command_count(metrics[name], "verify") > 0, f"{name} did no work"
+            for name in ("draft", "draft-2"):
+                assert command_count(metrics[name], "propose") > 0, f"{name} did no work"
+
+            # a target replica goes away mid-run: its sequences move to the other one
+            requests = [(p, 40) for p, _ in random_requests(seed=4, count=16)]
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(generate_all, stub, requests, ignore_eos=True)
+                time.sleep(0.3)
+                assert not pending.done(), "the replica must go away mid-run"
+                processes["target-2"].send_signal(signal.SIGKILL)
+                results = pending.result(timeout=120)
+            for (prompt, max_new), (tokens, _) in zip(requests, results):
+                assert tokens == tiny_models.reference_greedy(model, prompt, max_new,
+                                                              ignore_eos=True)
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
