@@ -17,13 +17,20 @@ DEFAULT_DRAFT_LAYERS = 4  # until a trained draft ships: the target's first laye
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"serve": serve, "generate": generate, "health": health,
+                "distill": _module_main("batchspec.distill"),
+                "evaluate-draft": _module_main("batchspec.draft_eval"),
+                "bench": _module_main("batchspec.bench"),
                 "target": _service("target_service"), "draft": _service("draft_service"),
                 "coordinator": _service("coordinator")}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: batchspec {serve,generate,health,target,draft,coordinator} [options]\n\n"
+        print("usage: batchspec {serve,generate,health,distill,evaluate-draft,bench,target,draft,"
+              "coordinator} [options]\n\n"
               "  serve        start target, draft and coordinator on loopback and serve\n"
               "  generate     stream a completion from a running coordinator\n"
               "  health       exit 0 when a server's grpc.health.v1 says SERVING\n"
+              "  distill      train a draft for a target by distillation\n"
+              "  evaluate-draft  greedy agreement and cost of a draft, on held-out prompts\n"
+              "  bench        compare batchspec with the alternatives, side by side\n"
               "  target       run the target service   (python -m target_service)\n"
               "  draft        run the draft service    (python -m draft_service)\n"
               "  coordinator  run the coordinator      (python -m coordinator)\n\n"
@@ -31,6 +38,14 @@ def main(argv=None) -> int:
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:]) or 0
+
+
+def _module_main(module: str):
+    def run(argv):
+        import importlib
+
+        return importlib.import_module(module).main(argv)
+    return run
 
 
 def _service(module: str):

@@ -43,6 +43,12 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
+    from batchspec import draft_model
+
+    if draft_model.is_draft_dir(spec):
+        if num_layers is not None:
+            raise ValueError("a distilled draft directory fixes its own number of layers")
+        return draft_model.load_draft(spec, dtype=dtype, device=device)
     source = resolve(spec)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     log.info("loading %s (%s) on %s", spec, dtype, device)

@@ -42,7 +42,7 @@ class ModelRunner:
         self.model = model.eval()
         self.name = name
         self.device = device
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = int(model.config.vocab_size)
         self.eos_token_ids = eos_token_ids
         self.max_context_len = max_context_len
         self.caches: dict[int, SeqCache] = {}

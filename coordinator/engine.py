@@ -259,7 +259,7 @@ class Engine:
     def _step_group(self, group: scheduler.Group) -> None:
         seqs = group.sequences
         timeout = self._time_left([self._active[s.seq_id] for s in seqs])
-        proposals, draft_timing = self._propose(seqs, group.mixed, timeout)
+        proposals, draft_timing, draft_s = self._propose(seqs, group.mixed, timeout)
         if proposals is not None:
             seqs = [s for s in seqs if s.seq_id in proposals]
         specs = [VerifySpec(s.seq_id, s.target_cache_len, s.token_ids[s.target_cache_len:],
@@ -274,7 +274,7 @@ class Engine:
         except errors.DeadlineExceeded:
             return  # the rows' deadlines passed while queued: _reap ends them next step
         verify_s = time.perf_counter() - started
-        self._count_step(group, proposals is None, draft_timing, timing, verify_s)
+        self._count_step(group, proposals is None, draft_timing, timing, draft_s, verify_s)
         finished = []
         for seq, outcome in zip(seqs, outcomes):
             if self._commit(seq, outcome, num_drafts=len(specs[0].draft_token_ids)):
@@ -286,14 +286,15 @@ class Engine:
         return max(0.001, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _propose(self, seqs: list[Sequence], mixed: bool, timeout: float | None):
-        """({seq_id: (draft_token_ids, draft_probs)}, timing) for the rows that can draft
-        together; (None, None) when the draft service is down (target-only decoding)."""
+        """({seq_id: (draft_token_ids, draft_probs)}, timing, round-trip seconds) for the rows
+        that can draft together; (None, None, 0) when the draft service is down (target-only
+        decoding)."""
         if not self._draft_up:
-            return None, None
+            return None, None, 0.0
         ready = [s for s in seqs if s.draft_cache_len is not None]
         rows, width = scheduler.draft_plan(ready) if ready else ([], 0)
         if not rows:
-            return None, None
+            return None, None, 0.0
         num_drafts = self.config.num_draft_tokens
         specs = [ProposeSpec(s.seq_id, s.draft_cache_len, s.committed_len - width,
                              s.token_ids[s.committed_len - width:], s.sampling) for s in rows]
@@ -302,16 +303,17 @@ class Engine:
             proposals, timing = self.draft.propose(num_drafts, mixed, specs, timeout=timeout)
         except errors.Unavailable as error:
             self._draft_lost(error)
-            return None, None
+            return None, None, 0.0
         except errors.DeadlineExceeded:
-            return None, None
-        self.stats.draft_seconds += time.perf_counter() - started
+            return None, None, 0.0
+        round_trip = time.perf_counter() - started
         for seq, proposal in zip(rows, proposals):
             seq.draft_cache_len = proposal.cache_len
             if proposal.probs_bytes:
                 self.stats.num_sampled_rows += 1
                 self.stats.num_draft_probs_bytes += proposal.probs_bytes
-        return {p.seq_id: (p.draft_token_ids, p.draft_probs) for p in proposals}, timing
+        return ({p.seq_id: (p.draft_token_ids, p.draft_probs) for p in proposals}, timing,
+                round_trip)
 
     def _commit(self, seq: Sequence, outcome, num_drafts: int) -> bool:
         """Apply one verification to its sequence; True when the sequence finished."""
@@ -340,7 +342,7 @@ class Engine:
         return seq.finish is not None
 
     def _count_step(self, group: scheduler.Group, fallback: bool, draft_timing, timing,
-                    verify_s: float) -> None:
+                    draft_s: float, verify_s: float) -> None:
         stats = self.stats
         stats.num_steps += 1
         if group.mixed:
@@ -349,11 +351,11 @@ class Engine:
             stats.num_grouped_steps += 1
         if fallback:
             stats.num_draft_fallback_steps += 1
-        draft_s = draft_timing.compute_seconds if draft_timing else 0.0
         realign_s = timing.realign_seconds + (draft_timing.realign_seconds if draft_timing else 0)
+        stats.draft_seconds += draft_s
         stats.verify_seconds += verify_s
         stats.verify_compute_seconds += timing.compute_seconds
-        stats.draft_compute_seconds += draft_s
+        stats.draft_compute_seconds += draft_timing.compute_seconds if draft_timing else 0.0
         stats.realign_seconds += realign_s
         self.telemetry.step(group.mixed, fallback, draft_s, verify_s, realign_s)
 

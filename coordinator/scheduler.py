@@ -19,6 +19,9 @@ class GroupPolicy:
     min_fill: float = 0.5
     # A sequence not stepped for this many steps forces a mixed group that includes it.
     max_wait_steps: int = 4
+    # False: no same-length grouping; every step takes the longest-waiting batch_size
+    # sequences and realigns them (the EQSPEC way, kept for comparison).
+    grouping: bool = True
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -40,6 +43,9 @@ def pick_group(active: list[Sequence], policy: GroupPolicy, step: int) -> Group 
     if not active:
         return None
     by_age = sorted(active, key=lambda s: (s.last_step, s.seq_id))
+    if not policy.grouping:
+        group = by_age[:policy.batch_size]
+        return Group(group, mixed=len({s.committed_len for s in group}) > 1)
     starved = [s for s in by_age if step - s.last_step > policy.max_wait_steps]
     best = _largest_bucket(active)
     wanted = min(policy.batch_size, len(active))

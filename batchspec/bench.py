@@ -1,0 +1,516 @@
+"""`batchspec bench`: batchspec against what a user would otherwise run, side by side, in one run.
+
+Every method decodes the same prompts with the same model pair, dtype, device and
+max_new_tokens. One counting rule for all: generated tokens up to and including the first EOS,
+at most max_new_tokens; only generation is timed (no I/O or display inside timed regions).
+The exact-match reference is method 1, the target alone at batch 1.
+"""
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+log = logging.getLogger("batchspec.bench")
+
+METHODS = {
+    "hf_batch1": "1. target alone, batch 1 (HF generate)",
+    "hf_batched": "2. target alone, batched (HF generate, left-padded)",
+    "hf_assisted": "3. HF assisted generation (batch 1)",
+    "engine_realign": "4. batchspec engine in-process, realigning every step (EQSPEC)",
+    "engine_grouped": "5. batchspec engine in-process, same-length grouping (EXSPEC)",
+    "grpc": "6. batchspec over the three gRPC processes",
+}
+USES_BATCH = {"hf_batched", "engine_realign", "engine_grouped", "grpc"}
+USES_K = {"hf_assisted", "engine_realign", "engine_grouped", "grpc"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    target: str = "smollm2"
+    draft: str | None = None  # default: the packaged distilled draft
+    draft_layers: int | None = None
+    num_prompts: int = 82
+    max_new_tokens: int = 64
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    ks: tuple[int, ...] = (2, 4, 6)
+    methods: tuple[str, ...] = tuple(METHODS)
+    out: str = "bench-out"
+    quick: bool = False
+
+    def __post_init__(self):
+        unknown = set(self.methods) - set(METHODS)
+        if unknown:
+            raise ValueError(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
+        if min(self.batch_sizes) < 1 or min(self.ks) < 1 or self.max_new_tokens < 1:
+            raise ValueError("batch sizes, K and max_new_tokens must be >= 1")
+
+
+@dataclasses.dataclass
+class Workload:
+    target: str
+    draft: str
+    draft_layers: int | None
+    prompts: list[list[int]]
+    max_new_tokens: int
+    eos_token_ids: list[int]
+
+
+@dataclasses.dataclass
+class Run:
+    """What one method produced in one setting."""
+
+    outputs: list[list[int]]
+    seconds: float
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_steps: int = 0  # sequence-steps: one per sequence per target pass it took part in
+    realigned_share: float | None = None
+    breakdown: dict | None = None
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s bench %(message)s")
+    config = config_from_args(args)
+    report = run(config)
+    paths = write_report(report, pathlib.Path(config.out))
+    print("\n".join(f"wrote {p}" for p in paths))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchspec bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="a small subset on tiny random models, well under a minute")
+    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--draft", default=None, help="default: the packaged distilled draft")
+    parser.add_argument("--draft-layers", type=int, default=None)
+    parser.add_argument("--num-prompts", type=int, default=82)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch-sizes", default="1,2,4,8,16")
+    parser.add_argument("--ks", default="2,4,6")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--out", default="bench-out", help="report directory")
+    return parser
+
+
+def config_from_args(args) -> BenchConfig:
+    ints = lambda text: tuple(int(x) for x in text.split(",") if x)  # noqa: E731
+    if args.quick:
+        return BenchConfig(target="tiny", num_prompts=8, max_new_tokens=12, batch_sizes=(1, 4),
+                           ks=(2, 4), out=args.out, quick=True,
+                           methods=tuple(m for m in args.methods.split(",") if m))
+    return BenchConfig(target=args.target, draft=args.draft, draft_layers=args.draft_layers,
+                       num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                       batch_sizes=ints(args.batch_sizes), ks=ints(args.ks),
+                       methods=tuple(m for m in args.methods.split(",") if m), out=args.out)
+
+
+# ---- the workload ------------------------------------------------------------------------------
+def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
+    from batchspec import models
+
+    if config.quick:
+        import random
+
+        from batchspec import tiny
+
+        target, draft = tiny.save_pair("llama", scratch)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(4, tiny.VOCAB) for _ in range(rng.randint(3, 20))]
+                   for _ in range(config.num_prompts)]
+        eos = models.eos_token_ids(models.load_causal_lm(target))
+        return Workload(target, draft, None, prompts, config.max_new_tokens, eos)
+    from batchspec.distill import chat_ids, load_tokenizer
+    from batchspec.draft_eval import bench_prompts
+
+    tokenizer = load_tokenizer(config.target)
+    prompts = [chat_ids(tokenizer, r["prompt"]) for r in bench_prompts(config.num_prompts)]
+    draft = config.draft or default_draft()
+    target_model = models.load_causal_lm(config.target)
+    return Workload(config.target, draft, config.draft_layers, prompts, config.max_new_tokens,
+                    models.eos_token_ids(target_model))
+
+
+def default_draft() -> str:
+    return str(pathlib.Path(__file__).parent / "drafts" / "smollm2-draft")
+
+
+def truncate_at_eos(tokens: list[int], eos: set[int], limit: int) -> list[int]:
+    out = []
+    for token in tokens[:limit]:
+        out.append(token)
+        if token in eos:
+            break
+    return out
+
+
+# ---- methods 1-3: Hugging Face -----------------------------------------------------------------
+class PassCounter:
+    """Counts forward calls of a model (each call: one target pass over its batch)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self.handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.calls += 1
+
+    def close(self):
+        self.handle.remove()
+
+
+def run_hf(models_, workload: Workload, method: str, batch_size: int, k: int) -> Run:
+    import torch
+
+    target, draft = models_["target"], models_["draft"]
+    eos = set(workload.eos_token_ids)
+    pad = workload.eos_token_ids[0] if workload.eos_token_ids else 0
+    outputs, counter = [], PassCounter(target)
+    size = batch_size if method == "hf_batched" else 1
+    kwargs = {}
+    if method == "hf_assisted":
+        draft.generation_config.num_assistant_tokens = k
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+        draft.generation_config.assistant_confidence_threshold = 0.0
+        kwargs["assistant_model"] = draft
+    started = time.perf_counter()
+    rows_passes = 0
+    with torch.inference_mode():
+        for i in range(0, len(workload.prompts), size):
+            batch = workload.prompts[i:i + size]
+            width = max(map(len, batch))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            before = counter.calls
+            out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                  max_new_tokens=workload.max_new_tokens, pad_token_id=pad,
+                                  eos_token_id=workload.eos_token_ids, **kwargs)
+            rows_passes += (counter.calls - before) * len(batch)
+            outputs += [truncate_at_eos(row, eos, workload.max_new_tokens)
+                        for row in out[:, width:].tolist()]
+    seconds = time.perf_counter() - started
+    counter.close()
+    return Run(outputs, seconds, num_steps=rows_passes)
+
+
+# ---- methods 4-5: the engine in-process ------------------------------------------------------
+def run_engine(runners, workload: Workload, batch_size: int, k: int, grouping: bool) -> Run:
+    from batchspec.inprocess import InProcessDraft, InProcessTarget
+    from coordinator.engine import Engine, EngineConfig
+    from coordinator.scheduler import GroupPolicy
+
+    count = len(workload.prompts)
+    engine = Engine(InProcessTarget(runners["target"], "target"),
+                    [InProcessDraft(runners["draft"], "draft")],
+                    EngineConfig(num_draft_tokens=k,
+                                 policy=GroupPolicy(batch_size=batch_size, grouping=grouping),
+                                 max_num_seqs=count, max_queue=count),
+                    workload.eos_token_ids)
+    started = time.perf_counter()
+    engine.start()
+    handles = [engine.submit(p, workload.max_new_tokens) for p in workload.prompts]
+    outputs = [drain(h) for h in handles]
+    seconds = time.perf_counter() - started
+    engine.stop()
+    s = engine.stats
+    seqs = [h.seq for h in handles]
+    breakdown = {"draft": s.draft_compute_seconds, "verify": s.verify_compute_seconds - 0.0,
+                 "realign": s.realign_seconds,
+                 "rpc": (s.draft_seconds - s.draft_compute_seconds)
+                 + (s.verify_seconds - s.verify_compute_seconds),
+                 "coordinator": seconds - s.draft_seconds - s.verify_seconds}
+    return Run(outputs, seconds, sum(q.stats.num_drafted_tokens for q in seqs),
+               sum(q.stats.num_accepted_tokens for q in seqs),
+               sum(q.stats.num_target_forward_passes for q in seqs),
+               s.num_realigned_steps / max(1, s.num_steps), normalise(breakdown, seconds))
+
+
+def drain(handle) -> list[int]:
+    tokens = []
+    while True:
+        event = handle.events.get()
+        if event.error is not None:
+            raise event.error
+        tokens += event.token_ids
+        if event.finish is not None:
+            return tokens
+
+
+def normalise(breakdown: dict, seconds: float) -> dict:
+    """Seconds -> shares of wall time. Realignment happens inside draft and verify, so it is
+    taken out of them to keep the shares adding up to one."""
+    out = dict(breakdown)
+    out["draft"] = max(0.0, out["draft"] - out["realign"] / 2)
+    out["verify"] = max(0.0, out["verify"] - out["realign"] / 2)
+    return {key: round(max(0.0, value) / seconds, 4) for key, value in out.items()}
+
+
+# ---- method 6: three processes -----------------------------------------------------------------
+class GrpcStack:
+    """Target and draft services as processes (started once); a coordinator per setting."""
+
+    def __init__(self, workload: Workload):
+        from batchspec.cli import free_port, wait_healthy
+
+        self.procs = []
+        self.ports = {"target": free_port(), "draft": free_port()}
+        self.metrics = {"target": free_port(), "draft": free_port()}
+        draft_cmd = ["--model", workload.draft] + (
+            ["--num-layers", str(workload.draft_layers)] if workload.draft_layers else [])
+        for role, extra in (("target", ["--model", workload.target]), ("draft", draft_cmd)):
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", f"{role}_service", "--port", str(self.ports[role]),
+                 "--metrics-port", str(self.metrics[role])] + extra,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for role, name in (("target", "TargetService"), ("draft", "DraftService")):
+            wait_healthy(f"127.0.0.1:{self.ports[role]}", f"batchspec.v1.{name}", 600,
+                         self.procs)
+
+    def run(self, workload: Workload, batch_size: int, k: int) -> Run:
+        import grpc
+
+        from batchspec.cli import free_port, wait_healthy
+        from batchspec.v1 import generate_pb2, generate_pb2_grpc
+
+        port, metrics_port = free_port(), free_port()
+        count = len(workload.prompts)
+        coordinator = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "--target", f"127.0.0.1:{self.ports['target']}",
+             "--draft", f"127.0.0.1:{self.ports['draft']}", "--port", str(port),
+             "--batch-size", str(batch_size), "-k", str(k), "--max-num-seqs", str(count),
+             "--metrics-port", str(metrics_port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_healthy(f"127.0.0.1:{port}", "batchspec.v1.Coordinator", 120, [coordinator])
+            before = {r: scrape(self.metrics[r]) for r in ("target", "draft")}
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = generate_pb2_grpc.CoordinatorStub(channel)
+
+                def one(prompt):
+                    responses = list(stub.Generate(generate_pb2.GenerateRequest(
+                        prompt_token_ids=prompt, max_new_tokens=workload.max_new_tokens),
+                        timeout=3600))
+                    return [t for r in responses for t in r.token_ids], responses[-1].stats
+
+                started = time.perf_counter()
+                with concurrent.futures.ThreadPoolExecutor(count) as pool:
+                    results = list(pool.map(one, workload.prompts))
+                seconds = time.perf_counter() - started
+            coord = scrape(metrics_port)
+            after = {r: scrape(self.metrics[r]) for r in ("target", "draft")}
+        finally:
+            coordinator.terminate()
+            coordinator.wait(timeout=30)
+        compute = {r: after[r].get(f'command_seconds_sum{{command="{c}"}}', 0)
+                   - before[r].get(f'command_seconds_sum{{command="{c}"}}', 0)
+                   for r, c in (("target", "verify"), ("draft", "propose"))}
+        draft_rt, verify_rt = coord.get("draft_seconds_sum", 0), coord.get("verify_seconds_sum", 0)
+        breakdown = {"draft": compute["draft"], "verify": compute["target"],
+                     "realign": coord.get("realign_seconds_sum", 0),
+                     "rpc": (draft_rt - compute["draft"]) + (verify_rt - compute["target"]),
+                     "coordinator": seconds - draft_rt - verify_rt}
+        steps = coord.get("grouped_steps_total", 0) + coord.get("realigned_steps_total", 0)
+        stats = [s for _, s in results]
+        return Run([t for t, _ in results], seconds, sum(s.num_drafted_tokens for s in stats),
+                   sum(s.num_accepted_tokens for s in stats),
+                   sum(s.num_target_forward_passes for s in stats),
+                   coord.get("realigned_steps_total", 0) / max(1, steps),
+                   normalise(breakdown, seconds))
+
+    def close(self):
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait(timeout=30)
+
+
+def scrape(port: int) -> dict:
+    """Prometheus text -> {name-without-prefix{labels}: value}, model_name/role labels dropped."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in body.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        base, _, labels = name.partition("{")
+        kept = ",".join(l for l in labels.rstrip("}").split(",")
+                        if l and not l.startswith(("model_name=", "role=")))
+        key = base.split(":", 1)[-1] + (f"{{{kept}}}" if kept else "")
+        values[key] = values.get(key, 0.0) + float(value)
+    return values
+
+
+# ---- the sweep -------------------------------------------------------------------------------
+def settings(config: BenchConfig) -> list[tuple[str, int, int]]:
+    out = []
+    for method in config.methods:
+        sizes = config.batch_sizes if method in USES_BATCH else (1,)
+        ks = config.ks if method in USES_K else (0,)
+        out += [(method, b, k) for b in sizes for k in ks]
+    return out
+
+
+def run(config: BenchConfig) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from batchspec import models, runner as runner_lib
+
+    with tempfile.TemporaryDirectory() as scratch:
+        workload = build_workload(config, pathlib.Path(scratch))
+        target = models.load_causal_lm(workload.target)
+        draft = models.load_causal_lm(workload.draft, num_layers=workload.draft_layers)
+        hf = {"target": target, "draft": draft}
+        make_runner = lambda m, n: runner_lib.ModelRunner(  # noqa: E731
+            m, name=n, device=torch.device("cpu"), eos_token_ids=workload.eos_token_ids,
+            max_context_len=models.max_context_len(target))
+        runners = {"target": make_runner(target, workload.target),
+                   "draft": make_runner(draft, workload.draft)}
+        plan = [("hf_batch1", 1, 0)] + [s for s in settings(config) if s[0] != "hf_batch1"]
+        warm_up(hf, runners, workload)
+        stack = GrpcStack(workload) if "grpc" in config.methods else None
+        rows, reference = [], None
+        try:
+            for method, batch_size, k in tqdm(plan, desc="bench", unit="run"):
+                result = run_one(method, batch_size, k, hf, runners, workload, stack)
+                reference = reference or result.outputs
+                rows.append(summarise(method, batch_size, k, result, reference))
+        finally:
+            if stack:
+                stack.close()
+    add_ratios(rows)
+    rows = [r for r in rows if r["method"] in config.methods]
+    return {"config": dataclasses.asdict(config), "machine": machine(),
+            "num_prompts": len(workload.prompts), "target": workload.target,
+            "draft": workload.draft, "rows": rows,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def warm_up(hf, runners, workload: Workload) -> None:
+    """One short untimed pass through HF generate and the engine, so that the first timed
+    method does not pay for lazy initialisation."""
+    short = dataclasses.replace(workload, prompts=workload.prompts[:2], max_new_tokens=4)
+    run_hf(hf, short, "hf_batch1", 1, 0)
+    run_engine(runners, short, 2, 2, grouping=True)
+
+
+def run_one(method, batch_size, k, hf, runners, workload, stack) -> Run:
+    if method.startswith("hf_"):
+        return run_hf(hf, workload, method, batch_size, k)
+    if method == "grpc":
+        return stack.run(workload, batch_size, k)
+    return run_engine(runners, workload, batch_size, k, grouping=method == "engine_grouped")
+
+
+def summarise(method, batch_size, k, result: Run, reference) -> dict:
+    tokens = sum(len(o) for o in result.outputs)
+    exact = sum(o == r for o, r in zip(result.outputs, reference)) / len(reference)
+    row = {"method": method, "batch_size": batch_size, "k": k or None,
+           "seconds": round(result.seconds, 3), "num_tokens": tokens,
+           "tokens_per_s": round(tokens / result.seconds, 2), "exact_match": round(exact, 4),
+           "target_passes_per_token": round(result.num_steps / max(1, tokens), 4)}
+    if result.num_drafted:
+        row["acceptance_rate"] = round(result.num_accepted / result.num_drafted, 4)
+        row["mean_acceptance_length"] = round(
+            (result.num_accepted + result.num_steps) / max(1, result.num_steps), 3)
+    elif method == "hf_assisted":
+        # tokens per target decode pass (HF does not report acceptance itself)
+        row["mean_acceptance_length"] = round(tokens / max(1, result.num_steps), 3)
+    if result.realigned_share is not None:
+        row["realigned_step_share"] = round(result.realigned_share, 4)
+    if result.breakdown:
+        row["time_share"] = result.breakdown
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    batch1 = next(r["tokens_per_s"] for r in rows if r["method"] == "hf_batch1")
+    batched = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["method"] == "hf_batched"}
+    for row in rows:
+        row["vs_batch1"] = round(row["tokens_per_s"] / batch1, 3)
+        if row["batch_size"] in batched:
+            row["vs_batched"] = round(row["tokens_per_s"] / batched[row["batch_size"]], 3)
+
+
+def machine() -> dict:
+    import torch
+
+    return {"cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "python": platform.python_version(),
+            "platform": platform.platform(), "device": "cpu", "dtype": "float32"}
+
+
+# ---- the report ------------------------------------------------------------------------------
+def write_report(report: dict, out: pathlib.Path) -> list[pathlib.Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "results.md", out / "throughput.png"]
+    paths[0].write_text(json.dumps(report, indent=2))
+    paths[1].write_text(markdown(report))
+    plot(report, paths[2])
+    return paths
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# batchspec bench ({report['date']})", "",
+             f"target `{report['target']}`, draft `{report['draft']}`, "
+             f"{report['num_prompts']} prompts, max_new_tokens "
+             f"{report['config']['max_new_tokens']}, {report['machine']['device']} "
+             f"{report['machine']['dtype']}, {report['machine']['threads']} threads", "",
+             "| method | batch | K | tok/s | vs batched | vs batch 1 | accept rate | accept len "
+             "| target passes/tok | realigned steps | draft / verify / realign / rpc / coord "
+             "| exact |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    fmt = lambda v, f="{:.2f}": "" if v is None else f.format(v)  # noqa: E731
+    for r in report["rows"]:
+        share = r.get("time_share")
+        shares = " / ".join(f"{share[key]:.0%}" for key in
+                            ("draft", "verify", "realign", "rpc", "coordinator")) if share else ""
+        lines.append(
+            f"| {r['method']} | {r['batch_size']} | {fmt(r['k'], '{}')} | "
+            f"{r['tokens_per_s']:.1f} | {fmt(r.get('vs_batched'))} | {fmt(r.get('vs_batch1'))} | "
+            f"{fmt(r.get('acceptance_rate'))} | {fmt(r.get('mean_acceptance_length'))} | "
+            f"{r['target_passes_per_token']:.2f} | {fmt(r.get('realigned_step_share'), '{:.0%}')} | "
+            f"{shares} | {r['exact_match']:.0%} |")
+    lines += ["", "Methods: " + "; ".join(f"`{k}` = {v}" for k, v in METHODS.items()), ""]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for method in dict.fromkeys(r["method"] for r in report["rows"]):
+        best = {}
+        for r in report["rows"]:
+            if r["method"] == method:
+                best[r["batch_size"]] = max(best.get(r["batch_size"], 0), r["tokens_per_s"])
+        sizes = sorted(best)
+        if method not in USES_BATCH:  # batch-1 methods: a flat reference line
+            ax.axhline(best[1], linestyle="--", linewidth=1, label=METHODS[method],
+                       color="grey" if method == "hf_batch1" else "tab:brown")
+        else:
+            ax.plot(sizes, [best[b] for b in sizes], marker="o", label=METHODS[method])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("generated tokens / s (best K)")
+    ax.set_title(f"{report['target']} on {report['machine']['device']}, "
+                 f"{report['num_prompts']} prompts")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

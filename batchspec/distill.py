@@ -1,0 +1,256 @@
+"""`batchspec distill`: train a draft for a target by distillation on the target's own greedy
+chat answers.
+
+Stages, each resumable (re-run the same command after a stop):
+1. generate: the target answers training prompts greedily (chat template); saved to data.jsonl.
+2. vocabulary: the most frequent answer tokens (plus every EOS id) become the draft's head.
+3. train: the target's first layers plus low-rank deltas, trained with cross-entropy on the
+   target's greedy tokens (exactly the choices a greedy draft must agree with); checkpointed.
+4. save: only what the target does not hold (deltas, final norm, vocabulary) and a record of
+   how it was made, including the command line.
+"""
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import random
+import shlex
+import sys
+import time
+from collections import Counter
+
+log = logging.getLogger("batchspec.distill")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    target: str = "smollm2"
+    out: str = "draft-out"
+    num_layers: int = 6
+    vocab_size: int = 8192
+    lora_rank: int = 64
+    lora_alpha: float = 64.0
+    num_prompts: int = 480
+    max_new_tokens: int = 96
+    gen_batch_size: int = 16
+    steps: int = 600
+    batch_size: int = 8
+    lr: float = 2e-3
+    warmup_steps: int = 20
+    checkpoint_every: int = 25
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("num_layers", "vocab_size", "lora_rank", "num_prompts", "max_new_tokens",
+                     "gen_batch_size", "steps", "batch_size", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not self.lr > 0:
+            raise ValueError("lr must be > 0")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchspec distill", description=__doc__.split("\n")[0])
+    defaults = DistillConfig()
+    for field in dataclasses.fields(DistillConfig):
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(getattr(defaults,
+                            field.name)), default=getattr(defaults, field.name),
+                            help=f"(default {getattr(defaults, field.name)})")
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s distill %(message)s")
+    config = DistillConfig(**vars(args))
+    distill(config, command="batchspec distill " + shlex.join(argv))
+    return 0
+
+
+def distill(config: DistillConfig, command: str) -> pathlib.Path:
+    import torch
+
+    from batchspec import models
+
+    torch.manual_seed(config.seed)
+    out = pathlib.Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    target = models.load_causal_lm(config.target)
+    tokenizer = load_tokenizer(config.target)
+    data = generate_data(config, target, tokenizer, out / "data.jsonl")
+    eos_ids = models.eos_token_ids(target)
+    vocab = pick_vocabulary(data, config.vocab_size, eos_ids)
+    (out / "vocab.json").write_text(json.dumps(vocab))
+    del target
+    final_loss, coverage = train(config, data, vocab, out)
+    record = {
+        "format": "batchspec-draft-v1", "base_model": config.target,
+        "num_layers": config.num_layers, "lora_rank": config.lora_rank,
+        "lora_alpha": config.lora_alpha,
+        "training": {"command": command, "config": dataclasses.asdict(config),
+                     "data": {"prompts": "batchspec.data.train_prompts (templates x topics, "
+                                         "disjoint from the benchmark prompts)",
+                              "num_sequences": len(data),
+                              "num_answer_tokens": sum(len(d["output_ids"]) for d in data),
+                              "answers": "target's greedy answers, chat template applied"},
+                     "vocab_coverage_of_answers": coverage, "final_loss": final_loss,
+                     "seconds": round(time.time() - started, 1)},
+    }
+    from batchspec import draft_model
+    (out / draft_model.MANIFEST).write_text(json.dumps(record, indent=2))
+    log.info("draft saved to %s", out)
+    return out
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+
+    from batchspec import models
+
+    source = models.resolve(spec)
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    return AutoTokenizer.from_pretrained(source.path, **kwargs)
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """Prompt ids with the chat template (plain text when the tokenizer has none)."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                  add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    return tokenizer(prompt)["input_ids"]
+
+
+def generate_data(config: DistillConfig, target, tokenizer, path: pathlib.Path) -> list[dict]:
+    """The target's greedy answers to the training prompts; appends to `path`, resuming."""
+    import torch
+    from tqdm import tqdm
+
+    from batchspec.data.train_prompts import training_prompts
+
+    done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    prompts = training_prompts(config.num_prompts, seed=config.seed)
+    todo = prompts[len(done):]
+    bar = tqdm(total=len(prompts), initial=len(done), desc="generate", unit="prompt")
+    with path.open("a") as sink, torch.inference_mode():
+        for i in range(0, len(todo), config.gen_batch_size):
+            batch = todo[i:i + config.gen_batch_size]
+            ids = [chat_ids(tokenizer, p) for p in batch]
+            width = max(map(len, ids))
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+            out = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
+                                  max_new_tokens=config.max_new_tokens, pad_token_id=pad)
+            eos = set(target.generation_config.eos_token_id
+                      if isinstance(target.generation_config.eos_token_id, list)
+                      else [target.generation_config.eos_token_id])
+            for prompt, prompt_ids, row in zip(batch, ids, out[:, width:].tolist()):
+                answer = []
+                for token in row:
+                    answer.append(token)
+                    if token in eos:
+                        break
+                record = {"prompt": prompt, "input_ids": prompt_ids, "output_ids": answer}
+                sink.write(json.dumps(record) + "\n")
+                done.append(record)
+            sink.flush()
+            bar.update(len(batch))
+    bar.close()
+    return done
+
+
+def pick_vocabulary(data: list[dict], size: int, eos_ids: list[int]) -> list[int]:
+    counts = Counter(t for d in data for t in d["output_ids"])
+    chosen = [t for t, _ in counts.most_common(size)]
+    for token in eos_ids:
+        if token not in chosen:
+            chosen.append(token)
+    return sorted(chosen)
+
+
+def train(config: DistillConfig, data: list[dict], vocab: list[int], out: pathlib.Path):
+    """Train LoRA deltas + the final norm; returns (final loss, vocabulary coverage)."""
+    import torch
+    from tqdm import tqdm
+
+    from batchspec import draft_model, models
+
+    student = models.load_causal_lm(config.target, num_layers=config.num_layers)
+    for param in student.parameters():
+        param.requires_grad_(False)
+    wrapped = draft_model.attach_lora(student, config.lora_rank, config.lora_alpha)
+    head = draft_model.attach_subset_head(student, vocab)
+    student.model.norm.weight.requires_grad_(True)
+    params = [p for _, m in wrapped for p in (m.lora_a, m.lora_b)] + [student.model.norm.weight]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    index_of = torch.full((student.config.vocab_size,), -100, dtype=torch.long)
+    index_of[torch.tensor(vocab)] = torch.arange(len(vocab))
+    examples = [(d["input_ids"], d["output_ids"]) for d in data if d["output_ids"]]
+    answer_tokens = [t for _, o in examples for t in o]
+    coverage = sum(int(index_of[t] >= 0) for t in answer_tokens) / max(1, len(answer_tokens))
+
+    checkpoint = out / "checkpoint.pt"
+    step, losses = 0, []
+    if checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        for (name, module) in wrapped:
+            module.lora_a.data.copy_(state["lora"][name][0])
+            module.lora_b.data.copy_(state["lora"][name][1])
+        student.model.norm.weight.data.copy_(state["norm"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, losses = state["step"], state["losses"]
+        log.info("resumed from step %d", step)
+    rng = random.Random(config.seed + step)
+    bar = tqdm(total=config.steps, initial=step, desc="train", unit="step")
+    student.train()
+    while step < config.steps:
+        batch = rng.sample(examples, min(config.batch_size, len(examples)))
+        loss = train_step(student, head, batch, index_of)
+        lr = config.lr * min(1.0, (step + 1) / config.warmup_steps) * 0.5 * (
+            1 + math.cos(math.pi * step / config.steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        losses.append(float(loss))
+        bar.update(1)
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            torch.save({"lora": {n: (m.lora_a.data, m.lora_b.data) for n, m in wrapped},
+                        "norm": student.model.norm.weight.data, "optimizer":
+                        optimizer.state_dict(), "step": step, "losses": losses}, checkpoint)
+            draft_model.save_adapter(out, wrapped, student.model.norm.weight)
+    bar.close()
+    draft_model.save_adapter(out, wrapped, student.model.norm.weight)
+    tail = losses[-20:] or [float("nan")]
+    return round(sum(tail) / len(tail), 4), round(coverage, 4)
+
+
+def train_step(student, head, batch, index_of):
+    """Cross-entropy of the draft's subset head against the target's greedy answer tokens."""
+    import torch
+
+    sequences = [p + o for p, o in batch]
+    width = max(map(len, sequences))
+    input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    for i, (prompt, answer) in enumerate(batch):
+        seq = prompt + answer
+        input_ids[i, :len(seq)] = torch.tensor(seq)
+        mask[i, :len(seq)] = 1
+        # position t predicts token t + 1: label the positions that predict answer tokens
+        targets = index_of[torch.tensor(answer)]
+        labels[i, len(prompt) - 1:len(seq) - 1] = targets
+    hidden = student.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+    logits = head.subset_logits(hidden)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             labels.reshape(-1), ignore_index=-100)

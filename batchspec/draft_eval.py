@@ -1,0 +1,121 @@
+"""`batchspec evaluate-draft`: how good a draft is for a target, on held-out chat prompts.
+
+- agreement: teacher-forced on the target's own greedy answers to the benchmark prompts (which
+  no draft is trained on), the share of answer positions where the draft's argmax is the
+  target's token;
+- cost: the median time of one decode step (one token, batch 1, a 200-token cache) of the
+  draft over that of the target, measured the same way in the same process.
+"""
+import argparse
+import json
+import logging
+import pathlib
+import statistics
+import sys
+import time
+
+log = logging.getLogger("batchspec.evaluate")
+
+
+def bench_prompts(limit: int | None = None) -> list[dict]:
+    path = pathlib.Path(__file__).parent / "data" / "bench_prompts.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rows[:limit] if limit else rows
+
+
+def target_answers(target, tokenizer, prompts: list[str], max_new_tokens: int,
+                   batch_size: int = 16) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy answer ids up to EOS) for each prompt."""
+    import torch
+
+    from batchspec.distill import chat_ids
+    from batchspec.models import eos_token_ids
+
+    eos = set(eos_token_ids(target))
+    pairs = []
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch_size):
+            ids = [chat_ids(tokenizer, p) for p in prompts[i:i + batch_size]]
+            width = max(map(len, ids))
+            out = target.generate(
+                input_ids=torch.tensor([[0] * (width - len(x)) + x for x in ids]),
+                attention_mask=torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids]),
+                do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
+            for prompt_ids, row in zip(ids, out[:, width:].tolist()):
+                answer = []
+                for token in row:
+                    answer.append(token)
+                    if token in eos:
+                        break
+                pairs.append((prompt_ids, answer))
+    return pairs
+
+
+def agreement(draft, pairs) -> float:
+    import torch
+
+    matches = total = 0
+    with torch.inference_mode():
+        for prompt_ids, answer in pairs:
+            logits = draft(torch.tensor([prompt_ids + answer])).logits[0]
+            predicted = logits[len(prompt_ids) - 1:len(prompt_ids) + len(answer) - 1].argmax(-1)
+            matches += int((predicted == torch.tensor(answer)).sum())
+            total += len(answer)
+    return matches / max(1, total)
+
+
+def decode_step_seconds(model, context: int = 200, repeats: int = 40) -> float:
+    import torch
+
+    with torch.inference_mode():
+        out = model(torch.randint(0, 1000, (1, context)), use_cache=True)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            step = model(torch.tensor([[5]]), past_key_values=out.past_key_values, use_cache=True)
+            times.append(time.perf_counter() - started)
+            out = step
+    return statistics.median(times)
+
+
+def evaluate(target_spec: str, draft_spec: str, *, num_layers: int | None = None,
+             max_new_tokens: int = 64, num_prompts: int | None = None) -> dict:
+    from batchspec import models
+    from batchspec.distill import load_tokenizer
+
+    target = models.load_causal_lm(target_spec)
+    draft = models.load_causal_lm(draft_spec, num_layers=num_layers)
+    tokenizer = load_tokenizer(target_spec)
+    prompts = [r["prompt"] for r in bench_prompts(num_prompts)]
+    pairs = target_answers(target, tokenizer, prompts, max_new_tokens)
+    target_s, draft_s = decode_step_seconds(target), decode_step_seconds(draft)
+    return {"target": target_spec, "draft": draft_spec, "draft_num_layers": num_layers,
+            "num_prompts": len(prompts), "num_answer_tokens": sum(len(a) for _, a in pairs),
+            "greedy_agreement": round(agreement(draft, pairs), 4),
+            "target_step_ms": round(target_s * 1000, 2), "draft_step_ms": round(draft_s * 1000, 2),
+            "draft_cost_ratio": round(draft_s / target_s, 4)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="batchspec evaluate-draft", description=__doc__)
+    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--draft", required=True, help="draft model dir (or any --model value)")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="keep only the draft's first N layers (plain models only)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=None, help="default: all")
+    parser.add_argument("--record", action="store_true",
+                        help="store the result in the draft directory's manifest")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s evaluate %(message)s")
+    result = evaluate(args.target, args.draft, num_layers=args.num_layers,
+                      max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts)
+    print(json.dumps(result, indent=2))
+    if args.record:
+        from batchspec import draft_model
+
+        manifest = pathlib.Path(args.draft) / draft_model.MANIFEST
+        record = json.loads(manifest.read_text())
+        record["evaluation"] = result
+        manifest.write_text(json.dumps(record, indent=2))
+    return 0

@@ -1,0 +1,111 @@
+"""A distilled draft stored as what the target does not already hold.
+
+A draft directory holds `batchspec_draft.json` (what it is built from and how it was trained),
+`adapter.safetensors` (low-rank deltas for the kept layers, and the final norm) and
+`vocab.json` (the token ids its output head covers). Loading takes the base model's first
+`num_layers` layers, adds the deltas, and gives it a head over the vocabulary subset that
+scores every other token -inf, so its distributions are over the full vocabulary.
+"""
+import json
+import pathlib
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "batchspec_draft.json"
+ADAPTER = "adapter.safetensors"
+VOCAB = "vocab.json"
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def is_draft_dir(spec: str) -> bool:
+    return (pathlib.Path(spec) / MANIFEST).is_file()
+
+
+class LoRALinear(torch.nn.Module):
+    """y = base(x) + scale * (x A^T) B^T with the base frozen; B starts at zero."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base = base
+        self.scale = alpha / rank
+        self.lora_a = torch.nn.Parameter(torch.randn(rank, base.in_features) / base.in_features**0.5)
+        self.lora_b = torch.nn.Parameter(torch.zeros(base.out_features, rank))
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_a.T @ self.lora_b.T) * self.scale
+
+    def merged_weight(self) -> torch.Tensor:
+        return self.base.weight + self.scale * (self.lora_b @ self.lora_a)
+
+
+class SubsetHead(torch.nn.Module):
+    """Output head over a vocabulary subset; logits of other tokens are -inf."""
+
+    def __init__(self, embedding_weight: torch.Tensor, token_ids: list[int], vocab_size: int):
+        super().__init__()
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        self.register_buffer("token_ids", ids, persistent=False)
+        self.weight = torch.nn.Parameter(embedding_weight[ids].detach().clone(),
+                                         requires_grad=False)  # [subset, hidden]
+        self.vocab_size = vocab_size
+
+    def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.weight.T  # [..., subset]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.subset_logits(hidden)
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.token_ids] = logits
+        return full
+
+
+def attach_lora(model, rank: int, alpha: float) -> list[tuple[str, LoRALinear]]:
+    """Wrap the kept layers' projections with LoRA; returns (qualified name, module) pairs."""
+    wrapped = []
+    for layer_index, layer in enumerate(model.model.layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for name in LORA_TARGETS:
+                if hasattr(parent, name):
+                    module = LoRALinear(getattr(parent, name), rank, alpha)
+                    setattr(parent, name, module)
+                    wrapped.append((f"layers.{layer_index}.{name}", module))
+    return wrapped
+
+
+def attach_subset_head(model, token_ids: list[int]) -> SubsetHead:
+    head = SubsetHead(model.get_input_embeddings().weight, token_ids, model.config.vocab_size)
+    model.lm_head = head
+    model.config.tie_word_embeddings = False
+    return head
+
+
+def save_adapter(out: pathlib.Path, wrapped, norm_weight: torch.Tensor) -> None:
+    tensors = {"norm.weight": norm_weight.detach().to(torch.float16).contiguous()}
+    for name, module in wrapped:
+        tensors[f"{name}.lora_a"] = module.lora_a.detach().to(torch.float16).contiguous()
+        tensors[f"{name}.lora_b"] = module.lora_b.detach().to(torch.float16).contiguous()
+    save_file(tensors, str(out / ADAPTER))
+
+
+def load_draft(path: str, *, dtype: str, device: str):
+    """Build the draft model a draft directory describes."""
+    from batchspec import models
+
+    root = pathlib.Path(path)
+    manifest = json.loads((root / MANIFEST).read_text())
+    model = models.load_causal_lm(manifest["base_model"], dtype="float32", device="cpu",
+                                  num_layers=manifest["num_layers"])
+    tensors = load_file(str(root / ADAPTER))
+    scale = manifest["lora_alpha"] / manifest["lora_rank"]
+    with torch.no_grad():
+        for layer_index, layer in enumerate(model.model.layers):
+            for parent in (layer.self_attn, layer.mlp):
+                for name in LORA_TARGETS:
+                    key = f"layers.{layer_index}.{name}"
+                    if hasattr(parent, name) and f"{key}.lora_a" in tensors:
+                        a, b = tensors[f"{key}.lora_a"].float(), tensors[f"{key}.lora_b"].float()
+                        getattr(parent, name).weight += scale * (b @ a)
+        model.model.norm.weight.copy_(tensors["norm.weight"].float())
+    attach_subset_head(model, json.loads((root / VOCAB).read_text()))
+    return model.to(device=device, dtype=getattr(torch, dtype)).eval()

@@ -1,0 +1,74 @@
+"""Engine clients that call the model-runners in this process instead of over gRPC: the same
+engine, minus serialisation and RPC (for the benchmark's in-process methods)."""
+import time
+
+from batchspec import probs_wire, runner as runner_lib, sampling
+from coordinator.clients import ModelInfo, Proposal, Timing, VerifyOutcome
+from draft_service import proposer
+from target_service import verifier
+
+
+def _sampling(spec) -> sampling.Sampling:
+    return sampling.Sampling(spec.temperature, spec.top_k, spec.top_p, spec.seed)
+
+
+def _timing(group, started: float) -> Timing:
+    return Timing(time.perf_counter() - started, group.realign_seconds, group.forward_seconds)
+
+
+class _InProcess:
+    def __init__(self, runner: runner_lib.ModelRunner, name: str):
+        self.runner = runner
+        self.address = name
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def describe(self, timeout: float = 0.0) -> ModelInfo:
+        r = self.runner
+        return ModelInfo(r.name, r.vocab_size, r.eos_token_ids, r.max_context_len,
+                         len(r.caches), r.num_cached_tokens())
+
+    def prefill(self, entries):
+        return self.runner.prefill(entries)
+
+    def trim(self, entries):
+        return self.runner.trim(entries)
+
+    def release(self, seq_ids):
+        return self.runner.release(seq_ids)
+
+
+class InProcessDraft(_InProcess):
+    def propose(self, num_drafts, realign, specs, timeout=None):
+        started = time.perf_counter()
+        rows = [proposer.ProposeRow(s.seq_id, s.expected_cache_len, s.keep_len,
+                                    list(s.append_token_ids), _sampling(s.sampling))
+                for s in specs]
+        proposals, group = proposer.propose(self.runner, rows, num_drafts, realign=realign)
+        return [Proposal(p.seq_id, p.draft_token_ids, p.draft_probs, p.cache_len,
+                         sum(len(b) + 4 * len(i) for i, b in p.draft_probs))
+                for p in proposals], _timing(group, started)
+
+
+class InProcessTarget(_InProcess):
+    def verify(self, realign, specs, timeout=None):
+        import torch
+
+        started = time.perf_counter()
+        vocab = self.runner.vocab_size
+        rows = []
+        for s in specs:
+            probs = None
+            if s.draft_probs:
+                probs = torch.stack([probs_wire.decode(ids, payload, vocab)
+                                     for ids, payload in s.draft_probs])
+            rows.append(verifier.VerifyRow(s.seq_id, s.expected_cache_len,
+                                           list(s.append_token_ids), list(s.draft_token_ids),
+                                           probs, _sampling(s.sampling)))
+        outcomes, group = verifier.verify(self.runner, rows, realign=realign)
+        return [VerifyOutcome(o.seq_id, o.num_accepted, o.output_token_ids, o.cache_len)
+                for o in outcomes], _timing(group, started)

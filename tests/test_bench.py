@@ -1,0 +1,35 @@
+"""`batchspec bench --quick` produces a complete report, and batchspec's output is exact."""
+import json
+import subprocess
+import sys
+
+from batchspec.bench import METHODS, USES_BATCH, USES_K
+
+
+def test_quick_bench_writes_a_complete_exact_report(tmp_path):
+    out = tmp_path / "report"
+    done = subprocess.run([sys.executable, "-m", "batchspec", "bench", "--quick", "--out",
+                           str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "results.json").read_text())
+    rows = report["rows"]
+    sizes, ks = report["config"]["batch_sizes"], report["config"]["ks"]
+    for method in METHODS:
+        got = {(r["batch_size"], r["k"]) for r in rows if r["method"] == method}
+        want = {(b if method in USES_BATCH else 1, k if method in USES_K else None)
+                for b in sizes for k in ks}
+        assert got == want, method
+    for row in rows:
+        assert row["tokens_per_s"] > 0 and row["num_tokens"] > 0
+        assert "vs_batch1" in row and "target_passes_per_token" in row
+        if row["method"] in ("engine_realign", "engine_grouped", "grpc"):
+            assert row["exact_match"] == 1.0, row
+            assert 0 <= row["acceptance_rate"] <= 1 and row["mean_acceptance_length"] >= 1
+            assert set(row["time_share"]) == {"draft", "verify", "realign", "rpc", "coordinator"}
+            assert 0 <= row["realigned_step_share"] <= 1
+        if row["method"] in USES_BATCH:
+            assert "vs_batched" in row
+    assert rows[0]["method"] == "hf_batch1" and rows[0]["exact_match"] == 1.0
+    markdown = (out / "results.md").read_text()
+    assert all(f"| {m} |" in markdown for m in METHODS)
+    assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
