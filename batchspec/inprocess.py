@@ -2,14 +2,10 @@
 engine, minus serialisation and RPC (for the benchmark's in-process methods)."""
 import time
 
-from batchspec import probs_wire, runner as runner_lib, sampling
+from batchspec import probs_wire, runner as runner_lib
 from coordinator.clients import ModelInfo, Proposal, Timing, VerifyOutcome
 from draft_service import proposer
 from target_service import verifier
-
-
-def _sampling(spec) -> sampling.Sampling:
-    return sampling.Sampling(spec.temperature, spec.top_k, spec.top_p, spec.seed)
 
 
 def _timing(group, started: float) -> Timing:
@@ -46,7 +42,7 @@ class InProcessDraft(_InProcess):
     def propose(self, num_drafts, realign, specs, timeout=None):
         started = time.perf_counter()
         rows = [proposer.ProposeRow(s.seq_id, s.expected_cache_len, s.keep_len,
-                                    list(s.append_token_ids), _sampling(s.sampling))
+                                    list(s.append_token_ids), s.sampling)
                 for s in specs]
         proposals, group = proposer.propose(self.runner, rows, num_drafts, realign=realign)
         return [Proposal(p.seq_id, p.draft_token_ids, p.draft_probs, p.cache_len,
@@ -68,7 +64,7 @@ class InProcessTarget(_InProcess):
                                      for ids, payload in s.draft_probs])
             rows.append(verifier.VerifyRow(s.seq_id, s.expected_cache_len,
                                            list(s.append_token_ids), list(s.draft_token_ids),
-                                           probs, _sampling(s.sampling)))
+                                           probs, s.sampling))
         outcomes, group = verifier.verify(self.runner, rows, realign=realign)
         return [VerifyOutcome(o.seq_id, o.num_accepted, o.output_token_ids, o.cache_len)
                 for o in outcomes], _timing(group, started)

@@ -16,20 +16,6 @@ import torch
 
 
 @dataclasses.dataclass(frozen=True)
-class Sampling:
-    """Per-sequence sampling settings; temperature 0 means greedy."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
-
-
-@dataclasses.dataclass(frozen=True)
 class Verification:
     num_accepted: torch.Tensor  # [batch] accepted drafts per row, 0..K
     output_token_ids: torch.Tensor  # [batch, K + 1]; row i's tokens are [:num_accepted[i] + 1]

@@ -6,8 +6,9 @@ import logging
 import random
 import time
 
-from batchspec import errors, models, runner as runner_lib, sampling, server as server_lib
+from batchspec import errors, models, runner as runner_lib, server as server_lib
 from batchspec.metrics import ServiceMetrics, serve_metrics
+from batchspec.params import SamplingParams
 from batchspec.v1 import cache_pb2
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,32 @@ def timing(group, started: float) -> cache_pb2.CommandTiming:
                                    forward_seconds=group.forward_seconds)
 
 
+class ModelServicer:
+    """What both services' servicers share: the command stream and Describe. A subclass sets
+    `result_type` and implements `handle_own(kind, command)` for its own commands."""
+
+    result_type = None
+
+    def __init__(self, runner: runner_lib.ModelRunner, dtype: str = "float32", metrics=None):
+        self.runner = runner
+        self.dtype = dtype
+        self.metrics = metrics
+
+    def RunCommands(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        yield from serve_commands(request_iterator, self.runner, self.handle, self.result_type,
+                                  context, self.metrics)
+
+    def Describe(self, request, context):  # noqa: N802 (gRPC method name)
+        return describe(self.runner, self.dtype)
+
+    def handle(self, kind, command):
+        handled = handle_cache_command(self.runner, kind, command)
+        return handled if handled is not None else self.handle_own(kind, command)
+
+    def handle_own(self, kind, command):
+        raise NotImplementedError
+
+
 def command_error(error: BaseException) -> cache_pb2.CommandError:
     code = errors.to_status_code(error)
     return cache_pb2.CommandError(code=errors.code_number(code), message=str(error))
@@ -76,10 +103,10 @@ def describe(runner: runner_lib.ModelRunner, dtype: str) -> cache_pb2.ModelInfo:
                                device=str(runner.device), dtype=dtype)
 
 
-def to_sampling(params: cache_pb2.SamplingParams) -> sampling.Sampling:
+def to_sampling(params: cache_pb2.SamplingParams) -> SamplingParams:
     if params.temperature < 0 or params.top_k < 0 or not 0 <= params.top_p <= 1:
         raise errors.InvalidArgument("sampling: temperature >= 0, top_k >= 0, top_p in (0, 1]")
-    return sampling.Sampling(temperature=params.temperature, top_k=params.top_k,
+    return SamplingParams(temperature=params.temperature, top_k=params.top_k,
                              top_p=params.top_p or 1.0, seed=params.seed)
 
 

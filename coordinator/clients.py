@@ -9,7 +9,7 @@ import grpc
 
 from batchspec import errors, server as server_lib
 from batchspec.v1 import cache_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from coordinator.sequence import SamplingSpec
+from batchspec.params import SamplingParams
 
 _END = object()
 
@@ -30,7 +30,7 @@ class ProposeSpec:
     expected_cache_len: int
     keep_len: int
     append_token_ids: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ class VerifySpec:
     append_token_ids: list[int]
     draft_token_ids: list[int]
     draft_probs: list
-    sampling: SamplingSpec
+    sampling: SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +181,7 @@ class ServiceClient:
         self.channel.close()
 
 
-def _sampling(spec: SamplingSpec) -> cache_pb2.SamplingParams:
+def _sampling(spec: SamplingParams) -> cache_pb2.SamplingParams:
     return cache_pb2.SamplingParams(temperature=spec.temperature, top_k=spec.top_k,
                                     top_p=spec.top_p, seed=spec.seed)
 

@@ -15,7 +15,8 @@ import time
 from batchspec import errors
 from coordinator import scheduler
 from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
-from coordinator.sequence import Finish, SamplingSpec, Sequence
+from batchspec.params import SamplingParams
+from coordinator.sequence import Finish, Sequence
 from coordinator.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class Engine:
 
     # ---- request side (any thread) ------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], max_new_tokens: int,
-               sampling: SamplingSpec = SamplingSpec(), *, ignore_eos: bool = False,
+               sampling: SamplingParams = SamplingParams(), *, ignore_eos: bool = False,
                deadline: float | None = None, stop_check=None) -> RequestHandle:
         seq = Sequence(next(self._ids), list(prompt_token_ids), max_new_tokens,
                        frozenset() if ignore_eos else self.eos_token_ids, sampling,

@@ -13,25 +13,13 @@ import dataclasses
 import enum
 import time
 
+from batchspec.params import SamplingParams
+
 
 class Finish(enum.Enum):
     STOP = "stop"  # an end-of-sequence token (kept in the output)
     LENGTH = "length"  # max_new_tokens reached
     STOP_STRING = "stop_string"  # a stop string appeared in the text
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingSpec:
-    """How a request picks tokens; temperature 0 is greedy."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
 
 
 @dataclasses.dataclass
@@ -47,7 +35,7 @@ class Sequence:
     prompt_token_ids: list[int]
     max_new_tokens: int
     stop_token_ids: frozenset[int]
-    sampling: SamplingSpec = SamplingSpec()
+    sampling: SamplingParams = SamplingParams()
     token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
     target_cache_len: int = 0
     draft_cache_len: int | None = 0  # None: not cached in the draft service (must prefill)

@@ -10,7 +10,8 @@ import time
 from batchspec import errors
 from batchspec.v1 import generate_pb2, generate_pb2_grpc
 from coordinator.engine import Engine
-from coordinator.sequence import Finish, SamplingSpec
+from batchspec.params import SamplingParams
+from coordinator.sequence import Finish
 from coordinator.text import Detokenizer, TextCodec
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class Limits:
 class ValidRequest:
     prompt_token_ids: list[int]
     max_new_tokens: int
-    sampling: SamplingSpec
+    sampling: SamplingParams
     stop: list[str]
     ignore_eos: bool
 
@@ -73,7 +74,7 @@ def validate(request: generate_pb2.GenerateRequest, limits: Limits,
                         list(request.stop), request.ignore_eos)
 
 
-def to_sampling(request: generate_pb2.GenerateRequest) -> SamplingSpec:
+def to_sampling(request: generate_pb2.GenerateRequest) -> SamplingParams:
     bad = errors.InvalidArgument
     temperature = request.temperature if request.HasField("temperature") else 0.0
     if not math.isfinite(temperature) or temperature < 0:
@@ -85,7 +86,7 @@ def to_sampling(request: generate_pb2.GenerateRequest) -> SamplingSpec:
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise bad(f"top_p must be in (0, 1], not {top_p}")
     seed = request.seed if request.HasField("seed") else random.getrandbits(63)
-    return SamplingSpec(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
 
 class CoordinatorServicer(generate_pb2_grpc.CoordinatorServicer):

@@ -4,7 +4,7 @@ import dataclasses
 import torch
 
 from batchspec import errors, probs_wire, runner as runner_lib, sampling
-from batchspec.sampling import Sampling
+from batchspec.params import SamplingParams
 from batchspec.service import sampling_uniforms
 
 DRAFT_STREAM = 0
@@ -16,7 +16,7 @@ class ProposeRow:
     expected_cache_len: int
     keep_len: int
     append_token_ids: list[int]  # committed tokens after keep_len, ending with the last one
-    sampling: Sampling
+    sampling: SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

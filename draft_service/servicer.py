@@ -8,23 +8,10 @@ from draft_service import proposer
 SERVICE_NAME = "batchspec.v1.DraftService"
 
 
-class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, runner, dtype: str = "float32", metrics=None):
-        self.runner = runner
-        self.dtype = dtype
-        self.metrics = metrics
+class DraftServicer(service.ModelServicer, draft_pb2_grpc.DraftServiceServicer):
+    result_type = draft_pb2.DraftResult
 
-    def RunCommands(self, request_iterator, context):
-        yield from service.serve_commands(request_iterator, self.runner, self.handle,
-                                          draft_pb2.DraftResult, context, self.metrics)
-
-    def Describe(self, request, context):
-        return service.describe(self.runner, self.dtype)
-
-    def handle(self, kind, command):
-        handled = service.handle_cache_command(self.runner, kind, command)
-        if handled is not None:
-            return handled
+    def handle_own(self, kind, command):
         started = time.perf_counter()
         rows = [proposer.ProposeRow(e.seq_id, e.expected_cache_len, e.keep_len,
                                     list(e.append_token_ids), service.to_sampling(e.sampling))

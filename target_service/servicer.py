@@ -10,23 +10,10 @@ from target_service import verifier
 SERVICE_NAME = "batchspec.v1.TargetService"
 
 
-class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, runner, dtype: str = "float32", metrics=None):
-        self.runner = runner
-        self.dtype = dtype
-        self.metrics = metrics
+class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceServicer):
+    result_type = target_pb2.TargetResult
 
-    def RunCommands(self, request_iterator, context):
-        yield from service.serve_commands(request_iterator, self.runner, self.handle,
-                                          target_pb2.TargetResult, context, self.metrics)
-
-    def Describe(self, request, context):
-        return service.describe(self.runner, self.dtype)
-
-    def handle(self, kind, command):
-        handled = service.handle_cache_command(self.runner, kind, command)
-        if handled is not None:
-            return handled
+    def handle_own(self, kind, command):
         started = time.perf_counter()
         rows = [to_verify_row(e, self.runner.vocab_size) for e in command.entries]
         if not rows:

@@ -4,7 +4,7 @@ import dataclasses
 import torch
 
 from batchspec import errors, runner as runner_lib, sampling
-from batchspec.sampling import Sampling
+from batchspec.params import SamplingParams
 from batchspec.service import sampling_uniforms
 
 # Random streams of the target, so acceptance and final draws never reuse the draft's numbers.
@@ -18,7 +18,7 @@ class VerifyRow:
     append_token_ids: list[int]  # committed tokens not yet cached (normally the last one)
     draft_token_ids: list[int]  # K drafted tokens
     draft_probs: torch.Tensor | None  # [K, vocab] the drafts' distributions; None when greedy
-    sampling: Sampling
+    sampling: SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

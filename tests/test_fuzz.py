@@ -8,7 +8,7 @@ import tiny_models
 from batchspec import errors
 from batchspec.v1 import generate_pb2
 from coordinator.clients import ProposeSpec, VerifySpec
-from coordinator.sequence import SamplingSpec
+from batchspec.params import SamplingParams
 from conftest import running_stack
 
 FUZZ = settings(max_examples=60, deadline=None,
@@ -102,7 +102,7 @@ def run(client, command):
     else:
         seq_id, expected, append, drafts, realign = args
         client.verify(realign, [VerifySpec(seq_id, expected, append, drafts, [],
-                                           SamplingSpec())])
+                                           SamplingParams())])
 
 
 def test_draft_refuses_unknown_ids_and_bad_k(stack):
@@ -111,12 +111,12 @@ def test_draft_refuses_unknown_ids_and_bad_k(stack):
     client = DraftClient(f"127.0.0.1:{stack.draft_port}")
     try:
         with pytest.raises(errors.NotFound):
-            client.propose(2, False, [ProposeSpec(12345, 0, 0, [5], SamplingSpec())])
+            client.propose(2, False, [ProposeSpec(12345, 0, 0, [5], SamplingParams())])
         client.prefill([(77, [5, 6])])
         with pytest.raises(errors.InvalidArgument):
-            client.propose(0, False, [ProposeSpec(77, 2, 2, [7], SamplingSpec())])
+            client.propose(0, False, [ProposeSpec(77, 2, 2, [7], SamplingParams())])
         with pytest.raises(errors.InvalidArgument):
-            client.propose(2, False, [ProposeSpec(77, 2, 3, [7], SamplingSpec())])
+            client.propose(2, False, [ProposeSpec(77, 2, 3, [7], SamplingParams())])
         assert client.release([77]) == 0
     finally:
         client.close()

@@ -6,10 +6,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from batchspec import errors
 from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
-from coordinator.sequence import SamplingSpec
+from batchspec.params import SamplingParams
 from conftest import start_draft, start_target
 
-GREEDY = SamplingSpec()
+GREEDY = SamplingParams()
 
 
 @pytest.fixture(scope="module")
