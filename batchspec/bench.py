@@ -136,14 +136,10 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
 
     tokenizer = load_tokenizer(config.target)
     prompts = [chat_ids(tokenizer, r["prompt"]) for r in bench_prompts(config.num_prompts)]
-    draft = config.draft or default_draft()
+    draft = config.draft or str(models.PACKAGED_DRAFT)
     target_model = models.load_causal_lm(config.target)
     return Workload(config.target, draft, config.draft_layers, prompts, config.max_new_tokens,
                     models.eos_token_ids(target_model))
-
-
-def default_draft() -> str:
-    return str(pathlib.Path(__file__).parent / "drafts" / "smollm2-draft")
 
 
 def truncate_at_eos(tokens: list[int], eos: set[int], limit: int) -> list[int]:
@@ -344,8 +340,8 @@ def scrape(port: int) -> dict:
             continue
         name, value = line.rsplit(" ", 1)
         base, _, labels = name.partition("{")
-        kept = ",".join(l for l in labels.rstrip("}").split(",")
-                        if l and not l.startswith(("model_name=", "role=")))
+        kept = ",".join(label for label in labels.rstrip("}").split(",")
+                        if label and not label.startswith(("model_name=", "role=")))
         key = base.split(":", 1)[-1] + (f"{{{kept}}}" if kept else "")
         values[key] = values.get(key, 0.0) + float(value)
     return values
@@ -365,7 +361,8 @@ def run(config: BenchConfig) -> dict:
     import torch
     from tqdm import tqdm
 
-    from batchspec import models, runner as runner_lib
+    from batchspec import models
+    from batchspec import runner as runner_lib
 
     with tempfile.TemporaryDirectory() as scratch:
         workload = build_workload(config, pathlib.Path(scratch))
@@ -480,7 +477,8 @@ def markdown(report: dict) -> str:
             f"| {r['method']} | {r['batch_size']} | {fmt(r['k'], '{}')} | "
             f"{r['tokens_per_s']:.1f} | {fmt(r.get('vs_batched'))} | {fmt(r.get('vs_batch1'))} | "
             f"{fmt(r.get('acceptance_rate'))} | {fmt(r.get('mean_acceptance_length'))} | "
-            f"{r['target_passes_per_token']:.2f} | {fmt(r.get('realigned_step_share'), '{:.0%}')} | "
+            f"{r['target_passes_per_token']:.2f} | "
+            f"{fmt(r.get('realigned_step_share'), '{:.0%}')} | "
             f"{shares} | {r['exact_match']:.0%} |")
     lines += ["", "Methods: " + "; ".join(f"`{k}` = {v}" for k, v in METHODS.items()), ""]
     return "\n".join(lines)

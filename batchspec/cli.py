@@ -11,7 +11,7 @@ import sys
 import time
 
 log = logging.getLogger("batchspec")
-DEFAULT_DRAFT_LAYERS = 4  # until a trained draft ships: the target's first layers
+DEFAULT_DRAFT_LAYERS = 4  # without a distilled draft for the target: its first layers
 
 
 def main(argv=None) -> int:
@@ -64,8 +64,8 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-model", default="smollm2",
                         help="target model: HF dir, .gguf file, hub id, or 'smollm2' (default)")
     parser.add_argument("--draft-model", default=None,
-                        help="draft model (default: the target's first "
-                             f"{DEFAULT_DRAFT_LAYERS} layers)")
+                        help="draft model (default: the packaged distilled draft for smollm2, "
+                             f"else the target's first {DEFAULT_DRAFT_LAYERS} layers)")
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="keep only the draft model's first N layers")
     parser.add_argument("--tokenizer", default=None,
@@ -85,10 +85,8 @@ def serve_parser() -> argparse.ArgumentParser:
 def serve(argv) -> int:
     args = serve_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
-    draft_model = args.draft_model or args.target_model
-    draft_layers = args.draft_layers
-    if args.draft_model is None and draft_layers is None:
-        draft_layers = DEFAULT_DRAFT_LAYERS
+    draft_model, draft_layers = pick_draft(args.target_model, args.draft_model,
+                                           args.draft_layers)
     tokenizer = args.tokenizer or find_tokenizer(args.target_model)
     target_port, draft_port = free_port(), free_port()
     common = ["--dtype", args.dtype]
@@ -126,6 +124,18 @@ def serve(argv) -> int:
         stop_children(children)
     failed = [c for c in children if c.returncode not in (0, -signal.SIGTERM, -signal.SIGINT)]
     return 1 if failed else 0
+
+
+def pick_draft(target: str, draft: str | None, layers: int | None):
+    """(draft model, layers to keep): the packaged distilled draft for the default target,
+    else the target's first layers."""
+    from batchspec import models
+
+    if draft is not None:
+        return draft, layers
+    if target == models.SMOLLM2 and layers is None and models.PACKAGED_DRAFT.is_dir():
+        return models.SMOLLM2_DRAFT, None
+    return target, layers or DEFAULT_DRAFT_LAYERS
 
 
 def stop_children(children) -> None:

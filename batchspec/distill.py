@@ -41,12 +41,17 @@ class DistillConfig:
     warmup_steps: int = 20
     checkpoint_every: int = 25
     seed: int = 0
+    # Soft labels: the target's top-k probabilities (over the draft's vocabulary) at every
+    # answer position; 0 trains on the greedy tokens alone.
+    teacher_top_k: int = 32
 
     def __post_init__(self):
         for name in ("num_layers", "vocab_size", "lora_rank", "num_prompts", "max_new_tokens",
                      "gen_batch_size", "steps", "batch_size", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.teacher_top_k < 0:
+            raise ValueError("teacher_top_k must be >= 0")
         if not self.lr > 0:
             raise ValueError("lr must be > 0")
 
@@ -85,8 +90,10 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
     eos_ids = models.eos_token_ids(target)
     vocab = pick_vocabulary(data, config.vocab_size, eos_ids)
     (out / "vocab.json").write_text(json.dumps(vocab))
+    teacher = (teacher_labels(config, target, data, vocab, out / "teacher.pt")
+               if config.teacher_top_k else None)
     del target
-    final_loss, coverage = train(config, data, vocab, out)
+    final_loss, coverage = train(config, data, vocab, out, teacher)
     record = {
         "format": "batchspec-draft-v1", "base_model": config.target,
         "num_layers": config.num_layers, "lora_rank": config.lora_rank,
@@ -94,6 +101,9 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
         "training": {"command": command, "config": dataclasses.asdict(config),
                      "data": {"prompts": "batchspec.data.train_prompts (templates x topics, "
                                          "disjoint from the benchmark prompts)",
+                              "labels": (f"target's top-{config.teacher_top_k} probabilities "
+                                         "over the draft vocabulary" if config.teacher_top_k
+                                         else "target's greedy tokens"),
                               "num_sequences": len(data),
                               "num_answer_tokens": sum(len(d["output_ids"]) for d in data),
                               "answers": "target's greedy answers, chat template applied"},
@@ -164,6 +174,32 @@ def generate_data(config: DistillConfig, target, tokenizer, path: pathlib.Path) 
     return done
 
 
+def teacher_labels(config: DistillConfig, target, data, vocab, path: pathlib.Path):
+    """Per sequence: (top-k indices into vocab, their probabilities) at every answer position,
+    from the target's distribution restricted to the draft vocabulary. Cached in `path`."""
+    import torch
+    from tqdm import tqdm
+
+    if path.exists():
+        cached = torch.load(path, weights_only=False)
+        if len(cached) == len(data):
+            return cached
+    subset = torch.tensor(vocab)
+    labels = []
+    with torch.inference_mode():
+        for record in tqdm(data, desc="teacher", unit="seq"):
+            prompt, answer = record["input_ids"], record["output_ids"]
+            if not answer:
+                labels.append(None)
+                continue
+            logits = target(torch.tensor([prompt + answer])).logits[0]
+            logits = logits[len(prompt) - 1:len(prompt) + len(answer) - 1][:, subset]
+            probs, index = logits.float().softmax(-1).topk(config.teacher_top_k, dim=-1)
+            labels.append((index.to(torch.int16), (probs / probs.sum(-1, keepdim=True)).half()))
+    torch.save(labels, path)
+    return labels
+
+
 def pick_vocabulary(data: list[dict], size: int, eos_ids: list[int]) -> list[int]:
     counts = Counter(t for d in data for t in d["output_ids"])
     chosen = [t for t, _ in counts.most_common(size)]
@@ -173,7 +209,8 @@ def pick_vocabulary(data: list[dict], size: int, eos_ids: list[int]) -> list[int
     return sorted(chosen)
 
 
-def train(config: DistillConfig, data: list[dict], vocab: list[int], out: pathlib.Path):
+def train(config: DistillConfig, data: list[dict], vocab: list[int], out: pathlib.Path,
+          teacher=None):
     """Train LoRA deltas + the final norm; returns (final loss, vocabulary coverage)."""
     import torch
     from tqdm import tqdm
@@ -190,8 +227,9 @@ def train(config: DistillConfig, data: list[dict], vocab: list[int], out: pathli
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     index_of = torch.full((student.config.vocab_size,), -100, dtype=torch.long)
     index_of[torch.tensor(vocab)] = torch.arange(len(vocab))
-    examples = [(d["input_ids"], d["output_ids"]) for d in data if d["output_ids"]]
-    answer_tokens = [t for _, o in examples for t in o]
+    examples = [(d["input_ids"], d["output_ids"], teacher[i] if teacher else None)
+                for i, d in enumerate(data) if d["output_ids"]]
+    answer_tokens = [t for _, o, _ in examples for t in o]
     coverage = sum(int(index_of[t] >= 0) for t in answer_tokens) / max(1, len(answer_tokens))
 
     checkpoint = out / "checkpoint.pt"
@@ -235,22 +273,28 @@ def train(config: DistillConfig, data: list[dict], vocab: list[int], out: pathli
 
 
 def train_step(student, head, batch, index_of):
-    """Cross-entropy of the draft's subset head against the target's greedy answer tokens."""
+    """Cross-entropy of the draft's subset head against the target: its top-k probabilities
+    when there are soft labels, else its greedy answer tokens."""
     import torch
 
-    sequences = [p + o for p, o in batch]
+    sequences = [p + o for p, o, _ in batch]
     width = max(map(len, sequences))
     input_ids = torch.zeros(len(batch), width, dtype=torch.long)
     mask = torch.zeros(len(batch), width, dtype=torch.long)
-    labels = torch.full((len(batch), width), -100, dtype=torch.long)
-    for i, (prompt, answer) in enumerate(batch):
-        seq = prompt + answer
+    for i, seq in enumerate(sequences):
         input_ids[i, :len(seq)] = torch.tensor(seq)
         mask[i, :len(seq)] = 1
-        # position t predicts token t + 1: label the positions that predict answer tokens
-        targets = index_of[torch.tensor(answer)]
-        labels[i, len(prompt) - 1:len(seq) - 1] = targets
     hidden = student.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
-    logits = head.subset_logits(hidden)
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             labels.reshape(-1), ignore_index=-100)
+    losses = []
+    for i, (prompt, answer, soft) in enumerate(batch):
+        # position t predicts token t + 1: the positions that predict answer tokens
+        log_q = head.subset_logits(hidden[i, len(prompt) - 1:len(prompt) + len(answer) - 1])
+        log_q = log_q.log_softmax(-1)
+        if soft is not None:
+            index, probs = soft
+            losses.append(-(probs.float() * log_q.gather(-1, index.long())).sum(-1))
+        else:
+            targets = index_of[torch.tensor(answer)]
+            keep = targets >= 0
+            losses.append(-log_q[keep].gather(-1, targets[keep, None]).squeeze(-1))
+    return torch.cat(losses).mean()

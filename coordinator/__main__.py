@@ -4,7 +4,8 @@ import dataclasses
 import itertools
 import logging
 
-from batchspec import errors, server as server_lib
+from batchspec import errors
+from batchspec import server as server_lib
 from batchspec.metrics import CoordinatorMetrics, serve_metrics
 from batchspec.v1 import generate_pb2_grpc
 from coordinator import scheduler

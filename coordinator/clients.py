@@ -7,9 +7,10 @@ import threading
 
 import grpc
 
-from batchspec import errors, server as server_lib
-from batchspec.v1 import cache_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from batchspec import errors
+from batchspec import server as server_lib
 from batchspec.params import SamplingParams
+from batchspec.v1 import cache_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 _END = object()
 
@@ -208,10 +209,11 @@ class TargetClient(ServiceClient):
 
     def verify(self, realign: bool, specs: list[VerifySpec],
                timeout: float | None = None) -> tuple[list[VerifyOutcome], Timing]:
-        result = self.stream.call(timeout=timeout, verify=target_pb2.VerifyCommand(realign=realign, entries=[
+        command = target_pb2.VerifyCommand(realign=realign, entries=[
             target_pb2.VerifyEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
                                    append_token_ids=s.append_token_ids,
                                    draft_token_ids=s.draft_token_ids, draft_probs=s.draft_probs,
-                                   sampling=_sampling(s.sampling)) for s in specs]))
+                                   sampling=_sampling(s.sampling)) for s in specs])
+        result = self.stream.call(timeout=timeout, verify=command)
         return [VerifyOutcome(e.seq_id, e.num_accepted, list(e.output_token_ids), e.cache_len)
                 for e in result.entries], _timing(result.timing)

@@ -13,9 +13,9 @@ import threading
 import time
 
 from batchspec import errors
+from batchspec.params import SamplingParams
 from coordinator import scheduler
 from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
-from batchspec.params import SamplingParams
 from coordinator.sequence import Finish, Sequence
 from coordinator.telemetry import Telemetry
 

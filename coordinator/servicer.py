@@ -6,11 +6,10 @@ import math
 import random
 import time
 
-
 from batchspec import errors
+from batchspec.params import SamplingParams
 from batchspec.v1 import generate_pb2, generate_pb2_grpc
 from coordinator.engine import Engine
-from batchspec.params import SamplingParams
 from coordinator.sequence import Finish
 from coordinator.text import Detokenizer, TextCodec
 

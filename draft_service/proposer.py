@@ -3,7 +3,8 @@ import dataclasses
 
 import torch
 
-from batchspec import errors, probs_wire, runner as runner_lib, sampling
+from batchspec import errors, probs_wire, sampling
+from batchspec import runner as runner_lib
 from batchspec.params import SamplingParams
 from batchspec.service import sampling_uniforms
 
@@ -52,7 +53,9 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
     cache_lens = [p + num_drafts - 1 for p in first_position]
     runner.store([r.seq_id for r in rows], group.rows_after(cache_lens))
     stacked = torch.stack(drafts, dim=1).tolist()  # [batch, K]
-    return [Proposal(r.seq_id, d, w, c) for r, d, w, c in zip(rows, stacked, wires, cache_lens)], group
+    proposals = [Proposal(r.seq_id, d, w, c)
+                 for r, d, w, c in zip(rows, stacked, wires, cache_lens)]
+    return proposals, group
 
 
 def sample_rows(rows, logits, positions, wires) -> torch.Tensor:

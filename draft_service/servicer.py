@@ -20,7 +20,8 @@ class DraftServicer(service.ModelServicer, draft_pb2_grpc.DraftServiceServicer):
             raise errors.InvalidArgument("propose names no sequence")
         proposals, group = proposer.propose(self.runner, rows, command.num_draft_tokens,
                                             realign=command.realign)
-        return "propose", draft_pb2.ProposeResult(timing=service.timing(group, started), entries=[
+        timing = service.timing(group, started)
+        return "propose", draft_pb2.ProposeResult(timing=timing, entries=[
             draft_pb2.ProposeResultEntry(
                 seq_id=p.seq_id, draft_token_ids=p.draft_token_ids, cache_len=p.cache_len,
                 draft_probs=[draft_pb2.SparseProbs(token_ids=ids, probs_f16=payload)

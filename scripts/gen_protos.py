@@ -1,4 +1,6 @@
-"""Regenerate batchspec/v1/*_pb2*.py from protos/. `--check` fails if the committed code is stale."""
+"""Regenerate batchspec/v1/*_pb2*.py from protos/.
+
+`--check` writes nothing and fails if the committed code is stale."""
 import argparse
 import filecmp
 import pathlib

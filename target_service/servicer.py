@@ -19,7 +19,8 @@ class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceService
         if not rows:
             raise errors.InvalidArgument("verify names no sequence")
         outcomes, group = verifier.verify(self.runner, rows, realign=command.realign)
-        return "verify", target_pb2.VerifyResult(timing=service.timing(group, started), entries=[
+        timing = service.timing(group, started)
+        return "verify", target_pb2.VerifyResult(timing=timing, entries=[
             target_pb2.VerifyResultEntry(seq_id=o.seq_id, num_accepted=o.num_accepted,
                                          output_token_ids=o.output_token_ids,
                                          cache_len=o.cache_len) for o in outcomes])

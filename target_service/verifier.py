@@ -3,7 +3,8 @@ import dataclasses
 
 import torch
 
-from batchspec import errors, runner as runner_lib, sampling
+from batchspec import errors, sampling
+from batchspec import runner as runner_lib
 from batchspec.params import SamplingParams
 from batchspec.service import sampling_uniforms
 

@@ -8,14 +8,17 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-import tiny_models  # noqa: E402
 from batchspec import service  # noqa: E402
 from batchspec.v1 import draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc  # noqa: E402
 from coordinator import __main__ as coordinator_main  # noqa: E402
 from coordinator import scheduler  # noqa: E402
 from coordinator.engine import EngineConfig  # noqa: E402
-from draft_service.servicer import SERVICE_NAME as DRAFT_NAME, DraftServicer  # noqa: E402
-from target_service.servicer import SERVICE_NAME as TARGET_NAME, TargetServicer  # noqa: E402
+from draft_service.servicer import SERVICE_NAME as DRAFT_NAME  # noqa: E402
+from draft_service.servicer import DraftServicer
+from target_service.servicer import SERVICE_NAME as TARGET_NAME  # noqa: E402
+from target_service.servicer import TargetServicer
+
+import tiny_models  # noqa: E402
 
 
 @pytest.fixture(scope="session")

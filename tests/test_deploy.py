@@ -14,11 +14,12 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
-import tiny_models
 from batchspec import service
 from batchspec.cli import free_port, wait_healthy
 from batchspec.v1 import generate_pb2_grpc
 from coordinator import __main__ as coordinator_main
+
+import tiny_models
 from test_e2e import batchspec_command
 from test_exactness import generate_all, random_requests
 
@@ -128,8 +129,10 @@ def test_environment_picks_gpus_models_and_port():
                                                 "TARGET_MODEL": "/models/big",
                                                 "COORDINATOR_PORT": "7000"})
     services = compose["services"]
-    devices = lambda n: services[n]["deploy"]["resources"]["reservations"]["devices"][0]
-    assert devices("target")["device_ids"] == ["5"] and devices("draft")["device_ids"] == ["6"]
+    def device_ids(name):
+        return services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+
+    assert device_ids("target") == ["5"] and device_ids("draft") == ["6"]
     assert parse_service_command(services["target"]["command"]).model == "/models/big"
     assert services["coordinator"]["ports"] == ["7000:50051"]
 
@@ -150,7 +153,7 @@ def test_dockerfile_builds_protos_runs_as_non_root_and_asks_for_cuda_explicitly(
 def loopback_commands(model_dirs):
     """The scale-out compose command lines, rewritten for loopback: each service gets free
     ports, the tiny models and the CPU; coordinator peers point at the mapped ports."""
-    compose = load_compose("compose.yaml", "compose.scale.yaml", env={"DRAFT_LAYERS": "2"})
+    compose = load_compose("compose.yaml", "compose.scale.yaml")
     services = compose["services"]
     target_dir, draft_dir = model_dirs["llama"]
     ports, metrics, commands = {}, {}, {}

@@ -8,9 +8,10 @@ import grpc
 import pytest
 from transformers import AutoModelForCausalLM
 
-import tiny_models
 from batchspec.cli import free_port, wait_healthy
 from batchspec.v1 import generate_pb2_grpc
+
+import tiny_models
 from test_exactness import generate_all, random_requests
 
 

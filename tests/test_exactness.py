@@ -7,8 +7,9 @@ import grpc
 import pytest
 from transformers import AutoModelForCausalLM
 
-import tiny_models
 from batchspec.v1 import generate_pb2
+
+import tiny_models
 from conftest import running_stack
 
 

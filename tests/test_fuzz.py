@@ -2,13 +2,15 @@
 status code, and the services keep serving."""
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-import tiny_models
 from batchspec import errors
+from batchspec.params import SamplingParams
 from batchspec.v1 import generate_pb2
 from coordinator.clients import ProposeSpec, VerifySpec
-from batchspec.params import SamplingParams
+
+import tiny_models
 from conftest import running_stack
 
 FUZZ = settings(max_examples=60, deadline=None,

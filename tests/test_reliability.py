@@ -8,8 +8,9 @@ import grpc
 import pytest
 from transformers import AutoModelForCausalLM
 
-import tiny_models
 from batchspec.v1 import generate_pb2
+
+import tiny_models
 from conftest import running_stack, start_draft, start_target
 
 LONG = 200  # tokens: long enough that a restart lands mid-run

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchspec.v1 import generate_pb2
+
 from conftest import running_stack
 
 PROMPT = [11, 12, 13, 14]

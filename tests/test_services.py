@@ -5,8 +5,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from batchspec import errors
-from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
 from batchspec.params import SamplingParams
+from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
+
 from conftest import start_draft, start_target
 
 GREEDY = SamplingParams()
