@@ -1,0 +1,64 @@
+"""`batchspec distill` on a tiny target: progress, resume from a checkpoint, a record of how the
+draft was made, and a draft that loads and drafts through the model-runner."""
+import json
+import string
+import subprocess
+import sys
+
+import pytest
+import torch
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast
+
+from batchspec import draft_model, models, runner as runner_lib, tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    """A tiny Llama-style target with a character-level tokenizer of its own."""
+    root = tmp_path_factory.mktemp("distill")
+    target_dir, _ = tiny.save_pair("llama", root)
+    chars = ["<unk>", "<s>", "</s>"] + list(string.ascii_letters + string.digits + " .,?!'")
+    vocab = {c: i for i, c in enumerate(chars[:tiny.VOCAB])}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(target_dir)
+    return target_dir
+
+
+def distill(target, out, steps):
+    return subprocess.run(
+        [sys.executable, "-m", "batchspec", "distill", "--target", target, "--out", str(out),
+         "--num-prompts", "12", "--max-new-tokens", "8", "--gen-batch-size", "4",
+         "--steps", str(steps), "--checkpoint-every", "2", "--batch-size", "4",
+         "--num-layers", "1", "--vocab-size", "40", "--lora-rank", "4", "--teacher-top-k", "8"],
+        capture_output=True, text=True, timeout=300)
+
+
+def test_distill_shows_progress_resumes_and_records(tiny_target, tmp_path):
+    out = tmp_path / "draft"
+    first = distill(tiny_target, out, steps=4)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "generate" in first.stderr and "train" in first.stderr  # progress bars
+    assert len((out / "data.jsonl").read_text().splitlines()) == 12
+    second = distill(tiny_target, out, steps=6)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resumed from step 4" in second.stderr
+    manifest = json.loads((out / draft_model.MANIFEST).read_text())
+    training = manifest["training"]
+    assert training["config"]["steps"] == 6 and "--steps 6" in training["command"]
+    assert training["data"]["num_sequences"] == 12 and "top-8" in training["data"]["labels"]
+    assert manifest["base_model"] == tiny_target and manifest["num_layers"] == 1
+
+    draft = models.load_causal_lm(str(out))
+    vocab = json.loads((out / draft_model.VOCAB).read_text())
+    assert len(vocab) <= 41
+    runner = runner_lib.ModelRunner(draft, name="draft", device=torch.device("cpu"),
+                                    eos_token_ids=[], max_context_len=256)
+    runner.prefill([(1, [5, 6, 7])])
+    group = runner.open_group([runner_lib.RowSpec(1, 3, 3, [8])], realign=False)
+    logits = group.step(torch.tensor([[8]]), num_logits=1)[0, -1]
+    assert int(logits.argmax()) in vocab  # drafts come only from the draft's vocabulary
+    assert torch.isinf(logits).sum() == tiny.VOCAB - len(vocab)
