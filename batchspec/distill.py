@@ -88,8 +88,12 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
     tokenizer = load_tokenizer(config.target)
     data = generate_data(config, target, tokenizer, out / "data.jsonl")
     eos_ids = models.eos_token_ids(target)
-    vocab = pick_vocabulary(data, config.vocab_size, eos_ids)
-    (out / "vocab.json").write_text(json.dumps(vocab))
+    vocab_path = out / "vocab.json"
+    if vocab_path.exists():  # resuming: the head (and the teacher's indices) stay as they were
+        vocab = json.loads(vocab_path.read_text())
+    else:
+        vocab = pick_vocabulary(data, config.vocab_size, eos_ids)
+        vocab_path.write_text(json.dumps(vocab))
     teacher = (teacher_labels(config, target, data, vocab, out / "teacher.pt")
                if config.teacher_top_k else None)
     del target
@@ -111,7 +115,14 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
                      "seconds": round(time.time() - started, 1)},
     }
     from batchspec import draft_model
-    (out / draft_model.MANIFEST).write_text(json.dumps(record, indent=2))
+
+    manifest = out / draft_model.MANIFEST
+    earlier = json.loads(manifest.read_text()) if manifest.exists() else {}
+    # every command that trained this directory, oldest first (a resumed run continues)
+    before = earlier.get("training", {})
+    history = before.get("history") or ([before["command"]] if "command" in before else [])
+    record["training"]["history"] = history + [command]
+    manifest.write_text(json.dumps(record, indent=2))
     log.info("draft saved to %s", out)
     return out
 
@@ -180,14 +191,12 @@ def teacher_labels(config: DistillConfig, target, data, vocab, path: pathlib.Pat
     import torch
     from tqdm import tqdm
 
-    if path.exists():
-        cached = torch.load(path, weights_only=False)
-        if len(cached) == len(data):
-            return cached
+    labels = torch.load(path, weights_only=False) if path.exists() else []
+    if len(labels) == len(data):
+        return labels
     subset = torch.tensor(vocab)
-    labels = []
     with torch.inference_mode():
-        for record in tqdm(data, desc="teacher", unit="seq"):
+        for record in tqdm(data[len(labels):], desc="teacher", unit="seq"):
             prompt, answer = record["input_ids"], record["output_ids"]
             if not answer:
                 labels.append(None)

@@ -11,7 +11,8 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from batchspec import draft_model, models, runner as runner_lib, tiny
+from batchspec import draft_model, models, tiny
+from batchspec import runner as runner_lib
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,28 @@ TOPICS = [
     "public speaking", "deserts", "football", "bread baking", "earthquakes", "the stock market",
     "penguins", "meditation", "video games", "origami",
 ]
+# A second pool, appended after the first so that earlier runs' data stays a prefix.
+MORE_TEMPLATES = [
+    "Can you help me understand {t}?", "I'm curious about {t}. Where should I start?",
+    "Write a short dialogue between two friends discussing {t}.",
+    "Give a step-by-step explanation related to {t}.", "What would a beginner get wrong about {t}?",
+    "Write an email to a colleague summarizing a talk about {t}.",
+    "Compare {t} with something similar and explain the difference.",
+    "Why do people care about {t}?", "Write a short story that involves {t}.",
+    "Explain {t} to a five-year-old.", "What are the main parts of {t}?",
+    "Give me a fun fact about {t} and explain why it is true.",
+]
+MORE_TOPICS = [
+    "black holes", "the French Revolution", "photosynthesis", "jazz", "tea", "rivers",
+    "spreadsheets", "the immune system", "wind turbines", "marathons", "knitting", "owls",
+    "databases", "the printing press", "coral reefs", "cloud computing", "camping",
+    "vitamins", "elections", "bridges", "comets", "the piano", "cheese", "glaciers",
+    "sorting algorithms", "the Olympic Games", "tomatoes", "airplanes", "sharks", "poetry",
+    "renting an apartment", "job interviews", "first aid", "kites", "the Great Wall of China",
+    "rainforests", "dogs", "bread", "painting", "smartphones", "the alphabet", "robots",
+    "chocolate", "trains", "the sun", "fractions", "email etiquette", "houseplants",
+    "volunteering", "podcasts",
+]
 ARITHMETIC = [
     "What is {a} plus {b}?", "What is {a} times {b}?", "What is {a} minus {b}?",
     "If a book costs ${a} and I pay with ${c}, how much change do I get?",
@@ -47,6 +69,9 @@ def training_prompts(count: int, seed: int = 0) -> list[str]:
             a, b = rng.randint(2, 99), rng.randint(2, 50)
             pool.append(template.format(a=a, b=b, c=a + rng.randint(1, 200)))
     rng.shuffle(pool)
+    more = [t.format(t=topic) for t, topic in itertools.product(MORE_TEMPLATES, MORE_TOPICS)]
+    random.Random(seed + 1).shuffle(more)
+    pool += more
     if count > len(pool):
         raise ValueError(f"at most {len(pool)} training prompts")
     return pool[:count]
