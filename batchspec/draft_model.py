@@ -12,6 +12,8 @@ import pathlib
 import torch
 from safetensors.torch import load_file, save_file
 
+from batchspec import fastlinear
+
 MANIFEST = "batchspec_draft.json"
 ADAPTER = "adapter.safetensors"
 VOCAB = "vocab.json"
@@ -52,7 +54,7 @@ class SubsetHead(torch.nn.Module):
         self.vocab_size = vocab_size
 
     def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.weight.T  # [..., subset]
+        return fastlinear.weight_major(hidden, self.weight)  # [..., subset]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.subset_logits(hidden)

@@ -46,7 +46,7 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
-    from batchspec import draft_model
+    from batchspec import draft_model, fastlinear
 
     if spec == SMOLLM2_DRAFT:
         spec = str(PACKAGED_DRAFT)
@@ -61,6 +61,7 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
                                                  **kwargs)
     if num_layers is not None:
         truncate_layers(model, num_layers)
+    fastlinear.patch_linears(model)
     return model.to(device).eval()
 
 
