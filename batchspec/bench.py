@@ -20,6 +20,8 @@ import tempfile
 import time
 import urllib.request
 
+from coordinator.engine import EngineConfig
+
 log = logging.getLogger("batchspec.bench")
 
 METHODS = {
@@ -46,6 +48,7 @@ class BenchConfig:
     methods: tuple[str, ...] = tuple(METHODS)
     out: str = "bench-out"
     quick: bool = False
+    min_draft_confidence: float = EngineConfig.min_draft_confidence
 
     def __post_init__(self):
         unknown = set(self.methods) - set(METHODS)
@@ -63,6 +66,7 @@ class Workload:
     prompts: list[list[int]]
     max_new_tokens: int
     eos_token_ids: list[int]
+    min_draft_confidence: float = 0.0  # adaptive draft length (methods 3 to 6 alike)
 
 
 @dataclasses.dataclass
@@ -101,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ks", default="2,4,6")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", default="bench-out", help="report directory")
+    parser.add_argument("--min-draft-confidence", type=float,
+                        default=EngineConfig.min_draft_confidence,
+                        help="stop drafting early below this draft confidence (greedy; also "
+                             "given to HF assisted generation); 0: always draft K")
     return parser
 
 
@@ -113,7 +121,8 @@ def config_from_args(args) -> BenchConfig:
     return BenchConfig(target=args.target, draft=args.draft, draft_layers=args.draft_layers,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                        batch_sizes=ints(args.batch_sizes), ks=ints(args.ks),
-                       methods=tuple(m for m in args.methods.split(",") if m), out=args.out)
+                       methods=tuple(m for m in args.methods.split(",") if m), out=args.out,
+                       min_draft_confidence=args.min_draft_confidence)
 
 
 # ---- the workload ------------------------------------------------------------------------------
@@ -130,7 +139,8 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
         prompts = [[rng.randrange(4, tiny.VOCAB) for _ in range(rng.randint(3, 20))]
                    for _ in range(config.num_prompts)]
         eos = models.eos_token_ids(models.load_causal_lm(target))
-        return Workload(target, draft, None, prompts, config.max_new_tokens, eos)
+        return Workload(target, draft, None, prompts, config.max_new_tokens, eos,
+                        config.min_draft_confidence)
     from batchspec.distill import chat_ids, load_tokenizer
     from batchspec.draft_eval import bench_prompts
 
@@ -139,7 +149,7 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
     draft = config.draft or str(models.PACKAGED_DRAFT)
     target_model = models.load_causal_lm(config.target)
     return Workload(config.target, draft, config.draft_layers, prompts, config.max_new_tokens,
-                    models.eos_token_ids(target_model))
+                    models.eos_token_ids(target_model), config.min_draft_confidence)
 
 
 def truncate_at_eos(tokens: list[int], eos: set[int], limit: int) -> list[int]:
@@ -178,7 +188,7 @@ def run_hf(models_, workload: Workload, method: str, batch_size: int, k: int) ->
     if method == "hf_assisted":
         draft.generation_config.num_assistant_tokens = k
         draft.generation_config.num_assistant_tokens_schedule = "constant"
-        draft.generation_config.assistant_confidence_threshold = 0.0
+        draft.generation_config.assistant_confidence_threshold = workload.min_draft_confidence
         kwargs["assistant_model"] = draft
     started = time.perf_counter()
     rows_passes = 0
@@ -203,13 +213,14 @@ def run_hf(models_, workload: Workload, method: str, batch_size: int, k: int) ->
 # ---- methods 4-5: the engine in-process ------------------------------------------------------
 def run_engine(runners, workload: Workload, batch_size: int, k: int, grouping: bool) -> Run:
     from batchspec.inprocess import InProcessDraft, InProcessTarget
-    from coordinator.engine import Engine, EngineConfig
+    from coordinator.engine import Engine
     from coordinator.scheduler import GroupPolicy
 
     count = len(workload.prompts)
     engine = Engine(InProcessTarget(runners["target"], "target"),
                     [InProcessDraft(runners["draft"], "draft")],
                     EngineConfig(num_draft_tokens=k,
+                                 min_draft_confidence=workload.min_draft_confidence,
                                  policy=GroupPolicy(batch_size=batch_size, grouping=grouping),
                                  max_num_seqs=count, max_queue=count),
                     workload.eos_token_ids)
@@ -285,6 +296,7 @@ class GrpcStack:
             [sys.executable, "-m", "coordinator", "--target", f"127.0.0.1:{self.ports['target']}",
              "--draft", f"127.0.0.1:{self.ports['draft']}", "--port", str(port),
              "--batch-size", str(batch_size), "-k", str(k), "--max-num-seqs", str(count),
+             "--min-draft-confidence", str(workload.min_draft_confidence),
              "--metrics-port", str(metrics_port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -463,7 +475,9 @@ def markdown(report: dict) -> str:
              f"target `{report['target']}`, draft `{report['draft']}`, "
              f"{report['num_prompts']} prompts, max_new_tokens "
              f"{report['config']['max_new_tokens']}, {report['machine']['device']} "
-             f"{report['machine']['dtype']}, {report['machine']['threads']} threads", "",
+             f"{report['machine']['dtype']}, {report['machine']['threads']} threads, "
+             f"min_draft_confidence {report['config']['min_draft_confidence']} "
+             "(K is the most drafted per step)", "",
              "| method | batch | K | tok/s | vs batched | vs batch 1 | accept rate | accept len "
              "| target passes/tok | realigned steps | draft / verify / realign / rpc / coord "
              "| exact |",

@@ -75,7 +75,11 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-device", default=None, help="overrides --device for the target")
     parser.add_argument("--draft-device", default=None, help="overrides --device for the draft")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4,
+                        help="most tokens drafted per step (K)")
+    parser.add_argument("--min-draft-confidence", type=float, default=None,
+                        help="greedy groups stop drafting below this draft probability "
+                             "(default: the coordinator's)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds to wait for each service to become healthy")
@@ -102,6 +106,8 @@ def serve(argv) -> int:
                        "--batch-size", str(args.batch_size)]
     if tokenizer:
         coordinator_cmd += ["--tokenizer", tokenizer]
+    if args.min_draft_confidence is not None:
+        coordinator_cmd += ["--min-draft-confidence", str(args.min_draft_confidence)]
     children = []
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))

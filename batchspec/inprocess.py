@@ -40,12 +40,13 @@ class _InProcess:
 
 
 class InProcessDraft(_InProcess):
-    def propose(self, num_drafts, realign, specs, timeout=None):
+    def propose(self, num_drafts, realign, specs, timeout=None, min_confidence=0.0):
         started = time.perf_counter()
         rows = [proposer.ProposeRow(s.seq_id, s.expected_cache_len, s.keep_len,
                                     list(s.append_token_ids), s.sampling)
                 for s in specs]
-        proposals, group = proposer.propose(self.runner, rows, num_drafts, realign=realign)
+        proposals, group = proposer.propose(self.runner, rows, num_drafts, realign=realign,
+                                            min_confidence=min_confidence)
         return [Proposal(p.seq_id, p.draft_token_ids, p.draft_probs, p.cache_len,
                          sum(len(b) + 4 * len(i) for i, b in p.draft_probs))
                 for p in proposals], _timing(group, started)

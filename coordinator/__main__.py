@@ -55,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer.json or a directory holding it (enables text prompts)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="K per step")
+    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4,
+                        help="most tokens drafted per step (K)")
+    parser.add_argument("--min-draft-confidence", type=float,
+                        default=EngineConfig.min_draft_confidence,
+                        help="greedy groups stop drafting once every row's draft probability "
+                             "falls below this (0: always draft K)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences in the pool")
     parser.add_argument("--max-queue", type=int, default=1024,
                         help="requests that may wait for the pool before RESOURCE_EXHAUSTED")
@@ -72,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args) -> CoordinatorConfig:
     engine = EngineConfig(num_draft_tokens=args.num_draft_tokens,
+                          min_draft_confidence=args.min_draft_confidence,
                           policy=scheduler.GroupPolicy(batch_size=args.batch_size),
                           max_num_seqs=args.max_num_seqs, max_queue=args.max_queue)
     return CoordinatorConfig(targets=split_addresses(args.target),

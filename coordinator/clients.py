@@ -192,9 +192,11 @@ class DraftClient(ServiceClient):
     command_type = draft_pb2.DraftCommand
 
     def propose(self, num_drafts: int, realign: bool, specs: list[ProposeSpec],
-                timeout: float | None = None) -> tuple[list[Proposal], Timing]:
+                timeout: float | None = None,
+                min_confidence: float = 0.0) -> tuple[list[Proposal], Timing]:
         result = self.stream.call(timeout=timeout, propose=draft_pb2.ProposeCommand(
-            num_draft_tokens=num_drafts, realign=realign, entries=[
+            num_draft_tokens=num_drafts, realign=realign, min_draft_confidence=min_confidence,
+            entries=[
                 draft_pb2.ProposeEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
                                        keep_len=s.keep_len, append_token_ids=s.append_token_ids,
                                        sampling=_sampling(s.sampling)) for s in specs]))

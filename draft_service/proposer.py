@@ -29,12 +29,19 @@ class Proposal:
 
 
 def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: int, *,
-            realign: bool):
-    """Draft num_drafts tokens per row: one forward for the appended tokens, then one per
-    draft but the last. Cache on return: keep_len + appended + K - 1 positions (the K-th
-    draft is never fed; it is cached next step if accepted)."""
+            realign: bool, min_confidence: float = 0.0):
+    """Draft up to num_drafts tokens per row: one forward for the appended tokens, then one per
+    draft but the last. Cache on return: keep_len + appended + drafted - 1 positions (the last
+    draft is never fed; it is cached next step if accepted).
+
+    A group of greedy rows stops early once every row's draft gave its token a probability
+    below min_confidence (draft-side information only, so outputs are unchanged); every row
+    drafts the same number of tokens."""
     if num_drafts < 1:
         raise errors.InvalidArgument("num_draft_tokens must be >= 1")
+    if not 0.0 <= min_confidence <= 1.0:
+        raise errors.InvalidArgument(
+            f"min_draft_confidence must be in [0, 1], not {min_confidence}")
     specs = [runner_lib.RowSpec(r.seq_id, r.expected_cache_len, r.keep_len, r.append_token_ids)
              for r in rows]
     group = runner.open_group(specs, realign=realign, extra_positions=num_drafts - 1)
@@ -42,7 +49,8 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
     next_input = torch.tensor([r.append_token_ids for r in rows])
     first_position = [r.keep_len + len(r.append_token_ids) for r in rows]
     drafts, wires = [], [[] for _ in rows]
-    for j in range(num_drafts):  # the K-th draft is never fed
+    adaptive = all_greedy and min_confidence > 0.0
+    for j in range(num_drafts):  # the last draft is never fed
         logits = group.step(next_input, num_logits=1)[:, -1]  # [batch, vocab]
         if all_greedy:
             token_ids = logits.argmax(-1)
@@ -50,12 +58,19 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
             token_ids = sample_rows(rows, logits, [p + j for p in first_position], wires)
         drafts.append(token_ids)
         next_input = token_ids[:, None]
-    cache_lens = [p + num_drafts - 1 for p in first_position]
+        if adaptive and bool((top_probability(logits) < min_confidence).all()):
+            break
+    cache_lens = [p + len(drafts) - 1 for p in first_position]
     runner.store([r.seq_id for r in rows], group.rows_after(cache_lens))
     stacked = torch.stack(drafts, dim=1).tolist()  # [batch, K]
     proposals = [Proposal(r.seq_id, d, w, c)
                  for r, d, w, c in zip(rows, stacked, wires, cache_lens)]
     return proposals, group
+
+
+def top_probability(logits: torch.Tensor) -> torch.Tensor:
+    """[batch, vocab] logits -> [batch] probability of the argmax token."""
+    return 1.0 / torch.exp(logits - logits.max(-1, keepdim=True).values).sum(-1)
 
 
 def sample_rows(rows, logits, positions, wires) -> torch.Tensor:

@@ -19,7 +19,8 @@ class DraftServicer(service.ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         if not rows:
             raise errors.InvalidArgument("propose names no sequence")
         proposals, group = proposer.propose(self.runner, rows, command.num_draft_tokens,
-                                            realign=command.realign)
+                                            realign=command.realign,
+                                            min_confidence=command.min_draft_confidence)
         timing = service.timing(group, started)
         return "propose", draft_pb2.ProposeResult(timing=timing, entries=[
             draft_pb2.ProposeResultEntry(

@@ -211,10 +211,15 @@ def test_compose_command_lines_scale_out_exactly_on_loopback(model_dirs):
                 assert command_count(metrics[name], "propose") > 0, f"{name} did no work"
 
             # a target replica goes away mid-run: its sequences move to the other one
-            requests = [(p, 40) for p, _ in random_requests(seed=4, count=16)]
+            requests = [(p, 160) for p, _ in random_requests(seed=4, count=16)]
+            verified = command_count(metrics["target-2"], "verify")
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 pending = pool.submit(generate_all, stub, requests, ignore_eos=True)
-                time.sleep(0.3)
+                # kill it once it is verifying the new requests' tokens
+                deadline = time.monotonic() + 30
+                while (command_count(metrics["target-2"], "verify") < verified + 3
+                       and time.monotonic() < deadline):
+                    time.sleep(0.01)
                 assert not pending.done(), "the replica must go away mid-run"
                 processes["target-2"].send_signal(signal.SIGKILL)
                 results = pending.result(timeout=120)

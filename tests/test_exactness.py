@@ -71,6 +71,23 @@ def test_greedy_output_is_the_targets_own(model_dirs, references, arch, batch_si
         assert last.stats.num_prompt_tokens == len(prompt)
 
 
+@pytest.mark.parametrize("arch,batch_size", [("llama", 1), ("gpt2", 4)])
+def test_adaptive_draft_length_stays_exact(model_dirs, references, arch, batch_size):
+    """Greedy groups stop drafting when the draft is unsure: fewer drafts, same output."""
+    requests = random_requests(seed=7 + batch_size, count=16)
+    target_dir, draft_dir = model_dirs[arch]
+    k = 6
+    # about half of these tiny drafts' choices have a probability below 0.15
+    with running_stack(target_dir, draft_dir, batch_size=batch_size, num_draft_tokens=k,
+                       min_draft_confidence=0.15) as stack:
+        results = generate_all(stack.stub(), requests)
+    for (prompt, max_new), (tokens, _) in zip(requests, results):
+        assert tokens == references(arch, prompt, max_new)
+    drafted = sum(last.stats.num_drafted_tokens for _, last in results)
+    passes = sum(last.stats.num_target_forward_passes for _, last in results)
+    assert passes < drafted < k * passes  # some steps stopped early, some did not
+
+
 def test_both_grouped_and_realigned_steps_happen_and_stay_exact(model_dirs, references):
     requests = random_requests(seed=99, count=24)
     target_dir, draft_dir = model_dirs["gpt2"]

@@ -96,6 +96,23 @@ def test_draft_proposes_k_tokens_and_caches_k_minus_one(draft):
     assert client.describe().num_sequences == 0
 
 
+def test_unsure_greedy_drafts_stop_early_and_sampled_ones_do_not(draft):
+    client, runner, _ = draft
+    client.prefill([(1, [5, 6, 7]), (2, [8, 9, 10])])
+    specs = [ProposeSpec(1, 3, 3, [11], GREEDY), ProposeSpec(2, 3, 3, [12], GREEDY)]
+    # every probability is below 1.0: stop after the first draft, cache only what was fed
+    proposals, _ = client.propose(4, False, specs, min_confidence=1.0)
+    assert [len(p.draft_token_ids) for p in proposals] == [1, 1]
+    assert [p.cache_len for p in proposals] == [4, 4] == [runner.caches[s].length for s in (1, 2)]
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    proposals, _ = client.propose(4, False, [ProposeSpec(1, 4, 3, [11], sampled)],
+                                  min_confidence=1.0)
+    assert len(proposals[0].draft_token_ids) == 4 and proposals[0].cache_len == 3 + 1 + 3
+    with pytest.raises(errors.InvalidArgument, match="min_draft_confidence"):
+        client.propose(2, False, [ProposeSpec(2, 4, 3, [12], GREEDY)], min_confidence=1.5)
+    client.release([1, 2])
+
+
 def test_health_says_serving_and_reflection_lists_the_service(target):
     _, _, port = target
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -22,14 +22,16 @@ class ProposeEntry(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., keep_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ProposeCommand(_message.Message):
-    __slots__ = ("num_draft_tokens", "realign", "entries")
+    __slots__ = ("num_draft_tokens", "realign", "entries", "min_draft_confidence")
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REALIGN_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MIN_DRAFT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     num_draft_tokens: int
     realign: bool
     entries: _containers.RepeatedCompositeFieldContainer[ProposeEntry]
-    def __init__(self, num_draft_tokens: _Optional[int] = ..., realign: _Optional[bool] = ..., entries: _Optional[_Iterable[_Union[ProposeEntry, _Mapping]]] = ...) -> None: ...
+    min_draft_confidence: float
+    def __init__(self, num_draft_tokens: _Optional[int] = ..., realign: _Optional[bool] = ..., entries: _Optional[_Iterable[_Union[ProposeEntry, _Mapping]]] = ..., min_draft_confidence: _Optional[float] = ...) -> None: ...
 
 class SparseProbs(_message.Message):
     __slots__ = ("token_ids", "probs_f16")
