@@ -7,6 +7,7 @@
   draft over that of the target, measured the same way in the same process.
 """
 import argparse
+import itertools
 import json
 import logging
 import pathlib
@@ -20,7 +21,15 @@ log = logging.getLogger("batchspec.evaluate")
 def bench_prompts(limit: int | None = None) -> list[dict]:
     path = pathlib.Path(__file__).parent / "data" / "bench_prompts.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows[:limit] if limit else rows
+    if not limit:
+        return rows
+    # a subset takes the categories in turn, so that every kind of work is in it
+    by_category: dict[str, list[dict]] = {}
+    for row in rows:
+        by_category.setdefault(row["category"], []).append(row)
+    interleaved = [row for group in itertools.zip_longest(*by_category.values())
+                   for row in group if row is not None]
+    return interleaved[:limit]
 
 
 def target_answers(target, tokenizer, prompts: list[str], max_new_tokens: int,
