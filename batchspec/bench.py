@@ -33,6 +33,11 @@ METHODS = {
     "grpc": "6. batchspec over the three gRPC processes",
 }
 USES_BATCH = {"hf_batched", "engine_realign", "engine_grouped", "grpc"}
+# Where a run's wall time went, in report order. prefill: admitting prompts into both caches;
+# draft, verify: the services' compute; realign: stacking left-padded caches (taken out of draft
+# and verify); rpc: round trips minus compute; coordinator: the rest (scheduling, bookkeeping,
+# streaming).
+BREAKDOWN = ("prefill", "draft", "verify", "realign", "rpc", "coordinator")
 USES_K = {"hf_assisted", "engine_realign", "engine_grouped", "grpc"}
 
 
@@ -232,11 +237,12 @@ def run_engine(runners, workload: Workload, batch_size: int, k: int, grouping: b
     engine.stop()
     s = engine.stats
     seqs = [h.seq for h in handles]
-    breakdown = {"draft": s.draft_compute_seconds, "verify": s.verify_compute_seconds - 0.0,
+    breakdown = {"prefill": s.prefill_seconds,
+                 "draft": s.draft_compute_seconds, "verify": s.verify_compute_seconds,
                  "realign": s.realign_seconds,
                  "rpc": (s.draft_seconds - s.draft_compute_seconds)
                  + (s.verify_seconds - s.verify_compute_seconds),
-                 "coordinator": seconds - s.draft_seconds - s.verify_seconds}
+                 "coordinator": seconds - s.draft_seconds - s.verify_seconds - s.prefill_seconds}
     return Run(outputs, seconds, sum(q.stats.num_drafted_tokens for q in seqs),
                sum(q.stats.num_accepted_tokens for q in seqs),
                sum(q.stats.num_target_forward_passes for q in seqs),
@@ -324,10 +330,11 @@ class GrpcStack:
                    - before[r].get(f'command_seconds_sum{{command="{c}"}}', 0)
                    for r, c in (("target", "verify"), ("draft", "propose"))}
         draft_rt, verify_rt = coord.get("draft_seconds_sum", 0), coord.get("verify_seconds_sum", 0)
-        breakdown = {"draft": compute["draft"], "verify": compute["target"],
+        prefill_rt = coord.get("prefill_seconds_sum", 0)
+        breakdown = {"prefill": prefill_rt, "draft": compute["draft"], "verify": compute["target"],
                      "realign": coord.get("realign_seconds_sum", 0),
                      "rpc": (draft_rt - compute["draft"]) + (verify_rt - compute["target"]),
-                     "coordinator": seconds - draft_rt - verify_rt}
+                     "coordinator": seconds - draft_rt - verify_rt - prefill_rt}
         steps = coord.get("grouped_steps_total", 0) + coord.get("realigned_steps_total", 0)
         stats = [s for _, s in results]
         return Run([t for t, _ in results], seconds, sum(s.num_drafted_tokens for s in stats),
@@ -479,14 +486,15 @@ def markdown(report: dict) -> str:
              f"min_draft_confidence {report['config']['min_draft_confidence']} "
              "(K is the most drafted per step)", "",
              "| method | batch | K | tok/s | vs batched | vs batch 1 | accept rate | accept len "
-             "| target passes/tok | realigned steps | draft / verify / realign / rpc / coord "
+             "| target passes/tok | realigned steps "
+             "| prefill / draft / verify / realign / rpc / coord "
              "| exact |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     fmt = lambda v, f="{:.2f}": "" if v is None else f.format(v)  # noqa: E731
     for r in report["rows"]:
         share = r.get("time_share")
         shares = " / ".join(f"{share[key]:.0%}" for key in
-                            ("draft", "verify", "realign", "rpc", "coordinator")) if share else ""
+                            BREAKDOWN) if share else ""
         lines.append(
             f"| {r['method']} | {r['batch_size']} | {fmt(r['k'], '{}')} | "
             f"{r['tokens_per_s']:.1f} | {fmt(r.get('vs_batched'))} | {fmt(r.get('vs_batch1'))} | "

@@ -57,6 +57,8 @@ class CoordinatorMetrics:
                                        "Draft proposal round trip, per step.")
         self.verify_seconds = histogram("batchspec:verify_seconds",
                                         "Target verification round trip, per step.")
+        self.prefill_seconds = histogram("batchspec:prefill_seconds",
+                                         "Prefill round trip (target or draft), per admission.")
         self.failed_requests = counter("batchspec:failed_requests",
                                        "Requests ended by an error, cancellation or deadline.")
 

@@ -5,6 +5,7 @@ One engine thread owns every Sequence; request threads talk to it only through `
 service is re-prefilled from this record: a draft outage degrades to target-only decoding,
 a target outage makes requests wait (bounded by their deadlines).
 """
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -62,6 +63,7 @@ class EngineStats:
     draft_compute_seconds: float = 0.0  # the services' own accounts
     verify_compute_seconds: float = 0.0
     realign_seconds: float = 0.0  # both services, mixed steps only
+    prefill_seconds: float = 0.0  # coordinator-side round trips, both services
     num_sampled_rows: int = 0  # (sequence, step) pairs that sent draft distributions
     num_draft_probs_bytes: int = 0  # their wire size, summed
 
@@ -232,7 +234,8 @@ class Engine:
             return
         entries = [(h.seq.seq_id, h.seq.token_ids[:-1]) for h in new]
         try:
-            self.target.prefill(entries)
+            with self._timed_prefill():
+                self.target.prefill(entries)
         except errors.BatchspecError as error:
             if isinstance(error, errors.Unavailable):
                 with self._lock:
@@ -250,12 +253,23 @@ class Engine:
             self.telemetry.admitted(h.seq.committed_len)
         self._prefill_draft([h.seq for h in new])
 
+    @contextlib.contextmanager
+    def _timed_prefill(self):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - started
+            self.stats.prefill_seconds += seconds
+            self.telemetry.prefilled(seconds)
+
     def _prefill_draft(self, seqs: list[Sequence]) -> None:
         """Start (or restart) the draft's caches from the committed record."""
         if not self._draft_up or not seqs:
             return
         try:
-            self.draft.prefill([(s.seq_id, s.token_ids[:-1]) for s in seqs])
+            with self._timed_prefill():
+                self.draft.prefill([(s.seq_id, s.token_ids[:-1]) for s in seqs])
         except errors.Unavailable as error:
             self._draft_lost(error)
             return

@@ -35,6 +35,10 @@ class Telemetry:
         if mixed:
             m.realign_seconds.observe(realign_s)
 
+    def prefilled(self, seconds: float) -> None:
+        if self.metrics:
+            self.metrics.prefill_seconds.observe(seconds)
+
     def committed(self, handle, num_tokens: int, num_drafts: int, num_accepted: int) -> None:
         now = time.monotonic()
         m = self.metrics

@@ -25,7 +25,9 @@ def test_quick_bench_writes_a_complete_exact_report(tmp_path):
         if row["method"] in ("engine_realign", "engine_grouped", "grpc"):
             assert row["exact_match"] == 1.0, row
             assert 0 <= row["acceptance_rate"] <= 1 and row["mean_acceptance_length"] >= 1
-            assert set(row["time_share"]) == {"draft", "verify", "realign", "rpc", "coordinator"}
+            assert set(row["time_share"]) == {"prefill", "draft", "verify", "realign", "rpc",
+                                              "coordinator"}
+            assert row["time_share"]["prefill"] > 0 and row["time_share"]["verify"] > 0
             assert 0 <= row["realigned_step_share"] <= 1
         if row["method"] in USES_BATCH:
             assert "vs_batched" in row
