@@ -75,23 +75,28 @@ class ModelRunner:
             raise errors.InvalidArgument("a command names the same sequence twice")
 
     def prefill(self, entries: list[tuple[int, list[int]]]) -> list[int]:
-        """Cache the given tokens of new sequences; each runs as its own unpadded forward."""
+        """Cache the given tokens of new sequences, batched in right-padded chunks."""
         self.check_unique([s for s, _ in entries])
         for seq_id, token_ids in entries:
             if seq_id in self.caches:
                 raise errors.AlreadyExists(f"sequence {seq_id} is already cached; release it first")
             self.check_token_ids(token_ids, f"prefill of sequence {seq_id}")
             self.check_context(seq_id, len(token_ids))
-        computed = {seq_id: self._prefill_one(token_ids) for seq_id, token_ids in entries}
+        computed = {seq_id: SeqCache(None, 0) for seq_id, token_ids in entries if not token_ids}
+        for chunk in prefill_chunks([e for e in entries if e[1]], PREFILL_CHUNK_TOKENS):
+            computed.update(self._prefill_batch(chunk))
         self.caches.update(computed)
         return [self.caches[s].length for s, _ in entries]
 
-    def _prefill_one(self, token_ids: list[int]) -> SeqCache:
-        if not token_ids:
-            return SeqCache(None, 0)
-        group = GroupForward(self, [SeqCache(None, 0)], [0])
-        group.step(torch.tensor([token_ids], device=self.device), num_logits=1)
-        return group.rows_after([len(token_ids)])[0]
+    def _prefill_batch(self, chunk: list[tuple[int, list[int]]]) -> dict[int, SeqCache]:
+        """One forward over right-padded prompts. Causal attention means a real position never
+        sees the pads after it, and each row keeps only its real positions."""
+        width = max(len(t) for _, t in chunk)
+        padded = [t + [0] * (width - len(t)) for _, t in chunk]
+        group = GroupForward(self, [SeqCache(None, 0)] * len(chunk), [0] * len(chunk))
+        group.step(torch.tensor(padded, device=self.device), num_logits=1)
+        rows = group.rows_after([len(t) for _, t in chunk])
+        return {seq_id: row for (seq_id, _), row in zip(chunk, rows)}
 
     def check_context(self, seq_id: int, length: int) -> None:
         if length > self.max_context_len:
@@ -153,6 +158,25 @@ class ModelRunner:
 
     def store(self, seq_ids: list[int], rows: list[SeqCache]) -> None:
         self.caches.update(zip(seq_ids, rows))
+
+
+# Padded positions per prefill forward: bounds the activation memory of a batched prefill.
+PREFILL_CHUNK_TOKENS = 4096
+
+
+def prefill_chunks(entries: list[tuple[int, list[int]]], max_tokens: int):
+    """Split prompts, sorted by length (least padding), into chunks whose padded size
+    (rows x longest prompt) stays within max_tokens; a longer prompt goes alone."""
+    chunk, width = [], 0
+    for entry in sorted(entries, key=lambda e: len(e[1])):
+        new_width = max(width, len(entry[1]))
+        if chunk and new_width * (len(chunk) + 1) > max_tokens:
+            yield chunk
+            chunk, new_width = [], len(entry[1])
+        chunk.append(entry)
+        width = new_width
+    if chunk:
+        yield chunk
 
 
 def truncate(cache: SeqCache, keep: int) -> SeqCache:

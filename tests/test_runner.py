@@ -1,0 +1,44 @@
+"""The model-runner's batched prefill: right-padded chunks give every sequence the cache an
+unbatched prefill gives it."""
+import random
+
+import pytest
+import torch
+
+from batchspec import models
+from batchspec import runner as runner_lib
+
+
+def test_prefill_chunks_bound_padding_and_keep_every_prompt():
+    rng = random.Random(0)
+    entries = [(i, [1] * rng.randint(1, 60)) for i in range(40)] + [(99, [1] * 500)]
+    chunks = list(runner_lib.prefill_chunks(entries, max_tokens=256))
+    assert sorted(s for c in chunks for s, _ in c) == sorted(s for s, _ in entries)
+    for chunk in chunks:
+        padded = len(chunk) * max(len(t) for _, t in chunk)
+        assert padded <= 256 or len(chunk) == 1  # a prompt longer than the bound goes alone
+    assert [[s for s, _ in c] for c in chunks if c[0][0] == 99] == [[99]]
+    assert len(chunks) < len(entries) // 2  # prompts do share forwards
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_batched_prefill_equals_one_at_a_time(model_dirs, arch):
+    model = models.load_causal_lm(model_dirs[arch][0])
+
+    def new_runner():
+        return runner_lib.ModelRunner(model, name=arch, device=torch.device("cpu"),
+                                      eos_token_ids=[], max_context_len=256)
+
+    rng = random.Random(1)
+    prompts = {i: [rng.randrange(4, 60) for _ in range(rng.randint(1, 30))] for i in range(6)}
+    batched = new_runner()
+    assert batched.prefill(list(prompts.items())) == [len(p) for p in prompts.values()]
+    for seq_id, prompt in prompts.items():
+        alone = new_runner()
+        alone.prefill([(seq_id, prompt)])
+        got, want = batched.caches[seq_id], alone.caches[seq_id]
+        assert got.length == want.length == len(prompt)
+        for (k1, v1), (k2, v2) in zip(got.layers, want.layers):
+            assert k1.shape == k2.shape
+            torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
