@@ -106,6 +106,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._draft_up = bool(self.drafts)
         self._target_up = True
+        # service address -> ids of sequences that may still hold caches there although we
+        # lost the stream (a release that failed, or a loss while they were cached); released
+        # when the service answers again, unless it restarted empty
+        self._stale: dict[str, set[int]] = {}
         self._next_retry = 0.0
         self._retry_delay = config.reconnect_backoff_s[0]
 
@@ -409,8 +413,12 @@ class Engine:
         try:
             client.release([s.seq_id for s in seqs])
         except errors.Unavailable as error:
-            log.warning("release on %s failed (%s); its caches go with the restart",
+            log.warning("release on %s failed (%s); retried when it answers again",
                         client.address, error)
+            self._mark_stale(client, seqs)
+
+    def _mark_stale(self, client, seqs: list[Sequence]) -> None:
+        self._stale.setdefault(client.address, set()).update(s.seq_id for s in seqs)
 
     def _fail_all(self, error: Exception) -> None:
         typed = error if isinstance(error, errors.BatchspecError) else errors.BatchspecError(
@@ -424,6 +432,8 @@ class Engine:
         self._draft_up = False
         self.on_health(False)
         self.draft.reset()
+        self._mark_stale(self.draft, [h.seq for h in self._active.values()
+                                      if h.seq.draft_cache_len is not None])
         for handle in self._active.values():
             handle.seq.draft_cache_len = None
         self._schedule_retry()
@@ -432,6 +442,8 @@ class Engine:
         self._target_up = False
         self.on_health(False)
         self.target.reset()
+        self._mark_stale(self.target, [h.seq for h in self._active.values()
+                                       if h.seq.target_cache_len is not None])
         for handle in self._active.values():
             handle.seq.target_cache_len = None
         self._schedule_retry()
@@ -487,7 +499,9 @@ class Engine:
         try:
             client.reset()
             if client.describe(timeout=1.0).num_sequences:
-                self._forget_stale(client)
+                self._forget_stale(client, self._stale.get(client.address, set())
+                                   | set(self._active))
+            self._stale.pop(client.address, None)
             resync()
         except errors.Unavailable as error:
             log.info("%s still unavailable: %s", client.address, error)
@@ -496,12 +510,12 @@ class Engine:
         log.info("%s is back: caches re-prefilled from the coordinator's record", client.address)
         return True
 
-    def _forget_stale(self, client) -> None:
+    def _forget_stale(self, client, seq_ids: set[int]) -> None:
         """The service kept running while its stream broke: drop what it still holds of
-        ours, since the record here is the truth."""
-        for handle in list(self._active.values()):
+        ours (finished, cancelled or active sequences), since the record here is the truth."""
+        for seq_id in sorted(seq_ids):
             try:
-                client.release([handle.seq.seq_id])
+                client.release([seq_id])
             except errors.NotFound:
                 pass
 

@@ -8,6 +8,7 @@ import grpc
 import pytest
 from transformers import AutoModelForCausalLM
 
+from batchspec import errors
 from batchspec.v1 import generate_pb2
 
 import tiny_models
@@ -105,6 +106,40 @@ def test_a_request_whose_deadline_passes_during_a_target_outage_fails_cleanly(mo
         assert len(stream(stub, [5, 6, 7], 20)) == 20  # and the next one is served
         assert wait_for(lambda: not runner.caches)
         server.stop(0)
+
+
+def test_a_request_ended_while_a_live_target_is_unreachable_is_released_later(model_dirs):
+    """The stream to the target breaks but the target keeps running: a request cancelled
+    while the coordinator cannot reach it is released there once it answers again."""
+    target_dir, draft_dir = model_dirs["llama"]
+    with running_stack(target_dir, draft_dir, batch_size=2, num_draft_tokens=2) as stack:
+        engine = stack.engine.engines[0]
+        target = engine.target
+        reachable = threading.Event()
+        real_verify, real_describe = target.verify, target.describe
+
+        def broken_verify(*args, **kwargs):
+            target.verify = real_verify  # once
+            raise errors.Unavailable("injected: stream broken")
+
+        def describe(*args, **kwargs):
+            if not reachable.is_set():
+                raise errors.Unavailable("injected: not reachable yet")
+            return real_describe(*args, **kwargs)
+
+        stub = stack.stub()
+        call = stub.Generate(generate_pb2.GenerateRequest(
+            prompt_token_ids=[5, 6], max_new_tokens=240, ignore_eos=True))
+        next(call)
+        target.describe, target.verify = describe, broken_verify
+        assert wait_for(lambda: not engine.target_up)
+        call.cancel()
+        assert wait_for(lambda: engine.num_running() == 0)
+        assert stack.target_runner.caches  # the target never heard of the cancel
+        reachable.set()
+        assert len(stream(stub, [5, 6, 7], 10)) == 10  # served after the reconnection
+        assert wait_for(lambda: not stack.target_runner.caches
+                        and not stack.draft_runner.caches, timeout=5)
 
 
 def test_cancelled_stream_is_released_from_both_services(model_dirs):
