@@ -112,10 +112,11 @@ def serve(argv) -> int:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
-        children.append(subprocess.Popen(target_cmd + common))
-        children.append(subprocess.Popen(draft_cmd + common))
-        for port, name in ((target_port, "batchspec.v1.TargetService"),
-                           (draft_port, "batchspec.v1.DraftService")):
+        # one after the other: on CPU each times its linear kernels at start-up, and two
+        # doing so at once on a small machine would time each other
+        for cmd, port, name in ((target_cmd, target_port, "batchspec.v1.TargetService"),
+                                (draft_cmd, draft_port, "batchspec.v1.DraftService")):
+            children.append(subprocess.Popen(cmd + common))
             wait_healthy(f"127.0.0.1:{port}", name, args.startup_timeout, children)
         children.append(subprocess.Popen(coordinator_cmd))
         wait_healthy(f"127.0.0.1:{args.port}", "batchspec.v1.Coordinator", args.startup_timeout,

@@ -45,6 +45,8 @@ class LoRALinear(torch.nn.Module):
 class SubsetHead(torch.nn.Module):
     """Output head over a vocabulary subset; logits of other tokens are -inf."""
 
+    uses_weight_major = True  # fastlinear.tune times its weight's shape
+
     def __init__(self, embedding_weight: torch.Tensor, token_ids: list[int], vocab_size: int):
         super().__init__()
         ids = torch.tensor(token_ids, dtype=torch.long)

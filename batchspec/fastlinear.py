@@ -1,39 +1,137 @@
-"""Linear layers computed weight-major on CPU.
+"""Linear layers computed weight-major on CPU, with the row count each shape runs best at.
 
 With the MKL build of torch used here (CPU, float32), `x @ W.T` for a handful of rows (one
 decode step, a K+1-token verify) costs about one matrix-vector product *per row*, while the
 same product taken as `(W @ x.T).T` costs little more for 2 to 64 rows than for one. The output
 head of SmolLM2 (49,152 x 576) takes 10.3 ms for 2 rows as `x @ W.T` and 2.1 ms as
-`(W @ x.T).T` on the 2-core machine this project is developed on (`python -m
-batchspec.fastlinear` prints the table for the machine it runs on). Over the whole target, one
+`(W @ x.T).T` on the 2-core machine this project is developed on. Over the whole target, one
 decode step (batch 1, 100 cached positions) falls from 31.8 to 22.6 ms and a 4-token verify
 from 49.4 to 23.9 ms: verifying K+1 tokens costs about what decoding one does.
 
+The kernel's speed also jumps with the row count: here 3 rows of the head cost more than 4,
+13 to 15 rows cost far more than 16, and for small matrices one row is fastest the usual way.
+So the first time a (shape, dtype, row count) is seen, `plan` times the usual product and the
+weight-major one with the rows padded to a few sizes (the padding rows are copies, their
+outputs dropped) and keeps the fastest for the rest of the process. `python -m
+batchspec.fastlinear` prints the timings and the choices for the machine it runs on.
+
 It is the same product with another summation order: results agree to float32 rounding,
-exactly as a batched forward agrees with an unbatched one. Inputs on other devices take the
-usual path.
+exactly as a batched forward agrees with an unbatched one. Inputs on other devices, and more
+than MAX_ROWS rows, take the usual path.
 """
+import statistics
+import time
 import types
 
 import torch
-import torch.nn.functional as F
 
 # Past this many rows both forms cost the same (measured up to 128 rows).
 MAX_ROWS = 16
+USUAL = 0  # a plan entry: compute x @ W.T as usual
+
+
+def candidates(rows: int) -> list[int]:
+    """Ways to compute `rows` rows: USUAL, or weight-major padded to each listed size."""
+    sizes = {rows, rows + rows % 2, -(-rows // 4) * 4, MAX_ROWS}
+    return [USUAL] + sorted(size for size in sizes if size <= MAX_ROWS)
+
+
+def _product(flat: torch.Tensor, weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    """flat [rows, in] @ weight.T -> [rows, out], contiguous, by the planned method."""
+    rows = flat.shape[0]
+    if padded_rows == USUAL:
+        return flat @ weight.T
+    if padded_rows > rows:
+        flat = flat.repeat(-(-padded_rows // rows), 1)[:padded_rows]
+    return (weight @ flat.T).T[:rows].contiguous()
+
+
+# Weights a timing cycles through, at least this many bytes in all: a model's weights do not
+# sit in the CPU cache between layers, so neither may the timed ones (hot weights favour the
+# usual product for one row, cold ones the weight-major one).
+COLD_BYTES = 64 << 20
+
+
+def _median_seconds(fn, weights: list[torch.Tensor], repeats: int = 3) -> float:
+    """Median over `repeats` of the mean time of fn(weight) across `weights`."""
+    for weight in weights[:2]:
+        fn(weight)  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for weight in weights:
+            fn(weight)
+        times.append((time.perf_counter() - started) / len(weights))
+    return statistics.median(times)
+
+
+def _cold_weights(out_features: int, in_features: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    one = torch.randn(out_features, in_features).to(dtype)
+    copies = max(1, min(64, -(-COLD_BYTES // (one.numel() * one.element_size()))))
+    return [one] + [one.clone() for _ in range(copies - 1)]  # distinct memory is what counts
+
+
+def _fastest(flat: torch.Tensor, weights: list[torch.Tensor]) -> int:
+    timed = {c: _median_seconds(lambda w, c=c: _product(flat, w, c), weights)
+             for c in candidates(flat.shape[0])}
+    return min(timed, key=timed.get)
+
+
+# (out_features, in_features, dtype) -> the plan for 1..MAX_ROWS rows
+_PLANS: dict[tuple, tuple[int, ...]] = {}
+
+
+# Weight-major for every row count, one row computed as two: the plan of shapes not worth
+# timing (a model small enough to live in the CPU cache gains little either way).
+DEFAULT_PLAN = tuple([2] + list(range(2, MAX_ROWS + 1)))
+# A lone weight, or a whole model's linear weights, smaller than this is not timed.
+MIN_TIMED_BYTES = 32 << 20
+
+
+def plan(out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> int:
+    """The fastest way (a `candidates` entry) to multiply `rows` rows by an [out, in] weight
+    on this machine; every row count of a shape is timed together, once per process."""
+    key = (out_features, in_features, dtype)
+    if key not in _PLANS:
+        size = out_features * in_features * torch.empty((), dtype=dtype).element_size()
+        _PLANS[key] = _timed_plan(*key) if size >= MIN_TIMED_BYTES else DEFAULT_PLAN
+    return _PLANS[key][rows - 1]
+
+
+def _timed_plan(out_features: int, in_features: int, dtype: torch.dtype) -> tuple[int, ...]:
+    with torch.inference_mode():
+        weights = _cold_weights(out_features, in_features, dtype)
+        return tuple(_fastest(torch.randn(n, in_features).to(dtype), weights)
+                     for n in range(1, MAX_ROWS + 1))
+
+
+def tune(model: torch.nn.Module) -> int:
+    """Time every linear weight shape of a CPU model now rather than at its first forward,
+    when its linear weights are big enough to matter; returns how many shapes were timed."""
+    weights = [m.weight for m in model.modules()
+               if (isinstance(m, torch.nn.Linear) or getattr(m, "uses_weight_major", False))
+               and m.weight.device.type == "cpu"]
+    shapes = {(*w.shape, w.dtype) for w in weights}
+    if sum(w.numel() * w.element_size() for w in weights) < MIN_TIMED_BYTES:
+        for key in shapes:
+            _PLANS.setdefault(key, DEFAULT_PLAN)
+        return 0
+    for key in shapes:
+        if key not in _PLANS:
+            _PLANS[key] = _timed_plan(*key)
+    return len(shapes)
 
 
 def weight_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T, taken as (weight @ x.T).T for up to MAX_ROWS rows.
+    """x @ weight.T, computed the way `plan` found fastest for up to MAX_ROWS rows.
 
     x [..., in], weight [out, in] -> [..., out], contiguous."""
     rows = x.numel() // x.shape[-1]
-    if rows > MAX_ROWS or x.device.type != "cpu":
+    if rows == 0 or rows > MAX_ROWS or x.device.type != "cpu":
         return x @ weight.T
     flat = x.reshape(rows, x.shape[-1])
-    if rows == 1:
-        flat = flat.repeat(2, 1)  # the two-row product is the faster one here
-    out = (weight @ flat.T).T[:rows]
-    return out.contiguous().reshape(*x.shape[:-1], weight.shape[0])
+    method = plan(weight.shape[0], weight.shape[1], weight.dtype, rows)
+    return _product(flat, weight, method).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -42,7 +140,7 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def patch_linears(model: torch.nn.Module) -> int:
-    """Make every nn.Linear compute weight-major (on CPU inputs); returns how many."""
+    """Make every nn.Linear multiply as `plan` finds fastest (on CPU inputs); returns how many."""
     count = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -52,26 +150,19 @@ def patch_linears(model: torch.nn.Module) -> int:
 
 
 def main() -> None:
-    import time
-
-    def median_us(fn, n=30):
-        times = []
-        for _ in range(n):
-            started = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - started)
-        return sorted(times)[n // 2] * 1e6
-
-    print("out x in     rows   x@W.T us   (W@x.T).T us")
+    """Print, per shape and row count, the usual and weight-major timings and the plan."""
+    print("out x in      rows    x@W.T us  (W@x.T).T us   plan")
     with torch.inference_mode():
-        for out_features, in_features in [(49152, 576), (1536, 576), (576, 1536)]:
-            weight = torch.randn(out_features, in_features)
-            for rows in (1, 2, 3, 4, 8, 16):
-                x = torch.randn(rows, in_features)
-                plain = median_us(lambda: F.linear(x, weight))
-                fast = median_us(lambda: weight_major(x, weight))
+        for out_features, in_features in [(49152, 576), (1536, 576), (576, 1536), (576, 576)]:
+            weights = _cold_weights(out_features, in_features, torch.float32)
+            for rows in range(1, MAX_ROWS + 1):
+                flat = torch.randn(rows, in_features)
+                usual = _median_seconds(lambda w: _product(flat, w, USUAL), weights) * 1e6
+                major = _median_seconds(lambda w: _product(flat, w, rows), weights) * 1e6
+                chosen = plan(out_features, in_features, torch.float32, rows)
+                label = "x@W.T" if chosen == USUAL else f"weight-major, {chosen} rows"
                 shape = f"{out_features:>5} x {in_features:<5}"
-                print(f"{shape} {rows:>4} {plain:>10.0f} {fast:>14.0f}")
+                print(f"{shape} {rows:>4} {usual:>11.0f} {major:>13.0f}   {label}")
 
 
 if __name__ == "__main__":

@@ -193,6 +193,13 @@ def start_model_service(config: ServiceConfig, make_servicer, add_to_server, ser
 
 
 def warm_up(runner: runner_lib.ModelRunner) -> None:
+    """Time the CPU linear kernels (a few seconds for SmolLM2) and run one forward."""
+    from batchspec import fastlinear
+
+    started = time.perf_counter()
+    if fastlinear.tune(runner.model):
+        log.info("timed the CPU linear kernels of %s in %.1f s", runner.name,
+                 time.perf_counter() - started)
     runner.prefill([(-1, [0, 0])])
     runner.release([-1])
 

@@ -1,4 +1,5 @@
-"""The weight-major linear computes the same product as nn.Linear, for every row count."""
+"""The weight-major linear computes the same product as nn.Linear, for every row count and
+every way the plan may choose."""
 import pytest
 import torch
 
@@ -26,3 +27,33 @@ def test_patch_covers_every_linear_and_keeps_gradients():
     x = torch.randn(2, 8, requires_grad=True)
     model(x).sum().backward()
     assert x.grad is not None and model[0].weight.grad is not None
+
+
+@pytest.mark.parametrize("rows", range(1, fastlinear.MAX_ROWS + 1))
+def test_every_candidate_computes_the_same_product(rows):
+    torch.manual_seed(rows)
+    weight, flat = torch.randn(40, 24), torch.randn(rows, 24)
+    expected = flat @ weight.T
+    methods = fastlinear.candidates(rows)
+    assert methods[0] == fastlinear.USUAL and all(rows <= m <= fastlinear.MAX_ROWS
+                                                  for m in methods[1:])
+    for method in methods:
+        got = fastlinear._product(flat, weight, method)
+        assert got.shape == (rows, 40) and got.is_contiguous()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tune_times_big_models_and_gives_small_ones_the_default(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Linear(24, 8),
+                                torch.nn.Linear(8, 24))
+    assert fastlinear.tune(model) == 0  # far below MIN_TIMED_BYTES: not worth timing
+    assert fastlinear.plan(24, 8, torch.float32, 1) == fastlinear.DEFAULT_PLAN[0]
+    monkeypatch.setattr(fastlinear, "MIN_TIMED_BYTES", 0)
+    monkeypatch.setattr(fastlinear, "_PLANS", {})
+    assert fastlinear.tune(model) == 2  # two distinct shapes, timed
+    for out_features, in_features in [(24, 8), (8, 24)]:
+        for rows in range(1, fastlinear.MAX_ROWS + 1):
+            chosen = fastlinear.plan(out_features, in_features, torch.float32, rows)
+            assert chosen in fastlinear.candidates(rows)
+    assert fastlinear.DEFAULT_PLAN == tuple(
+        max(2, rows) for rows in range(1, fastlinear.MAX_ROWS + 1))
