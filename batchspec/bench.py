@@ -151,7 +151,7 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
 
     tokenizer = load_tokenizer(config.target)
     prompts = [chat_ids(tokenizer, r["prompt"]) for r in bench_prompts(config.num_prompts)]
-    draft = config.draft or str(models.PACKAGED_DRAFT)
+    draft = config.draft or models.SMOLLM2_DRAFT
     target_model = models.load_causal_lm(config.target)
     return Workload(config.target, draft, config.draft_layers, prompts, config.max_new_tokens,
                     models.eos_token_ids(target_model), config.min_draft_confidence)
