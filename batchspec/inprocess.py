@@ -24,6 +24,9 @@ class _InProcess:
     def close(self) -> None:
         pass
 
+    def probe(self) -> None:
+        """Always answers: the runner lives in this process."""
+
     def describe(self, timeout: float = 0.0) -> ModelInfo:
         r = self.runner
         return ModelInfo(r.name, r.vocab_size, r.eos_token_ids, r.max_context_len,

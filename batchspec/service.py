@@ -27,6 +27,8 @@ def serve_commands(commands, runner: runner_lib.ModelRunner, handle, result_type
             if kind is None:
                 raise errors.InvalidArgument("command has no body")
             with runner.lock:
+                if not context.is_active():
+                    return  # the client gave up while this command waited: do not run it
                 waited = time.monotonic() - received
                 if command.timeout_ms and waited * 1000 > command.timeout_ms:
                     raise errors.DeadlineExceeded(

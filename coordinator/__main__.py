@@ -30,6 +30,9 @@ class CoordinatorConfig:
     engine: EngineConfig = EngineConfig()
     max_new_tokens: int = 4096
     connect_timeout_s: float = 60.0
+    # a service that leaves a command unanswered this long (past the command's own timeout)
+    # is taken for hung and dropped like a lost one
+    stall_timeout_s: float = 120.0
     grace_s: float = 10.0
     metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: a free port
 
@@ -40,6 +43,8 @@ class CoordinatorConfig:
             raise ValueError(f"port must be in [0, 65535], not {self.port}")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if self.stall_timeout_s <= 0:
+            raise ValueError("stall_timeout_s must be > 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest max_new_tokens a request may ask for")
     parser.add_argument("--connect-timeout", type=float, default=60.0,
                         help="seconds to wait for the services at start-up")
+    parser.add_argument("--stall-timeout", type=float, default=120.0,
+                        help="seconds a service may leave a command unanswered (past its own "
+                             "timeout) before it is taken for hung and dropped")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds to finish in-flight requests on SIGTERM")
     parser.add_argument("--metrics-port", type=int, default=None,
@@ -84,7 +92,8 @@ def config_from_args(args) -> CoordinatorConfig:
                              drafts=split_addresses(args.draft), host=args.host,
                              port=args.port, tokenizer=args.tokenizer, engine=engine,
                              max_new_tokens=args.max_new_tokens,
-                             connect_timeout_s=args.connect_timeout, grace_s=args.grace,
+                             connect_timeout_s=args.connect_timeout,
+                             stall_timeout_s=args.stall_timeout, grace_s=args.grace,
                              metrics_port=args.metrics_port)
 
 
@@ -122,7 +131,8 @@ def build_router(config: CoordinatorConfig, eos_token_ids, telemetry) -> Router:
     for i, address in enumerate(config.targets):
         n = len(config.drafts)
         order = [config.drafts[(i + j) % n] for j in range(n)]
-        engines.append(Engine(TargetClient(address), [DraftClient(a) for a in order],
+        engines.append(Engine(TargetClient(address, config.stall_timeout_s),
+                              [DraftClient(a, config.stall_timeout_s) for a in order],
                               config.engine, eos_token_ids, telemetry, seq_ids=seq_ids))
     router = Router(engines, config.engine.max_queue)
     telemetry.source = router

@@ -89,15 +89,15 @@ class CommandStream:
     def call(self, timeout: float | None = None, **command):
         """Send one command and wait for its result. With a timeout, the service is told how
         long we wait (it refuses what it cannot start in time). A service that does not answer
-        within timeout + stall_timeout_s is taken for hung: the stream is cancelled under it
-        (raising Unavailable)."""
+        within stall_timeout_s, whatever the timeout, is taken for hung: the stream is
+        cancelled under it (raising Unavailable), so a hang is found before the requests'
+        deadlines run out."""
         with self._lock:
             command_id = next(self._ids)
             timeout_ms = min(int(timeout * 1000), 2**32 - 1) if timeout else 0
             self._requests.put(self._command_type(command_id=command_id, timeout_ms=timeout_ms,
                                                   **command))
-            watchdog = threading.Timer((timeout or 0) + self._stall_timeout_s,
-                                       self._responses.cancel)
+            watchdog = threading.Timer(self._stall_timeout_s, self._responses.cancel)
             watchdog.daemon = True
             watchdog.start()
             try:
@@ -131,8 +131,9 @@ class ServiceClient:
     stub_type = None
     command_type = None
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, stall_timeout_s: float = 120.0):
         self.address = address
+        self.stall_timeout_s = stall_timeout_s
         self.channel = grpc.insecure_channel(address, options=server_lib.CHANNEL_OPTIONS)
         self.stub = self.stub_type(self.channel)
         self._stream: CommandStream | None = None
@@ -140,8 +141,18 @@ class ServiceClient:
     @property
     def stream(self) -> CommandStream:
         if self._stream is None:
-            self._stream = CommandStream(self.stub.RunCommands, self.command_type)
+            self._stream = CommandStream(self.stub.RunCommands, self.command_type,
+                                         self.stall_timeout_s)
         return self._stream
+
+    def probe(self) -> None:
+        """Send an empty release on a stream of its own. Returns once the service takes
+        commands; raises Unavailable when it is down, or hung past the stall timeout."""
+        stream = CommandStream(self.stub.RunCommands, self.command_type, self.stall_timeout_s)
+        try:
+            stream.call(release=cache_pb2.ReleaseCommand(seq_ids=[]))
+        finally:
+            stream.close()
 
     def reset(self) -> None:
         """Drop the stream (after a failure); the next call opens a new one."""

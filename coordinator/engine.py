@@ -79,6 +79,25 @@ class RequestHandle:
         self.last_token_at: float | None = None
 
 
+class Probe:
+    """One `client.probe()` on a daemon thread; `done` is set when it returns or fails."""
+
+    def __init__(self, client):
+        self.ok = False
+        self.done = threading.Event()
+        threading.Thread(target=self._run, args=(client,), daemon=True,
+                         name=f"probe {client.address}").start()
+
+    def _run(self, client) -> None:
+        try:
+            client.probe()
+            self.ok = True
+        except errors.BatchspecError:
+            pass
+        finally:
+            self.done.set()
+
+
 class Engine:
     def __init__(self, target: TargetClient, drafts: list[DraftClient], config: EngineConfig,
                  eos_token_ids: list[int], telemetry: Telemetry | None = None,
@@ -110,6 +129,7 @@ class Engine:
         # lost the stream (a release that failed, or a loss while they were cached); released
         # when the service answers again, unless it restarted empty
         self._stale: dict[str, set[int]] = {}
+        self._probes: dict[str, Probe] = {}  # service address -> its probe in flight
         self._next_retry = 0.0
         self._retry_delay = config.reconnect_backoff_s[0]
 
@@ -496,6 +516,8 @@ class Engine:
         return False
 
     def _reconnect(self, client, resync) -> bool:
+        if not self._probe_answered(client):
+            return False
         try:
             client.reset()
             if client.describe(timeout=1.0).num_sequences:
@@ -509,6 +531,16 @@ class Engine:
             return False
         log.info("%s is back: caches re-prefilled from the coordinator's record", client.address)
         return True
+
+    def _probe_answered(self, client) -> bool:
+        """True once a probe found the service taking commands again; else start one. Probes
+        run off the engine thread, so a hung service cannot stall decoding while we wait."""
+        probe = self._probes.pop(client.address, None)
+        if probe is not None and probe.done.is_set() and probe.ok:
+            return True
+        self._probes[client.address] = probe if probe and not probe.done.is_set() \
+            else Probe(client)
+        return False
 
     def _forget_stale(self, client, seq_ids: set[int]) -> None:
         """The service kept running while its stream broke: drop what it still holds of

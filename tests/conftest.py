@@ -61,7 +61,7 @@ def start_draft(model_dir, port=0):
 
 @contextlib.contextmanager
 def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, metrics_port=None,
-                  **engine_kwargs):
+                  stall_timeout_s=120.0, **engine_kwargs):
     """Target, draft and coordinator servers in this process, on free loopback ports."""
     target_server, target_port, _, target_runner = start_target(target_dir)
     draft_server, draft_port, _, draft_runner = start_draft(draft_dir)
@@ -72,7 +72,8 @@ def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, me
                                  reconnect_backoff_s=(0.05, 0.5), **engine_kwargs)
     config = coordinator_main.CoordinatorConfig(
         targets=(f"127.0.0.1:{target_port}",), drafts=(f"127.0.0.1:{draft_port}",), port=0,
-        engine=engine_config, connect_timeout_s=10, metrics_port=metrics_port)
+        engine=engine_config, connect_timeout_s=10, metrics_port=metrics_port,
+        stall_timeout_s=stall_timeout_s)
     running = coordinator_main.start(config)
     try:
         yield Stack(target_port, draft_port, running.port, running.engine, target_runner,

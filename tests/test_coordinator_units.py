@@ -1,8 +1,13 @@
-"""Pure coordinator parts: sequence bookkeeping and group selection (no torch, no gRPC)."""
+"""Pure coordinator parts: sequence bookkeeping, group selection and reconnection (no torch,
+no gRPC)."""
 import subprocess
 import sys
+import threading
+import time
 
 from coordinator import scheduler
+from coordinator.clients import ModelInfo
+from coordinator.engine import Engine, EngineConfig
 from coordinator.sequence import Finish, Sequence
 
 
@@ -71,6 +76,44 @@ def test_draft_plan_widens_appends_and_drops_rows_too_short_for_them():
     b.draft_valid_len = b.committed_len - 2
     rows, width = scheduler.draft_plan([a, b, c])
     assert width == 2 and [s.seq_id for s in rows] == [1, 2]
+
+
+class FakeService:
+    """A service stand-in whose probe blocks until `answering` is set."""
+
+    def __init__(self, address):
+        self.address = address
+        self.answering = threading.Event()
+
+    def probe(self):
+        self.answering.wait()
+
+    def reset(self):
+        pass
+
+    def describe(self, timeout=0.0):
+        return ModelInfo("fake", 100, [3], 1000, 0, 0)
+
+    def prefill(self, entries):
+        return [len(tokens) for _, tokens in entries]
+
+
+def test_a_hung_service_is_probed_off_the_engine_thread():
+    target, draft = FakeService("target"), FakeService("draft")
+    target.answering.set()
+    engine = Engine(target, [draft], EngineConfig(reconnect_backoff_s=(0.0, 0.0)), [3])
+    engine._draft_lost("the draft stopped answering")
+    started = time.monotonic()
+    for _ in range(5):
+        assert engine._ensure_services()  # the target is up: decoding goes on
+        assert not engine.draft_up
+    assert time.monotonic() - started < 1.0  # the probe left hanging blocked nothing
+    draft.answering.set()
+    end = time.monotonic() + 5
+    while not engine.draft_up and time.monotonic() < end:
+        engine._ensure_services()
+        time.sleep(0.01)
+    assert engine.draft_up  # it answers again: reconnected
 
 
 def test_coordinator_does_not_import_torch():

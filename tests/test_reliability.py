@@ -75,6 +75,32 @@ def test_draft_loss_falls_back_to_the_target_and_recovers(model_dirs, llama_mode
         assert tokens == tiny_models.reference_greedy(llama_model, prompt, LONG, ignore_eos=True)
 
 
+def test_a_hung_draft_is_dropped_and_decoding_goes_on(model_dirs, llama_model):
+    """The draft stops answering (its runner lock held, as a stuck kernel would): after the
+    stall timeout the coordinator decodes with the target alone, probing the draft off the
+    engine thread, and speculates again once it answers."""
+    target_dir, draft_dir = model_dirs["llama"]
+    with running_stack(target_dir, draft_dir, batch_size=2, num_draft_tokens=3,
+                       stall_timeout_s=0.5) as stack:
+        seen = {}
+
+        def hang():
+            with stack.draft_runner.lock:
+                fallback = stack.engine.stats.num_draft_fallback_steps
+                # target-only steps go on while the draft hangs (probes do not block them)
+                assert wait_for(lambda: stack.engine.stats.num_draft_fallback_steps
+                                > fallback + 20, timeout=20)
+                seen["speculative_steps"] = (stack.engine.stats.num_steps
+                                             - stack.engine.stats.num_draft_fallback_steps)
+
+        outputs = run_with_outage(stack, hang)
+        stats = stack.engine.stats
+        assert stats.num_steps - stats.num_draft_fallback_steps > seen["speculative_steps"]
+        assert wait_for(lambda: not stack.draft_runner.caches and not stack.target_runner.caches)
+    for prompt, tokens in zip(prompts(8), outputs):
+        assert tokens == tiny_models.reference_greedy(llama_model, prompt, LONG, ignore_eos=True)
+
+
 def test_target_restart_loses_nothing_and_stays_exact(model_dirs, llama_model):
     target_dir, draft_dir = model_dirs["llama"]
     with running_stack(target_dir, draft_dir, batch_size=2, num_draft_tokens=3) as stack:
