@@ -9,10 +9,12 @@ decode step (batch 1, 100 cached positions) falls from 31.8 to 22.6 ms and a 4-t
 from 49.4 to 23.9 ms: verifying K+1 tokens costs about what decoding one does.
 
 The kernel's speed also jumps with the row count: here 3 rows of the head cost more than 4,
-13 to 15 rows cost far more than 16, and for small matrices one row is fastest the usual way.
-So the first time a (shape, dtype, row count) is seen, `plan` times the usual product and the
-weight-major one with the rows padded to a few sizes (the padding rows are copies, their
-outputs dropped) and keeps the fastest for the rest of the process. `python -m
+and 13 to 15 rows far more than 16. So `tune(model)` (run by each service and by the
+benchmark at start-up) times, for every weight shape and 1 to MAX_ROWS rows, the usual product
+and the weight-major one with the rows padded to a few sizes (padding rows are copies, their
+outputs dropped), on enough copies of the weight that it comes from memory as in a real
+forward, and keeps the fastest for the rest of the process. A model whose linear weights fit
+in the CPU cache (the tests' tiny ones) is not worth timing and takes DEFAULT_PLAN. `python -m
 batchspec.fastlinear` prints the timings and the choices for the machine it runs on.
 
 It is the same product with another summation order: results agree to float32 rounding,
