@@ -35,24 +35,23 @@ def stack_rows(rows: list[list[LayerKV] | None], lengths: list[int]) -> list[Lay
         return None
     if len(rows) == 1:  # a group of one needs no copy: views of the sequence's own tensors
         return [(k[:, :, :width], v[:, :, :width]) for k, v in rows[0]]
+    if min(lengths) == width:  # equal lengths: one concatenation per tensor
+        return [tuple(torch.cat([row[layer_index][which][:, :, :width] for row in rows])
+                      for which in (0, 1)) for layer_index in range(len(rows[0]))]
     template = next(r for r, n in zip(rows, lengths) if n > 0)
-    stacked = []
-    for layer_index, (k_ref, v_ref) in enumerate(template):
-        keys, values = [], []
-        for row, n in zip(rows, lengths):
-            keys.append(_left_pad(row, layer_index, 0, n, width, k_ref))
-            values.append(_left_pad(row, layer_index, 1, n, width, v_ref))
-        stacked.append((torch.cat(keys, dim=0), torch.cat(values, dim=0)))
-    return stacked
+    return [tuple(_left_padded(rows, lengths, layer_index, which, ref, width)
+                  for which, ref in enumerate(pair)) for layer_index, pair in enumerate(template)]
 
 
-def _left_pad(row, layer_index, which, n, width, ref):
-    shape = (1, ref.shape[1], width, ref.shape[3])
-    if n == width:
-        return row[layer_index][which][:, :, :n]
-    out = ref.new_zeros(shape)
-    if n:
-        out[:, :, width - n:] = row[layer_index][which][:, :, :n]
+def _left_padded(rows, lengths, layer_index, which, ref, width) -> torch.Tensor:
+    """One layer's keys (which=0) or values (1) of every row, copied once into a
+    [batch, heads, width, head_dim] tensor whose pad columns are zeros."""
+    out = ref.new_empty((len(rows), ref.shape[1], width, ref.shape[3]))
+    for i, (row, n) in enumerate(zip(rows, lengths)):
+        if n < width:
+            out[i, :, :width - n].zero_()
+        if n:
+            out[i, :, width - n:].copy_(row[layer_index][which][0, :, :n])
     return out
 
 

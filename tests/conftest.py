@@ -2,6 +2,7 @@ import contextlib
 import dataclasses
 import pathlib
 import sys
+import time
 
 import grpc
 import pytest
@@ -57,6 +58,16 @@ def start_draft(model_dir, port=0):
                                        DraftServicer,
                                        draft_pb2_grpc.add_DraftServiceServicer_to_server,
                                        DRAFT_NAME)
+
+
+def wait_for(predicate, timeout=10.0):
+    """Poll until predicate() is true; False if it never was within timeout seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
 
 
 @contextlib.contextmanager
