@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences in the pool")
     parser.add_argument("--max-queue", type=int, default=1024,
                         help="requests that may wait for the pool before RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-prefill-tokens", type=int, default=EngineConfig.max_prefill_tokens,
+                        help="prompt tokens per prefill command (a longer prompt goes alone)")
     parser.add_argument("--max-new-tokens", type=int, default=4096,
                         help="largest max_new_tokens a request may ask for")
     parser.add_argument("--connect-timeout", type=float, default=60.0,
@@ -87,7 +89,8 @@ def config_from_args(args) -> CoordinatorConfig:
     engine = EngineConfig(num_draft_tokens=args.num_draft_tokens,
                           min_draft_confidence=args.min_draft_confidence,
                           policy=scheduler.GroupPolicy(batch_size=args.batch_size),
-                          max_num_seqs=args.max_num_seqs, max_queue=args.max_queue)
+                          max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
+                          max_prefill_tokens=args.max_prefill_tokens)
     return CoordinatorConfig(targets=split_addresses(args.target),
                              drafts=split_addresses(args.draft), host=args.host,
                              port=args.port, tokenizer=args.tokenizer, engine=engine,

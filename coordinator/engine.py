@@ -33,6 +33,10 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences stepped concurrently (the pool)
     max_queue: int = 1024  # requests waiting for a pool slot; beyond it RESOURCE_EXHAUSTED
     reconnect_backoff_s: tuple[float, float] = (0.2, 5.0)  # first and longest retry delay
+    # Prompt tokens per prefill command (a longer prompt goes alone): bounds how long one
+    # command runs, so a slow prefill is not taken for a hung service, and lets decoding steps
+    # interleave with a large admission.
+    max_prefill_tokens: int = 16384
 
     def __post_init__(self):
         if not 1 <= self.num_draft_tokens <= 32:
@@ -41,6 +45,8 @@ class EngineConfig:
             raise ValueError("min_draft_confidence must be in [0, 1]")
         if self.max_num_seqs < 1 or self.max_queue < 0:
             raise ValueError("max_num_seqs must be >= 1 and max_queue >= 0")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +259,10 @@ class Engine:
     def _admit(self) -> None:
         with self._lock:
             room = self.config.max_num_seqs - len(self._active)
-            new, self._waiting = self._waiting[:room], self._waiting[room:]
+            runs = scheduler.split_by_tokens([h.seq for h in self._waiting[:room]],
+                                             self.config.max_prefill_tokens)
+            count = len(runs[0]) if runs else 0
+            new, self._waiting = self._waiting[:count], self._waiting[count:]
         if not new:
             return
         entries = [(h.seq.seq_id, h.seq.token_ids[:-1]) for h in new]
@@ -553,14 +562,18 @@ class Engine:
 
     def _resync_target(self) -> None:
         seqs = [h.seq for h in self._active.values()]
-        if seqs:
-            self.target.prefill([(s.seq_id, s.token_ids[:-1]) for s in seqs])
+        self._prefill_in_runs(self.target, seqs)
         for s in seqs:
             s.target_cache_len = s.committed_len - 1
 
     def _resync_draft(self) -> None:
         seqs = [h.seq for h in self._active.values()]
-        if seqs:
-            self.draft.prefill([(s.seq_id, s.token_ids[:-1]) for s in seqs])
+        self._prefill_in_runs(self.draft, seqs)
         for s in seqs:
             s.draft_cache_len = s.draft_valid_len = s.committed_len - 1
+
+    def _prefill_in_runs(self, client, seqs: list[Sequence]) -> None:
+        """Re-prefill from the committed record, one bounded command per run. If a run fails,
+        those before it stay cached there: the next reconnection releases them first."""
+        for run in scheduler.split_by_tokens(seqs, self.config.max_prefill_tokens):
+            client.prefill([(s.seq_id, s.token_ids[:-1]) for s in run])

@@ -66,6 +66,23 @@ def _largest_bucket(active: list[Sequence]) -> list[Sequence]:
     return max(buckets.values(), key=lambda b: (len(b), -b[0].last_step, -b[0].seq_id))
 
 
+def split_by_tokens(sequences: list[Sequence], budget: int) -> list[list[Sequence]]:
+    """Consecutive runs of sequences whose cached prefixes (all committed tokens but the
+    last) total at most `budget` tokens, in order; a longer one goes alone. One run is one
+    prefill command, so no command runs unboundedly long."""
+    runs, run, total = [], [], 0
+    for s in sequences:
+        size = s.committed_len - 1
+        if run and total + size > budget:
+            runs.append(run)
+            run, total = [], 0
+        run.append(s)
+        total += size
+    if run:
+        runs.append(run)
+    return runs
+
+
 def draft_plan(sequences: list[Sequence]) -> tuple[list[Sequence], int]:
     """Rows that can share one proposal, and how many tokens each appends.
 

@@ -84,6 +84,7 @@ class FakeService:
     def __init__(self, address):
         self.address = address
         self.answering = threading.Event()
+        self.prefills = []  # prefix lengths of each prefill command
 
     def probe(self):
         self.answering.wait()
@@ -95,7 +96,8 @@ class FakeService:
         return ModelInfo("fake", 100, [3], 1000, 0, 0)
 
     def prefill(self, entries):
-        return [len(tokens) for _, tokens in entries]
+        self.prefills.append([len(tokens) for _, tokens in entries])
+        return self.prefills[-1]
 
 
 def test_a_hung_service_is_probed_off_the_engine_thread():
@@ -114,6 +116,30 @@ def test_a_hung_service_is_probed_off_the_engine_thread():
         engine._ensure_services()
         time.sleep(0.01)
     assert engine.draft_up  # it answers again: reconnected
+
+
+def test_split_by_tokens_bounds_each_run_and_keeps_order():
+    seqs = [seq(i, n) for i, n in enumerate([4, 5, 3, 20, 2, 2], start=1)]  # prefixes n - 1
+    runs = scheduler.split_by_tokens(seqs, budget=8)
+    assert [[s.seq_id for s in run] for run in runs] == [[1, 2], [3], [4], [5, 6]]
+    assert all(sum(s.committed_len - 1 for s in run) <= 8 for run in runs if len(run) > 1)
+    assert scheduler.split_by_tokens([], budget=8) == []
+
+
+def test_admission_and_resync_prefill_in_bounded_commands():
+    target, draft = FakeService("target"), FakeService("draft")
+    engine = Engine(target, [draft], EngineConfig(max_prefill_tokens=10), [3])
+    for length in (5, 5, 5, 30):  # prefixes of 4 tokens, and one of 29
+        engine.submit(list(range(10, 10 + length)), 4)
+    engine._admit()
+    assert target.prefills == [[4, 4]] and draft.prefills == [[4, 4]]
+    assert engine.num_running() == 2 and engine.num_waiting() == 2
+    engine._admit()
+    engine._admit()
+    assert target.prefills == [[4, 4], [4], [29]] and engine.num_running() == 4
+    target.prefills.clear()
+    engine._resync_target()  # after a restart: the same bounded runs
+    assert target.prefills == [[4, 4], [4], [29]]
 
 
 def test_coordinator_does_not_import_torch():
