@@ -88,9 +88,11 @@ class Run:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from batchspec.server import parse_config
+
+    config = parse_config(build_parser(), sys.argv[1:] if argv is None else argv,
+                          config_from_args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s bench %(message)s")
-    config = config_from_args(args)
     report = run(config)
     paths = write_report(report, pathlib.Path(config.out))
     print("\n".join(f"wrote {p}" for p in paths))

@@ -23,6 +23,16 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def parse_config(parser, argv, build):
+    """Parse the command line and build its frozen config with build(args). A value the
+    config refuses exits with the parser's usage message (status 2), not a traceback."""
+    args = parser.parse_args(argv)
+    try:
+        return build(args)
+    except ValueError as error:
+        parser.error(str(error))
+
+
 def create_server(address: str, services, *, max_workers: int = 32):
     """Build a server on `address` ('host:port'; port 0 picks a free one).
 

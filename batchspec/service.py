@@ -210,9 +210,8 @@ def main(role: str, default_port: int, make_servicer, add_to_server, service_nam
     parser = argparse.ArgumentParser(prog=f"batchspec {role}",
                                      description=f"Serve the {role} model over gRPC.")
     add_service_arguments(parser, default_port)
-    args = parser.parse_args(argv)
+    config = server_lib.parse_config(parser, argv, config_from_args)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
-    config = config_from_args(args)
     server, port, health, _ = start_model_service(config, make_servicer, add_to_server,
                                                   service_name)
     print(f"{role} listening on {config.host}:{port}", flush=True)

@@ -30,7 +30,7 @@ class CoordinatorConfig:
     engine: EngineConfig = EngineConfig()
     max_new_tokens: int = 4096
     connect_timeout_s: float = 60.0
-    # a service that leaves a command unanswered this long (past the command's own timeout)
+    # a service that leaves a command unanswered this long (whatever the request deadlines)
     # is taken for hung and dropped like a lost one
     stall_timeout_s: float = 120.0
     grace_s: float = 10.0
@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--connect-timeout", type=float, default=60.0,
                         help="seconds to wait for the services at start-up")
     parser.add_argument("--stall-timeout", type=float, default=120.0,
-                        help="seconds a service may leave a command unanswered (past its own "
-                             "timeout) before it is taken for hung and dropped")
+                        help="seconds a service may leave a command unanswered before it is "
+                             "taken for hung and dropped")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds to finish in-flight requests on SIGTERM")
     parser.add_argument("--metrics-port", type=int, default=None,
@@ -184,10 +184,9 @@ def start(config: CoordinatorConfig) -> Running:
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    config = server_lib.parse_config(build_parser(), argv, config_from_args)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s coordinator %(levelname)s %(message)s")
-    config = config_from_args(args)
     running = start(config)
     print(f"coordinator listening on {config.host}:{running.port}", flush=True)
     server_lib.run_until_signalled(running.server, running.health, [SERVICE_NAME],

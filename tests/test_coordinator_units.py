@@ -142,6 +142,19 @@ def test_admission_and_resync_prefill_in_bounded_commands():
     assert target.prefills == [[4, 4], [4], [29]]
 
 
+def test_a_flag_value_the_config_refuses_is_a_usage_error_not_a_traceback(capsys):
+    from coordinator import __main__ as coordinator_main
+
+    for flags in (["--stall-timeout", "0"], ["--max-prefill-tokens", "0"], ["--batch-size", "0"]):
+        try:
+            coordinator_main.main(["--target", "127.0.0.1:1"] + flags)
+        except SystemExit as exit_:
+            assert exit_.code == 2
+        else:
+            raise AssertionError(f"{flags} was accepted")
+        assert "error:" in capsys.readouterr().err
+
+
 def test_coordinator_does_not_import_torch():
     code = ("import sys, coordinator.__main__, coordinator.engine, coordinator.servicer; "
             "sys.exit('torch' in sys.modules)")
