@@ -55,6 +55,11 @@ class Sequence:
     def committed_len(self) -> int:
         return len(self.token_ids)
 
+    def prefill_entry(self) -> tuple[int, list[int]]:
+        """(seq_id, tokens) for a fresh cache: every committed token but the last, which the
+        next step feeds (the cache invariant)."""
+        return self.seq_id, self.token_ids[:-1]
+
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
