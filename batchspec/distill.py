@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import pathlib
+import platform
 import random
 import shlex
 import sys
@@ -104,6 +105,8 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
         "lora_alpha": config.lora_alpha,
         "training": {"command": command, "config": dataclasses.asdict(config),
                      "data": {"prompts": "batchspec.data.train_prompts (templates x topics, "
+                                         "then tasks on passages and functions of the Python "
+                                         f"{platform.python_version()} standard library; "
                                          "disjoint from the benchmark prompts)",
                               "labels": (f"target's top-{config.teacher_top_k} probabilities "
                                          "over the draft vocabulary" if config.teacher_top_k

@@ -63,3 +63,19 @@ def test_distill_shows_progress_resumes_and_records(tiny_target, tmp_path):
     logits = group.step(torch.tensor([[8]]), num_logits=1)[0, -1]
     assert int(logits.argmax()) in vocab  # drafts come only from the draft's vocabulary
     assert torch.isinf(logits).sum() == tiny.VOCAB - len(vocab)
+
+
+def test_training_prompts_grow_by_appending_and_never_include_a_benchmark_prompt():
+    from batchspec.data import train_prompts
+    from batchspec.draft_eval import bench_prompts
+
+    first = train_prompts.training_prompts(1440)
+    grown = train_prompts.training_prompts(3440)
+    assert grown[:1440] == first  # a resumed distill only generates the new prompts
+    assert not set(grown) & {row["prompt"] for row in bench_prompts()}
+    varied = grown[1440:]
+    assert len(set(varied)) == len(varied) and not set(varied) & set(first)
+    assert any("```python" in p for p in varied) and any("Translate" in p for p in varied)
+    assert train_prompts.training_prompts(3440, seed=0) == grown  # deterministic
+    with pytest.raises(ValueError, match="at most"):
+        train_prompts.training_prompts(10**6)

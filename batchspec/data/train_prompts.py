@@ -1,6 +1,17 @@
-"""Chat prompts for distilling a draft, built from templates x topics. They cover the same kinds
-of work as the benchmark prompts (bench_prompts.jsonl) without repeating any of them, so the
-benchmark set stays held out."""
+"""Chat prompts for distilling a draft. They cover the same kinds of work as the benchmark
+prompts (bench_prompts.jsonl) without repeating any of them, so the benchmark set stays held out.
+
+Two sources, in this order (a longer list keeps a shorter one as its prefix, so a resumed
+`distill` only generates the new prompts):
+1. templates x topics (1,440 prompts);
+2. tasks on passages and functions of Python's own standard library (docstrings and short
+   function sources, read with `inspect`): summarising, extracting, explaining, translating
+   and reviewing code on thousands of different texts. Templated prompts alone get a draft
+   that agrees with the target on 66% of its training answers but 31% of the benchmark's;
+   varied inputs are what it lacks.
+"""
+import importlib
+import inspect
 import itertools
 import random
 
@@ -60,6 +71,85 @@ ARITHMETIC = [
 ]
 
 
+PASSAGE_TASKS = [
+    "Summarize the following text in one sentence:\n\n{x}",
+    "Explain this in simple words:\n\n{x}",
+    "Extract the key terms from this text as a bulleted list:\n\n{x}",
+    "Write two questions that this text answers, with their answers:\n\n{x}",
+    "Rewrite the following as a short, friendly paragraph for a beginner:\n\n{x}",
+    "Translate the following into French:\n\n{s}",
+    "Translate the following into Spanish:\n\n{s}",
+    "Give a real-world example that illustrates this:\n\n{x}",
+    "What is the main point of this passage?\n\n{x}",
+    "Turn this description into a numbered list:\n\n{x}",
+]
+CODE_TASKS = [
+    "Explain what this Python function does:\n\n```python\n{x}```",
+    "Write a docstring for this Python function:\n\n```python\n{x}```",
+    "Suggest one improvement to this code and show the improved version:\n\n```python\n{x}```",
+    "Write a unit test for this function:\n\n```python\n{x}```",
+    "Add a comment to each step of this function:\n\n```python\n{x}```",
+]
+# Standard-library modules present in every CPython 3.11 build (no optional C extensions).
+STDLIB_MODULES = [
+    "abc", "argparse", "array", "ast", "base64", "binascii", "bisect", "calendar", "cmd",
+    "code", "codecs", "collections", "colorsys", "concurrent.futures", "configparser",
+    "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "dis",
+    "doctest", "email.message", "enum", "filecmp", "fileinput", "fnmatch", "fractions",
+    "functools", "getopt", "gettext", "glob", "graphlib", "gzip", "hashlib", "heapq", "hmac",
+    "html", "http.client", "http.cookies", "http.server", "inspect", "io", "ipaddress",
+    "itertools", "json", "json.decoder", "keyword", "linecache", "locale", "logging", "mailbox",
+    "mimetypes", "netrc", "numbers", "operator", "optparse", "os", "pathlib", "pickle",
+    "pkgutil", "platform", "plistlib", "pprint", "profile", "pstats", "queue", "quopri",
+    "random", "re", "reprlib", "runpy", "sched", "secrets", "selectors", "shelve", "shlex",
+    "shutil", "signal", "smtplib", "socket", "stat", "statistics", "string", "struct",
+    "subprocess", "sysconfig", "tarfile", "tempfile", "textwrap", "threading", "timeit",
+    "token", "tokenize", "tomllib", "trace", "traceback", "types", "typing", "unittest",
+    "urllib.parse", "urllib.request", "uuid", "warnings", "wave", "weakref",
+    "xml.etree.ElementTree", "xmlrpc.client", "zipapp", "zipfile", "zoneinfo",
+]
+
+
+def stdlib_texts() -> tuple[list[str], list[str]]:
+    """(docstring paragraphs of 120-700 characters, sources of 4-25-line functions) of the
+    public functions and classes of STDLIB_MODULES, each once, in a fixed order."""
+    passages, functions = {}, {}
+    for module_name in STDLIB_MODULES:
+        module = importlib.import_module(module_name)
+        for name, obj in sorted(vars(module).items()):
+            if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            for paragraph in (inspect.getdoc(obj) or "").split("\n\n"):
+                paragraph = " ".join(paragraph.split())
+                if 120 <= len(paragraph) <= 700 and ">>>" not in paragraph:
+                    passages.setdefault(paragraph)
+            if inspect.isfunction(obj):
+                try:
+                    source = inspect.getsource(obj)
+                except (OSError, TypeError):
+                    continue
+                if 4 <= source.count("\n") <= 25:
+                    functions.setdefault(source)
+    return list(passages), list(functions)
+
+
+def first_sentence(text: str) -> str:
+    end = text.find(". ")
+    return text if end < 0 else text[:end + 1]
+
+
+def stdlib_prompts(seed: int) -> list[str]:
+    passages, functions = stdlib_texts()
+    prompts = [task.format(x=p, s=first_sentence(p))
+               for task, p in itertools.product(PASSAGE_TASKS, passages)]
+    prompts += [task.format(x=f) for task, f in itertools.product(CODE_TASKS, functions)]
+    prompts = list(dict.fromkeys(prompts))  # a one-sentence passage translates only once
+    random.Random(seed + 2).shuffle(prompts)
+    return prompts
+
+
 def training_prompts(count: int, seed: int = 0) -> list[str]:
     """`count` distinct prompts, deterministic for a seed."""
     rng = random.Random(seed)
@@ -72,6 +162,8 @@ def training_prompts(count: int, seed: int = 0) -> list[str]:
     more = [t.format(t=topic) for t, topic in itertools.product(MORE_TEMPLATES, MORE_TOPICS)]
     random.Random(seed + 1).shuffle(more)
     pool += more
+    if count > len(pool):
+        pool += stdlib_prompts(seed)
     if count > len(pool):
         raise ValueError(f"at most {len(pool)} training prompts")
     return pool[:count]
