@@ -77,7 +77,8 @@ def decode_step_seconds(model, context: int = 200, repeats: int = 40) -> float:
     import torch
 
     with torch.inference_mode():
-        out = model(torch.randint(0, 1000, (1, context)), use_cache=True)
+        vocab = min(1000, model.config.vocab_size)  # any ids the embedding holds
+        out = model(torch.randint(0, vocab, (1, context)), use_cache=True)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
@@ -87,19 +88,35 @@ def decode_step_seconds(model, context: int = 200, repeats: int = 40) -> float:
     return statistics.median(times)
 
 
+def training_pairs(directory: str, max_new_tokens: int, every: int = 14):
+    """(prompt ids, answer ids) of every `every`-th sequence a `distill` directory trained on,
+    answers cut to max_new_tokens: how well a draft fits its own training data."""
+    path = pathlib.Path(directory) / "data.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"evaluate-draft: {path} not found (not a distill directory?)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [(r["input_ids"], r["output_ids"][:max_new_tokens]) for r in rows[::every]
+            if r["output_ids"]]
+
+
 def evaluate(target_spec: str, draft_spec: str, *, num_layers: int | None = None,
-             max_new_tokens: int = 64, num_prompts: int | None = None) -> dict:
+             max_new_tokens: int = 64, num_prompts: int | None = None,
+             training_data: str | None = None) -> dict:
     from batchspec import models
     from batchspec.distill import load_tokenizer
 
     target = models.load_causal_lm(target_spec)
     draft = models.load_causal_lm(draft_spec, num_layers=num_layers)
     tokenizer = load_tokenizer(target_spec)
-    prompts = [r["prompt"] for r in bench_prompts(num_prompts)]
-    pairs = target_answers(target, tokenizer, prompts, max_new_tokens)
+    if training_data:
+        pairs = training_pairs(training_data, max_new_tokens)
+    else:
+        prompts = [r["prompt"] for r in bench_prompts(num_prompts)]
+        pairs = target_answers(target, tokenizer, prompts, max_new_tokens)
     target_s, draft_s = decode_step_seconds(target), decode_step_seconds(draft)
     return {"target": target_spec, "draft": draft_spec, "draft_num_layers": num_layers,
-            "num_prompts": len(prompts), "num_answer_tokens": sum(len(a) for _, a in pairs),
+            "prompts": training_data or "benchmark",
+            "num_prompts": len(pairs), "num_answer_tokens": sum(len(a) for _, a in pairs),
             "greedy_agreement": round(agreement(draft, pairs), 4),
             "target_step_ms": round(target_s * 1000, 2), "draft_step_ms": round(draft_s * 1000, 2),
             "draft_cost_ratio": round(draft_s / target_s, 4)}
@@ -113,12 +130,16 @@ def main(argv=None) -> int:
                         help="keep only the draft's first N layers (plain models only)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=None, help="default: all")
+    parser.add_argument("--training-data", default=None, metavar="DIR",
+                        help="measure agreement on every 14th sequence a distill directory "
+                             "trained on, instead of the held-out benchmark prompts")
     parser.add_argument("--record", action="store_true",
                         help="store the result in the draft directory's manifest")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s evaluate %(message)s")
     result = evaluate(args.target, args.draft, num_layers=args.num_layers,
-                      max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts)
+                      max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
+                      training_data=args.training_data)
     print(json.dumps(result, indent=2))
     if args.record:
         from batchspec import draft_model

@@ -148,7 +148,7 @@ def split_addresses(values: list[str]) -> tuple[str, ...]:
 
 def start(config: CoordinatorConfig) -> Running:
     """Connect to the services, start the engine and the server. Health is SERVING once both
-    peers answered, and only while they stay reachable."""
+    peers answered, then while a target is reachable (without the draft it still decodes)."""
     infos = [connect(TargetClient(a), config.connect_timeout_s) for a in config.targets]
     info = infos[0]
     if len({(i.vocab_size, tuple(i.eos_token_ids)) for i in infos}) != 1:
@@ -172,7 +172,8 @@ def start(config: CoordinatorConfig) -> Running:
     server, port, health = server_lib.create_server(
         f"{config.host}:{config.port}",
         [(generate_pb2_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)])
-    # SERVING only while every peer is reachable; the engine says when that changes.
+    # SERVING while the target is reachable (a lost draft only slows decoding); the engine
+    # says when that changes.
     engine.on_health = lambda serving: server_lib.set_serving(health, [SERVICE_NAME], serving)
     engine.start()
     server.start()

@@ -116,7 +116,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stats = EngineStats()
         self.telemetry = telemetry or Telemetry()
-        # on_health(bool): told whether every peer is reachable, whenever that changes
+        # on_health(bool): told, whenever a peer is lost or back, whether the target is
+        # reachable (without a draft this engine still decodes, with the target alone)
         self.on_health = on_health or (lambda serving: None)
         # handoff(engine, handles) -> bool: another engine adopts our requests when our
         # target is lost (set by the Router when there are several target replicas)
@@ -459,7 +460,7 @@ class Engine:
     def _draft_lost(self, error) -> None:
         log.warning("draft service lost (%s): decoding with the target alone", error)
         self._draft_up = False
-        self.on_health(False)
+        self.on_health(self._target_up)
         self.draft.reset()
         self._mark_stale(self.draft, [h.seq for h in self._active.values()
                                       if h.seq.draft_cache_len is not None])
@@ -507,11 +508,12 @@ class Engine:
             return self._target_up
         if not self._target_up:
             self._target_up = self._reconnect(self.target, self._resync_target)
+            if self._target_up:
+                self.on_health(True)
         if self.drafts and not self._draft_up:
             self._draft_up = self._reconnect_draft()
         if self._target_up and (self._draft_up or self.draft is None):
             self._retry_delay = self.config.reconnect_backoff_s[0]
-            self.on_health(True)
         else:
             self._schedule_retry()
         return self._target_up

@@ -18,16 +18,16 @@ class Router:
         self.engines = engines
         self.max_queue = max_queue
         self._lock = threading.Lock()
-        # on_health(bool): SERVING while some target and (if any) some draft are reachable
+        # on_health(bool): SERVING while some target is reachable. A lost draft only slows
+        # decoding (the engine decodes with the target alone, output unchanged), so a load
+        # balancer must keep sending work; the engine logs it and reconnects.
         self.on_health = on_health or (lambda serving: None)
         for engine in engines:
             engine.handoff = self._handoff
             engine.on_health = lambda _serving: self.on_health(self.healthy())
 
     def healthy(self) -> bool:
-        targets = any(e.target_up for e in self.engines)
-        drafts = any(e.draft_up for e in self.engines) or not any(e.drafts for e in self.engines)
-        return targets and drafts
+        return any(e.target_up for e in self.engines)
 
     def submit(self, *args, **kwargs) -> RequestHandle:
         with self._lock:

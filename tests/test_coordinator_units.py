@@ -8,6 +8,7 @@ import time
 from coordinator import scheduler
 from coordinator.clients import ModelInfo
 from coordinator.engine import Engine, EngineConfig
+from coordinator.router import Router
 from coordinator.sequence import Finish, Sequence
 
 
@@ -103,8 +104,11 @@ class FakeService:
 def test_a_hung_service_is_probed_off_the_engine_thread():
     target, draft = FakeService("target"), FakeService("draft")
     target.answering.set()
+    health = []
     engine = Engine(target, [draft], EngineConfig(reconnect_backoff_s=(0.0, 0.0)), [3])
+    router = Router([engine], max_queue=4, on_health=health.append)
     engine._draft_lost("the draft stopped answering")
+    assert health == [True] and router.healthy()  # still serving, with the target alone
     started = time.monotonic()
     for _ in range(5):
         assert engine._ensure_services()  # the target is up: decoding goes on

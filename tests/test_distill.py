@@ -64,6 +64,18 @@ def test_distill_shows_progress_resumes_and_records(tiny_target, tmp_path):
     assert int(logits.argmax()) in vocab  # drafts come only from the draft's vocabulary
     assert torch.isinf(logits).sum() == tiny.VOCAB - len(vocab)
 
+    # evaluate-draft --training-data: agreement on the draft's own training answers
+    from batchspec import draft_eval
+
+    rows = [json.loads(line) for line in (out / "data.jsonl").read_text().splitlines()]
+    pairs = draft_eval.training_pairs(str(out), max_new_tokens=3, every=5)
+    assert pairs == [(r["input_ids"], r["output_ids"][:3]) for r in rows[::5]]
+    result = draft_eval.evaluate(tiny_target, str(out), max_new_tokens=3, training_data=str(out))
+    assert result["prompts"] == str(out) and result["num_prompts"] == 1  # every 14th of 12
+    assert result["num_answer_tokens"] == len(rows[0]["output_ids"][:3])
+    with pytest.raises(SystemExit, match="not a distill directory"):
+        draft_eval.training_pairs(str(tmp_path), max_new_tokens=3)
+
 
 def test_training_prompts_grow_by_appending_and_never_include_a_benchmark_prompt():
     from batchspec.data import train_prompts
