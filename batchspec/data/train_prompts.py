@@ -7,8 +7,9 @@ Two sources, in this order (a longer list keeps a shorter one as its prefix, so 
 2. tasks on passages and functions of Python's own standard library (docstrings and short
    function sources, read with `inspect`): summarising, extracting, explaining, translating
    and reviewing code on thousands of different texts. Templated prompts alone get a draft
-   that agrees with the target on 66% of its training answers but 31% of the benchmark's;
-   varied inputs are what it lacks.
+   that agrees with the target on 66% of its training answers but 31% of the benchmark's
+   (`batchspec evaluate-draft --draft DIR --training-data DIR`, README); varied inputs are
+   what it lacks.
 """
 import importlib
 import inspect
