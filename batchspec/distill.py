@@ -22,7 +22,10 @@ import sys
 import time
 from collections import Counter
 
+from batchspec.data import read_jsonl
+
 log = logging.getLogger("batchspec.distill")
+DATA_FILE = "data.jsonl"  # the target's answers, one JSON object per line, appended as made
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +90,7 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
     started = time.time()
     target = models.load_causal_lm(config.target)
     tokenizer = load_tokenizer(config.target)
-    data = generate_data(config, target, tokenizer, out / "data.jsonl")
+    data = generate_data(config, target, tokenizer, out / DATA_FILE)
     eos_ids = models.eos_token_ids(target)
     vocab_path = out / "vocab.json"
     if vocab_path.exists():  # resuming: the head (and the teacher's indices) stay as they were
@@ -156,7 +159,7 @@ def generate_data(config: DistillConfig, target, tokenizer, path: pathlib.Path) 
 
     from batchspec.data.train_prompts import training_prompts
 
-    done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    done = read_jsonl(path) if path.exists() else []
     prompts = training_prompts(config.num_prompts, seed=config.seed)
     todo = prompts[len(done):]
     bar = tqdm(total=len(prompts), initial=len(done), desc="generate", unit="prompt")

@@ -15,12 +15,13 @@ import statistics
 import sys
 import time
 
+from batchspec.data import read_jsonl
+
 log = logging.getLogger("batchspec.evaluate")
 
 
 def bench_prompts(limit: int | None = None) -> list[dict]:
-    path = pathlib.Path(__file__).parent / "data" / "bench_prompts.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(pathlib.Path(__file__).parent / "data" / "bench_prompts.jsonl")
     if not limit:
         return rows
     # a subset takes the categories in turn, so that every kind of work is in it
@@ -91,10 +92,12 @@ def decode_step_seconds(model, context: int = 200, repeats: int = 40) -> float:
 def training_pairs(directory: str, max_new_tokens: int, every: int = 14):
     """(prompt ids, answer ids) of every `every`-th sequence a `distill` directory trained on,
     answers cut to max_new_tokens: how well a draft fits its own training data."""
-    path = pathlib.Path(directory) / "data.jsonl"
+    from batchspec.distill import DATA_FILE
+
+    path = pathlib.Path(directory) / DATA_FILE
     if not path.is_file():
         raise SystemExit(f"evaluate-draft: {path} not found (not a distill directory?)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(path)
     return [(r["input_ids"], r["output_ids"][:max_new_tokens]) for r in rows[::every]
             if r["output_ids"]]
 
@@ -107,12 +110,11 @@ def evaluate(target_spec: str, draft_spec: str, *, num_layers: int | None = None
 
     target = models.load_causal_lm(target_spec)
     draft = models.load_causal_lm(draft_spec, num_layers=num_layers)
-    tokenizer = load_tokenizer(target_spec)
     if training_data:
         pairs = training_pairs(training_data, max_new_tokens)
     else:
         prompts = [r["prompt"] for r in bench_prompts(num_prompts)]
-        pairs = target_answers(target, tokenizer, prompts, max_new_tokens)
+        pairs = target_answers(target, load_tokenizer(target_spec), prompts, max_new_tokens)
     target_s, draft_s = decode_step_seconds(target), decode_step_seconds(draft)
     return {"target": target_spec, "draft": draft_spec, "draft_num_layers": num_layers,
             "prompts": training_data or "benchmark",
@@ -136,6 +138,9 @@ def main(argv=None) -> int:
     parser.add_argument("--record", action="store_true",
                         help="store the result in the draft directory's manifest")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.record and args.training_data:
+        parser.error("--record stores the held-out figure in the manifest; it does not go "
+                     "with --training-data")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s evaluate %(message)s")
     result = evaluate(args.target, args.draft, num_layers=args.num_layers,
                       max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from batchspec import draft_model, models
-from batchspec.distill import load_tokenizer
+from batchspec.data import read_jsonl
+from batchspec.distill import DATA_FILE, load_tokenizer
 from batchspec.draft_eval import bench_prompts, target_answers
 
 
@@ -149,7 +150,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     root = pathlib.Path(args.data)
-    data = [json.loads(line) for line in (root / "data.jsonl").read_text().splitlines()]
+    data = read_jsonl(root / DATA_FILE)
     teacher = torch.load(root / "teacher.pt", weights_only=False)
     vocab = json.loads((root / "vocab.json").read_text())
     target = models.load_causal_lm(args.target)
