@@ -232,8 +232,11 @@ def run_engine(runners, workload: Workload, batch_size: int, k: int, grouping: b
                                  max_num_seqs=count, max_queue=count),
                     workload.eos_token_ids)
     started = time.perf_counter()
-    engine.start()
     handles = [engine.submit(p, workload.max_new_tokens) for p in workload.prompts]
+    # Stepped on this thread, which ran every other method's torch work: a second thread
+    # running torch costs ~15% on CPU (see batchspec.compute).
+    while engine.load():
+        engine.step()
     outputs = [drain(h) for h in handles]
     seconds = time.perf_counter() - started
     engine.stop()

@@ -6,7 +6,7 @@ import logging
 import random
 import time
 
-from batchspec import errors, models
+from batchspec import compute, errors, models
 from batchspec import runner as runner_lib
 from batchspec import server as server_lib
 from batchspec.metrics import ServiceMetrics, serve_metrics
@@ -33,7 +33,7 @@ def serve_commands(commands, runner: runner_lib.ModelRunner, handle, result_type
                 if command.timeout_ms and waited * 1000 > command.timeout_ms:
                     raise errors.DeadlineExceeded(
                         f"{kind} waited {waited:.3f}s, past its {command.timeout_ms}ms timeout")
-                field, payload = handle(kind, getattr(command, kind))
+                field, payload = compute.run(handle, kind, getattr(command, kind))
                 if metrics is not None:
                     metrics.observe(kind, time.monotonic() - received, runner)
             yield result_type(command_id=command.command_id, **{field: payload})
@@ -176,9 +176,10 @@ def config_from_args(args) -> ServiceConfig:
 
 def start_model_service(config: ServiceConfig, make_servicer, add_to_server, service_name):
     """Load the model, start serving; returns (server, port, health, runner). Health turns
-    SERVING only after the model is loaded and has run one warm-up forward."""
-    runner = build_runner(config)
-    warm_up(runner)
+    SERVING only after the model is loaded and has run one warm-up forward. The model is
+    loaded, tuned and run on the compute thread only (see batchspec.compute)."""
+    runner = compute.run(build_runner, config)
+    compute.run(warm_up, runner)
     role = service_name.rsplit(".", 1)[-1]
     metrics = ServiceMetrics(role)
     if config.metrics_port is not None:

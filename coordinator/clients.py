@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 import queue
 import threading
+import time
 
 import grpc
 
@@ -85,6 +86,7 @@ class CommandStream:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._responses = method(iter(self._requests.get, _END))
+        self._watchdog = _Watchdog(stall_timeout_s, self._responses.cancel)
 
     def call(self, timeout: float | None = None, **command):
         """Send one command and wait for its result. With a timeout, the service is told how
@@ -97,15 +99,13 @@ class CommandStream:
             timeout_ms = min(int(timeout * 1000), 2**32 - 1) if timeout else 0
             self._requests.put(self._command_type(command_id=command_id, timeout_ms=timeout_ms,
                                                   **command))
-            watchdog = threading.Timer(self._stall_timeout_s, self._responses.cancel)
-            watchdog.daemon = True
-            watchdog.start()
+            self._watchdog.arm()
             try:
                 result = next(self._responses)
             except (grpc.RpcError, StopIteration) as error:
                 raise errors.Unavailable(f"command stream broke: {_describe(error)}") from error
             finally:
-                watchdog.cancel()
+                self._watchdog.disarm()
         if result.command_id != command_id:
             raise errors.Unavailable(f"result {result.command_id} answers no command "
                                      f"(expected {command_id})")
@@ -115,8 +115,38 @@ class CommandStream:
         return getattr(result, kind)
 
     def close(self):
+        self._watchdog.close()
         self._requests.put(_END)
         self._responses.cancel()
+
+
+class _Watchdog:
+    """Calls `cancel` once a command has waited more than limit_s for its result. One thread
+    per stream looks every limit_s / 4 (at most every second), so sending a command starts no
+    thread: a threading.Timer per command cost about 0.1 ms of a 37 ms batch-1 step."""
+
+    def __init__(self, limit_s: float, cancel):
+        self._limit_s = limit_s
+        self._cancel = cancel
+        self._sent_at: float | None = None  # time.monotonic() of the command awaiting a result
+        self._closed = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="stream watchdog").start()
+
+    def arm(self) -> None:
+        self._sent_at = time.monotonic()
+
+    def disarm(self) -> None:
+        self._sent_at = None
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _run(self) -> None:
+        while not self._closed.wait(min(1.0, self._limit_s / 4)):
+            sent_at = self._sent_at
+            if sent_at is not None and time.monotonic() - sent_at > self._limit_s:
+                self._cancel()
+                return
 
 
 def _describe(error) -> str:

@@ -1,10 +1,12 @@
 """The internal services over real gRPC on port 0: cache commands, refusals, health, reflection."""
+import threading
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from batchspec import errors
+from batchspec import compute, errors
 from batchspec.params import SamplingParams
 from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
 
@@ -124,3 +126,31 @@ def test_health_says_serving_and_reflection_lists_the_service(target):
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
         names = {s.name for s in response.list_services_response.service}
         assert {"batchspec.v1.TargetService", "grpc.health.v1.Health"} <= names
+
+
+def test_a_service_runs_its_model_on_the_compute_thread_only(target, draft):
+    """Commands arrive on gRPC handler threads; every forward runs on the one compute thread
+    (a second thread running torch makes OpenMP's workers sleep between kernels)."""
+    seen = set()
+    hooks = [runner.model.register_forward_pre_hook(lambda *_: seen.add(threading.get_ident()))
+             for _, runner, _ in (target, draft)]
+    try:
+        target[0].prefill([(40, [5, 6, 7])])
+        draft[0].prefill([(40, [5, 6, 7])])
+        [proposal], _ = draft[0].propose(2, False, [ProposeSpec(40, 3, 3, [8], GREEDY)])
+        target[0].verify(False, [VerifySpec(40, 3, [8], proposal.draft_token_ids, [], GREEDY)])
+    finally:
+        for hook in hooks:
+            hook.remove()
+        target[0].release([40])
+        draft[0].release([40])
+    assert seen == {compute.thread_ident()}
+    assert compute.thread_ident() != threading.get_ident()
+
+
+def test_compute_run_returns_raises_and_nests():
+    idents = {compute.run(threading.get_ident) for _ in range(3)}
+    assert idents == {compute.thread_ident()}
+    assert compute.run(compute.run, lambda x: x + 1, 1) == 2  # a nested call does not deadlock
+    with pytest.raises(errors.NotFound, match="gone"):
+        compute.run(lambda: (_ for _ in ()).throw(errors.NotFound("gone")))
