@@ -57,6 +57,8 @@ def _service(module: str):
 
 # ---- serve --------------------------------------------------------------------------------------
 def serve_parser() -> argparse.ArgumentParser:
+    from coordinator.engine import EngineConfig
+
     parser = argparse.ArgumentParser(prog="batchspec serve", description=(
         "Start the target and draft services and the coordinator on loopback; serve until "
         "stopped (Ctrl-C or SIGTERM)."))
@@ -74,8 +76,10 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-device", default=None, help="overrides --device for the target")
     parser.add_argument("--draft-device", default=None, help="overrides --device for the draft")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4,
-                        help="most tokens drafted per step (K)")
+    parser.add_argument("--num-draft-tokens", "-k", type=int,
+                        default=EngineConfig.num_draft_tokens,
+                        help="most tokens drafted per step (K; default %(default)s, best on "
+                             "CPU; raise it on a GPU)")
     parser.add_argument("--min-draft-confidence", type=float, default=None,
                         help="greedy groups stop drafting below this draft probability "
                              "(default: the coordinator's)")

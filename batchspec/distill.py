@@ -33,7 +33,7 @@ class DistillConfig:
     target: str = "smollm2"
     out: str = "draft-out"
     num_layers: int = 6
-    vocab_size: int = 8192
+    vocab_size: int = 8192  # at most: the answers' most used tokens (fewer if they hold fewer)
     lora_rank: int = 64
     lora_alpha: float = 64.0
     num_prompts: int = 480
@@ -98,6 +98,7 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
     else:
         vocab = pick_vocabulary(data, config.vocab_size, eos_ids)
         vocab_path.write_text(json.dumps(vocab))
+    log.info("draft head: %d tokens", len(vocab))
     teacher = (teacher_labels(config, target, data, vocab, out / "teacher.pt")
                if config.teacher_top_k else None)
     del target

@@ -60,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer.json or a directory holding it (enables text prompts)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4,
-                        help="most tokens drafted per step (K)")
+    parser.add_argument("--num-draft-tokens", "-k", type=int,
+                        default=EngineConfig.num_draft_tokens,
+                        help="most tokens drafted per step (K; default %(default)s, best on "
+                             "CPU; raise it on a GPU)")
     parser.add_argument("--min-draft-confidence", type=float,
                         default=EngineConfig.min_draft_confidence,
                         help="greedy groups stop drafting once every row's draft probability "

@@ -25,7 +25,11 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    num_draft_tokens: int = 4
+    # K, the most tokens a step drafts. 1 was fastest at every batch size (1 to 16) for the
+    # default pair on the 2-core CPU, in-process and over gRPC (README, benchmark): verifying
+    # two tokens costs what decoding one does there, while a third costs more. On a GPU, where
+    # verifying a few more tokens is nearly free, raise it.
+    num_draft_tokens: int = 1
     # Greedy groups stop drafting early once every row's draft is less sure than this (0: off).
     # For the default pair at batch 1, 0.6 and 0.8 measured best of {0, 0.3, 0.6, 0.8} (README).
     min_draft_confidence: float = 0.6
