@@ -59,8 +59,13 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
         return draft_model.load_draft(spec, dtype=dtype, device=device)
     source = resolve(spec)
     log.info("loading %s (%s) on %s", spec, dtype, device)
-    path = source.path if source.gguf_file is None else converted_gguf(source)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    converted = converted_gguf(source) if source.gguf_file else None
+    if source.gguf_file and converted is None:  # no cache to keep it in: parse the file
+        model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
+                                                     dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(converted or source.path,
+                                                     dtype=getattr(torch, dtype))
     if num_layers is not None:
         truncate_layers(model, num_layers)
     fastlinear.patch_linears(model)
@@ -85,11 +90,12 @@ def gguf_cache_dir(source: ModelSource) -> pathlib.Path:
 CONVERTED_MARK = "batchspec_converted_from"
 
 
-def converted_gguf(source: ModelSource) -> str:
-    """A Hugging Face directory (float32 safetensors) holding what the GGUF file holds.
+def converted_gguf(source: ModelSource) -> str | None:
+    """A Hugging Face directory (float32 safetensors) holding what the GGUF file holds, or
+    None when the user cache cannot be written (the caller then parses the file itself).
 
-    transformers parses a GGUF file field by field on every load (6 to 8 s for SmolLM2 on the
-    2-core CPU, and a service loads it once more for the draft's base), so the first load
+    transformers parses a GGUF file field by field on every load (about 10 s for SmolLM2 on
+    the 2-core CPU, and a draft service loads it too, for the draft's base), so the first load
     converts it once into the user cache and later loads read that. The directory is written
     under a temporary name and renamed when complete; the mark file is written last."""
     from transformers import AutoModelForCausalLM
@@ -97,6 +103,12 @@ def converted_gguf(source: ModelSource) -> str:
     out = gguf_cache_dir(source)
     if (out / CONVERTED_MARK).is_file():
         return str(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        log.warning("cannot keep a converted model in %s (%s): parsing %s on every load",
+                    out.parent, error, source.gguf_file)
+        return None
     log.info("converting %s once into %s", source.gguf_file, out)
     model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
                                                  dtype="float32")
@@ -106,8 +118,14 @@ def converted_gguf(source: ModelSource) -> str:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    (tmp / CONVERTED_MARK).write_text(str(pathlib.Path(source.path) / source.gguf_file))
+    try:
+        model.save_pretrained(tmp)
+        (tmp / CONVERTED_MARK).write_text(str(pathlib.Path(source.path) / source.gguf_file))
+    except OSError as error:  # e.g. the disk is full
+        log.warning("cannot write %s (%s): parsing %s on every load", tmp, error,
+                    source.gguf_file)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
     try:
         os.replace(tmp, out)
     except OSError:  # another process finished the same conversion first

@@ -28,3 +28,10 @@ def test_the_gguf_target_is_converted_once_and_loads_the_same_model(tmp_path, mo
     ids = torch.tensor([[1, 9690, 198, 2683, 359]])
     with torch.inference_mode():
         assert torch.equal(converted(ids).logits, reference(ids).logits)
+
+
+def test_without_a_writable_cache_the_gguf_file_is_parsed_as_before(tmp_path, monkeypatch):
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    assert models.converted_gguf(models.resolve(models.SMOLLM2)) is None
