@@ -81,7 +81,7 @@ class CommandStream:
 
     def __init__(self, method, command_type, stall_timeout_s: float = 120.0):
         self._stall_timeout_s = stall_timeout_s
-        self._requests: queue.Queue = queue.Queue()
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._command_type = command_type
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
