@@ -59,13 +59,12 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
         return draft_model.load_draft(spec, dtype=dtype, device=device)
     source = resolve(spec)
     log.info("loading %s (%s) on %s", spec, dtype, device)
-    converted = converted_gguf(source) if source.gguf_file else None
-    if source.gguf_file and converted is None:  # no cache to keep it in: parse the file
-        model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
-                                                     dtype=getattr(torch, dtype))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(converted or source.path,
-                                                     dtype=getattr(torch, dtype))
+    path, kwargs = source.path, {}
+    if source.gguf_file:
+        path = converted_gguf(source)
+        if path is None:  # no cache to keep the conversion in: parse the file
+            path, kwargs = source.path, {"gguf_file": source.gguf_file}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kwargs)
     if num_layers is not None:
         truncate_layers(model, num_layers)
     fastlinear.patch_linears(model)
