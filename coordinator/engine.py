@@ -561,7 +561,16 @@ class Engine:
 
     def _forget_stale(self, client, seq_ids: set[int]) -> None:
         """The service kept running while its stream broke: drop what it still holds of
-        ours (finished, cancelled or active sequences), since the record here is the truth."""
+        ours (finished, cancelled or active sequences), since the record here is the truth.
+        One command for all of them; a release is all-or-nothing, so if some are gone
+        already, the rest go one by one."""
+        if not seq_ids:
+            return
+        try:
+            client.release(sorted(seq_ids))
+            return
+        except errors.NotFound:
+            pass
         for seq_id in sorted(seq_ids):
             try:
                 client.release([seq_id])

@@ -5,6 +5,7 @@ import sys
 import threading
 import time
 
+from batchspec import errors
 from coordinator import scheduler
 from coordinator.clients import ModelInfo
 from coordinator.engine import Engine, EngineConfig
@@ -120,6 +121,34 @@ def test_a_hung_service_is_probed_off_the_engine_thread():
         engine._ensure_services()
         time.sleep(0.01)
     assert engine.draft_up  # it answers again: reconnected
+
+
+class HoldingService(FakeService):
+    """Holds some sequence ids; a release is all-or-nothing, as the runner's is."""
+
+    def __init__(self, held):
+        super().__init__("held")
+        self.held = set(held)
+        self.releases = []
+
+    def release(self, seq_ids):
+        self.releases.append(list(seq_ids))
+        if not set(seq_ids) <= self.held:
+            raise errors.NotFound("not cached")
+        self.held -= set(seq_ids)
+        return len(self.held)
+
+
+def test_stale_sequences_are_released_in_one_command_or_one_by_one():
+    engine = Engine(FakeService("target"), [], EngineConfig(), [3])
+    service = HoldingService({1, 2, 3, 9})
+    engine._forget_stale(service, {1, 2, 3})
+    assert service.releases == [[1, 2, 3]] and service.held == {9}
+    service = HoldingService({1, 3, 9})  # 2 is gone already: the rest one by one
+    engine._forget_stale(service, {1, 2, 3})
+    assert service.releases == [[1, 2, 3], [1], [2], [3]] and service.held == {9}
+    engine._forget_stale(service, set())
+    assert len(service.releases) == 4  # nothing to release, no command
 
 
 def test_split_by_tokens_bounds_each_run_and_keeps_order():
