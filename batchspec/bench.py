@@ -420,12 +420,13 @@ def run(config: BenchConfig) -> dict:
 
 
 def warm_up(hf, runners, workload: Workload) -> None:
-    """Time the CPU linear kernels, then one short untimed pass through HF generate and the
-    engine, so that the first timed method does not pay for lazy initialisation."""
-    from batchspec import fastlinear
+    """Plan the CPU linear kernels (the plans the services use too), then one short untimed
+    pass through HF generate and the engine, so that the first timed method does not pay for
+    lazy initialisation."""
+    from batchspec import fastlinear, models
 
     for model in hf.values():
-        fastlinear.tune(model)
+        fastlinear.tune(model, models.kernel_plans_file())
     short = dataclasses.replace(workload, prompts=workload.prompts[:2], max_new_tokens=4)
     run_hf(hf, short, "hf_batch1", 1, 0)
     run_engine(runners, short, 2, 2, grouping=True)

@@ -13,7 +13,8 @@ and 13 to 15 rows far more than 16. So `tune(model)` (run by each service and by
 benchmark at start-up) times, for every weight shape and 1 to MAX_ROWS rows, the usual product
 and the weight-major one with the rows padded to a few sizes (padding rows are copies, their
 outputs dropped), on enough copies of the weight that it comes from memory as in a real
-forward, and keeps the fastest for the rest of the process. A model whose linear weights fit
+forward, and keeps the fastest for the rest of the process (and, given a store file, for every
+later process on the same machine). A model whose linear weights fit
 in the CPU cache (the tests' tiny ones) is not worth timing and takes DEFAULT_PLAN. `python -m
 batchspec.fastlinear` prints the timings and the choices for the machine it runs on.
 
@@ -21,6 +22,10 @@ It is the same product with another summation order: results agree to float32 ro
 exactly as a batched forward agrees with an unbatched one. Inputs on other devices, and more
 than MAX_ROWS rows, take the usual path.
 """
+import json
+import os
+import pathlib
+import platform
 import statistics
 import time
 import types
@@ -107,9 +112,14 @@ def _timed_plan(out_features: int, in_features: int, dtype: torch.dtype) -> tupl
                      for n in range(1, MAX_ROWS + 1))
 
 
-def tune(model: torch.nn.Module) -> int:
+def tune(model: torch.nn.Module, store: pathlib.Path | None = None) -> int:
     """Time every linear weight shape of a CPU model now rather than at its first forward,
-    when its linear weights are big enough to matter; returns how many shapes were timed."""
+    when its linear weights are big enough to matter; returns how many shapes were timed.
+
+    With `store` (a JSON file), a shape timed before on this machine (same CPU model, torch
+    version and thread count) takes the stored plan, and newly timed ones are added: only the
+    first process pays for timing, and every process on the machine (services, benchmark)
+    multiplies the same way. Delete the file to time again."""
     weights = [m.weight for m in model.modules()
                if (isinstance(m, torch.nn.Linear) or getattr(m, "uses_weight_major", False))
                and m.weight.device.type == "cpu"]
@@ -118,10 +128,58 @@ def tune(model: torch.nn.Module) -> int:
         for key in shapes:
             _PLANS.setdefault(key, DEFAULT_PLAN)
         return 0
+    stored = _read_plans(store) if store else {}
+    timed = 0
     for key in shapes:
-        if key not in _PLANS:
-            _PLANS[key] = _timed_plan(*key)
-    return len(shapes)
+        if key in _PLANS:
+            continue
+        name = _stored_name(key)
+        if name in stored:
+            _PLANS[key] = tuple(stored[name])
+            continue
+        _PLANS[key] = _timed_plan(*key)
+        stored[name] = list(_PLANS[key])
+        timed += 1
+    if store and timed:
+        _write_plans(store, stored)
+    return timed
+
+
+def _stored_name(key: tuple) -> str:
+    """A plan's name in the store: valid only for the same CPU, torch and thread count."""
+    out_features, in_features, dtype = key
+    return (f"{_cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
+            f"{out_features}x{in_features} {dtype}")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _read_plans(store: pathlib.Path) -> dict:
+    try:
+        stored = json.loads(store.read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: time again
+    return stored if isinstance(stored, dict) else {}
+
+
+def _write_plans(store: pathlib.Path, stored: dict) -> None:
+    """Written whole under a temporary name, then renamed: a reader never sees half a file.
+    A store that cannot be written only means timing again next time."""
+    tmp = store.with_name(f"{store.name}.tmp{os.getpid()}")
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
+        os.replace(tmp, store)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def weight_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,11 @@ def user_cache_dir() -> pathlib.Path:
     return root / "batchspec"
 
 
+def kernel_plans_file() -> pathlib.Path:
+    """Where the CPU kernel plans of batchspec.fastlinear are kept for every process."""
+    return user_cache_dir() / "kernel-plans.json"
+
+
 def gguf_cache_dir(source: ModelSource) -> pathlib.Path:
     """Where a GGUF file's conversion is kept, keyed by the file's path, size and modification
     time, so that a changed file is converted again."""

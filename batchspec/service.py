@@ -196,13 +196,15 @@ def start_model_service(config: ServiceConfig, make_servicer, add_to_server, ser
 
 
 def warm_up(runner: runner_lib.ModelRunner) -> None:
-    """Time the CPU linear kernels (a few seconds for SmolLM2) and run one forward."""
+    """Plan the CPU linear kernels (timing them takes a few seconds for SmolLM2, the first
+    time on a machine) and run one forward."""
     from batchspec import fastlinear
 
     started = time.perf_counter()
-    if fastlinear.tune(runner.model):
-        log.info("timed the CPU linear kernels of %s in %.1f s", runner.name,
-                 time.perf_counter() - started)
+    store = models.kernel_plans_file()
+    if fastlinear.tune(runner.model, store):
+        log.info("timed the CPU linear kernels of %s in %.1f s (kept in %s)", runner.name,
+                 time.perf_counter() - started, store)
     runner.prefill([(-1, [0, 0])])
     runner.release([-1])
 

@@ -1,5 +1,7 @@
 """The weight-major linear computes the same product as nn.Linear, for every row count and
 every way the plan may choose."""
+import json
+
 import pytest
 import torch
 
@@ -57,3 +59,22 @@ def test_tune_times_big_models_and_gives_small_ones_the_default(monkeypatch):
             assert chosen in fastlinear.candidates(rows)
     assert fastlinear.DEFAULT_PLAN == tuple(
         max(2, rows) for rows in range(1, fastlinear.MAX_ROWS + 1))
+
+
+def test_plans_timed_once_are_read_back_from_the_store(monkeypatch, tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Linear(24, 8))
+    store = tmp_path / "cache" / "plans.json"
+    monkeypatch.setattr(fastlinear, "MIN_TIMED_BYTES", 0)
+    monkeypatch.setattr(fastlinear, "_PLANS", {})
+    assert fastlinear.tune(model, store) == 2  # timed, then written
+    timed = dict(fastlinear._PLANS)
+    assert len(json.loads(store.read_text())) == 2
+    monkeypatch.setattr(fastlinear, "_PLANS", {})  # a new process on the same machine
+    monkeypatch.setattr(fastlinear, "_timed_plan", lambda *key: pytest.fail(f"timed {key}"))
+    assert fastlinear.tune(model, store) == 0
+    assert fastlinear._PLANS == timed
+    store.write_text("{not json")  # an unreadable store is timed again, and rewritten
+    monkeypatch.setattr(fastlinear, "_PLANS", {})
+    monkeypatch.setattr(fastlinear, "_timed_plan", lambda *key: fastlinear.DEFAULT_PLAN)
+    assert fastlinear.tune(model, store) == 2
+    assert len(json.loads(store.read_text())) == 2
