@@ -1,6 +1,5 @@
 """The `batchspec` command: serve, generate, and the three services as subcommands."""
 import argparse
-import hashlib
 import logging
 import pathlib
 import signal
@@ -197,8 +196,7 @@ def find_tokenizer(model: str) -> str | None:
     local = pathlib.Path(source.path)
     if source.gguf_file is None:
         return str(local / "tokenizer.json") if (local / "tokenizer.json").is_file() else None
-    key = hashlib.sha256(f"{local.resolve()}/{source.gguf_file}".encode()).hexdigest()[:16]
-    out = models.user_cache_dir() / "tokenizers" / key
+    out = models.gguf_cache_dir(source, "tokenizers")
     if not (out / "tokenizer.json").is_file():
         log.info("exporting the tokenizer of %s to %s", model, out)
         models.export_tokenizer(model, out)

@@ -129,11 +129,12 @@ def tune(model: torch.nn.Module, store: pathlib.Path | None = None) -> int:
             _PLANS.setdefault(key, DEFAULT_PLAN)
         return 0
     stored = _read_plans(store) if store else {}
+    machine = _machine()
     timed = 0
     for key in shapes:
         if key in _PLANS:
             continue
-        name = _stored_name(key)
+        name = f"{machine} | {key[0]}x{key[1]} {key[2]}"
         if name in stored:
             _PLANS[key] = tuple(stored[name])
             continue
@@ -145,21 +146,16 @@ def tune(model: torch.nn.Module, store: pathlib.Path | None = None) -> int:
     return timed
 
 
-def _stored_name(key: tuple) -> str:
-    """A plan's name in the store: valid only for the same CPU, torch and thread count."""
-    out_features, in_features, dtype = key
-    return (f"{_cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-            f"{out_features}x{in_features} {dtype}")
-
-
-def _cpu_model() -> str:
+def _machine() -> str:
+    """What a stored plan holds for: the same CPU model, torch version and thread count."""
+    cpu = platform.processor() or platform.machine()
     try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
+        cpu = next(line.split(":", 1)[1].strip()
+                   for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
         pass
-    return platform.processor() or platform.machine()
+    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 
 def _read_plans(store: pathlib.Path) -> dict:

@@ -63,7 +63,7 @@ def in_service(repeats: int) -> tuple[float, float]:
 
 def in_process(repeats: int) -> tuple[float, float]:
     model = models.load_causal_lm(models.SMOLLM2)
-    fastlinear.tune(model)
+    fastlinear.tune(model, models.kernel_plans_file())  # the plans the service uses
     runner = runner_lib.ModelRunner(model, name="target", device=torch.device("cpu"),
                                     eos_token_ids=[], max_context_len=8192)
     runner.prefill([(1, PROMPT[:-1])])
