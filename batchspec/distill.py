@@ -2,6 +2,8 @@
 chat answers.
 
 Stages, each resumable (re-run the same command after a stop):
+0. self-instruct (with --self-instruct N): the target writes N more training prompts by
+   sampling (batchspec.data.train_prompts.SELF_INSTRUCT); saved to self_instruct.jsonl.
 1. generate: the target answers training prompts greedily (chat template); saved to data.jsonl.
 2. vocabulary: the most frequent answer tokens (plus every EOS id) become the draft's head.
 3. train: the target's first layers plus low-rank deltas, trained with cross-entropy on the
@@ -26,6 +28,7 @@ from batchspec.data import read_jsonl
 
 log = logging.getLogger("batchspec.distill")
 DATA_FILE = "data.jsonl"  # the target's answers, one JSON object per line, appended as made
+SELF_INSTRUCT_FILE = "self_instruct.jsonl"  # the target's sampled requests and prompts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +51,19 @@ class DistillConfig:
     # Soft labels: the target's top-k probabilities (over the draft's vocabulary) at every
     # answer position; 0 trains on the greedy tokens alone.
     teacher_top_k: int = 32
+    # Prompts the target writes itself by sampling, added after the num_prompts fixed ones.
+    self_instruct: int = 0
+    # Where the target generates and the draft trains ("cuda" on a GPU); the draft is the
+    # same on any device and always loads on CPU.
+    device: str = "cpu"
 
     def __post_init__(self):
         for name in ("num_layers", "vocab_size", "lora_rank", "num_prompts", "max_new_tokens",
                      "gen_batch_size", "steps", "batch_size", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.teacher_top_k < 0:
-            raise ValueError("teacher_top_k must be >= 0")
+        if self.teacher_top_k < 0 or self.self_instruct < 0:
+            raise ValueError("teacher_top_k and self_instruct must be >= 0")
         if not self.lr > 0:
             raise ValueError("lr must be > 0")
 
@@ -88,9 +96,10 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
     out = pathlib.Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    target = models.load_causal_lm(config.target)
+    target = models.load_causal_lm(config.target, device=config.device)
     tokenizer = load_tokenizer(config.target)
-    data = generate_data(config, target, tokenizer, out / DATA_FILE)
+    written = self_instruct_prompts(config, target, tokenizer, out / SELF_INSTRUCT_FILE)
+    data = generate_data(config, target, tokenizer, out / DATA_FILE, written)
     eos_ids = models.eos_token_ids(target)
     vocab_path = out / "vocab.json"
     if vocab_path.exists():  # resuming: the head (and the teacher's indices) stay as they were
@@ -111,7 +120,11 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
                      "data": {"prompts": "batchspec.data.train_prompts (templates x topics, "
                                          "then tasks on passages and functions of the Python "
                                          f"{platform.python_version()} standard library; "
-                                         "disjoint from the benchmark prompts)",
+                                         "disjoint from the benchmark prompts)" + (
+                                             f", then {len(written)} prompts the target wrote "
+                                             f"answering {config.self_instruct} sampled "
+                                             "requests (train_prompts.SELF_INSTRUCT)"
+                                             if config.self_instruct else ""),
                               "labels": (f"target's top-{config.teacher_top_k} probabilities "
                                          "over the draft vocabulary" if config.teacher_top_k
                                          else "target's greedy tokens"),
@@ -153,67 +166,156 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
-def generate_data(config: DistillConfig, target, tokenizer, path: pathlib.Path) -> list[dict]:
-    """The target's greedy answers to the training prompts; appends to `path`, resuming."""
+def answer_batches(model, prompt_ids: list[list[int]], max_new_tokens: int, batch_size: int,
+                   *, sample_seed: int | None = None):
+    """Yield (index of the batch's first prompt, answers): the model's answers to left-padded
+    batches of prompts on its own device, each cut after its first EOS. Greedy, or sampled
+    (temperature 0.8, top-p 0.95) with the generator seeded by sample_seed + that index."""
     import torch
+
+    from batchspec.models import eos_token_ids
+
+    eos = set(eos_token_ids(model))
+    device = next(model.parameters()).device
+    options = {"do_sample": False}
+    if sample_seed is not None:
+        options = {"do_sample": True, "temperature": 0.8, "top_p": 0.95, "top_k": 0}
+    for start in range(0, len(prompt_ids), batch_size):
+        ids = prompt_ids[start:start + batch_size]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[0] * (width - len(x)) + x for x in ids], device=device)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
+        if sample_seed is not None:
+            torch.manual_seed(sample_seed + start)
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, pad_token_id=0,
+                                 max_new_tokens=max_new_tokens, **options)
+        answers = []
+        for row in out[:, width:].tolist():
+            answer = []
+            for token in row:
+                answer.append(token)
+                if token in eos:
+                    break
+            answers.append(answer)
+        yield start, answers
+
+
+def self_instruct_prompts(config: DistillConfig, target, tokenizer,
+                          path: pathlib.Path) -> list[str]:
+    """The prompts the target wrote for the config's self-instruct requests, made (or, after a
+    stop, finished) by sampling; appends to `path`. Only answers that ended (EOS) count; none
+    repeats a fixed training prompt or is a benchmark prompt."""
+    from tqdm import tqdm
+
+    from batchspec.data import train_prompts
+    from batchspec.draft_eval import bench_prompts
+    from batchspec.models import eos_token_ids
+
+    done = read_jsonl(path) if path.exists() else []
+    requests = train_prompts.self_instruct_requests(config.self_instruct, seed=config.seed)
+    todo = requests[len(done):]
+    eos = set(eos_token_ids(target))
+    if todo:
+        bar = tqdm(total=len(requests), initial=len(done), desc="self-instruct", unit="prompt")
+        ids = [chat_ids(tokenizer, r["request"]) for r in todo]
+        with path.open("a") as sink:
+            for start, answers in answer_batches(target, ids, config.max_new_tokens,
+                                                 config.gen_batch_size,
+                                                 sample_seed=config.seed + len(done)):
+                for request, answer in zip(todo[start:start + len(answers)], answers):
+                    text = tokenizer.decode(answer, skip_special_tokens=True)
+                    ended = bool(answer) and answer[-1] in eos
+                    prompt = train_prompts.self_instruct_prompt(request, text) if ended else None
+                    record = {**request, "answer": text, "prompt": prompt}
+                    sink.write(json.dumps(record) + "\n")
+                    done.append(record)
+                sink.flush()
+                bar.update(len(answers))
+        bar.close()
+    taken = set(train_prompts.training_prompts(config.num_prompts, seed=config.seed))
+    taken |= {row["prompt"] for row in bench_prompts()}
+    written = [p for p in dict.fromkeys(r["prompt"] for r in done if r["prompt"])
+               if p not in taken]
+    if config.self_instruct:
+        log.info("self-instruct: %d usable prompts from %d requests", len(written), len(done))
+    return written
+
+
+def generate_data(config: DistillConfig, target, tokenizer, path: pathlib.Path,
+                  written: list[str] = ()) -> list[dict]:
+    """The target's greedy answers to the training prompts (the fixed ones, then those it
+    wrote itself); appends to `path`, resuming."""
     from tqdm import tqdm
 
     from batchspec.data.train_prompts import training_prompts
 
     done = read_jsonl(path) if path.exists() else []
-    prompts = training_prompts(config.num_prompts, seed=config.seed)
+    prompts = training_prompts(config.num_prompts, seed=config.seed) + list(written)
     todo = prompts[len(done):]
     bar = tqdm(total=len(prompts), initial=len(done), desc="generate", unit="prompt")
-    with path.open("a") as sink, torch.inference_mode():
-        for i in range(0, len(todo), config.gen_batch_size):
-            batch = todo[i:i + config.gen_batch_size]
-            ids = [chat_ids(tokenizer, p) for p in batch]
-            width = max(map(len, ids))
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-            input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-            out = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
-                                  max_new_tokens=config.max_new_tokens, pad_token_id=pad)
-            eos = set(target.generation_config.eos_token_id
-                      if isinstance(target.generation_config.eos_token_id, list)
-                      else [target.generation_config.eos_token_id])
-            for prompt, prompt_ids, row in zip(batch, ids, out[:, width:].tolist()):
-                answer = []
-                for token in row:
-                    answer.append(token)
-                    if token in eos:
-                        break
+    ids = [chat_ids(tokenizer, p) for p in todo]
+    with path.open("a") as sink:
+        for start, answers in answer_batches(target, ids, config.max_new_tokens,
+                                             config.gen_batch_size):
+            for prompt, prompt_ids, answer in zip(todo[start:], ids[start:], answers):
                 record = {"prompt": prompt, "input_ids": prompt_ids, "output_ids": answer}
                 sink.write(json.dumps(record) + "\n")
                 done.append(record)
             sink.flush()
-            bar.update(len(batch))
+            bar.update(len(answers))
     bar.close()
     return done
 
 
 def teacher_labels(config: DistillConfig, target, data, vocab, path: pathlib.Path):
     """Per sequence: (top-k indices into vocab, their probabilities) at every answer position,
-    from the target's distribution restricted to the draft vocabulary. Cached in `path`."""
+    from the target's distribution restricted to the draft vocabulary; None for an empty
+    answer. Right-padded batches of gen_batch_size on the target's device; cached in `path`."""
     import torch
     from tqdm import tqdm
 
     labels = torch.load(path, weights_only=False) if path.exists() else []
     if len(labels) == len(data):
         return labels
-    subset = torch.tensor(vocab)
+    device = next(target.parameters()).device
+    subset = torch.tensor(vocab, device=device)
+    todo = data[len(labels):]
+    bar = tqdm(total=len(data), initial=len(labels), desc="teacher", unit="seq")
     with torch.inference_mode():
-        for record in tqdm(data[len(labels):], desc="teacher", unit="seq"):
-            prompt, answer = record["input_ids"], record["output_ids"]
-            if not answer:
-                labels.append(None)
-                continue
-            logits = target(torch.tensor([prompt + answer])).logits[0]
-            logits = logits[len(prompt) - 1:len(prompt) + len(answer) - 1][:, subset]
-            probs, index = logits.float().softmax(-1).topk(config.teacher_top_k, dim=-1)
-            labels.append((index.to(torch.int16), (probs / probs.sum(-1, keepdim=True)).half()))
+        for start in range(0, len(todo), config.gen_batch_size):
+            batch = todo[start:start + config.gen_batch_size]
+            input_ids, mask = right_padded([r["input_ids"] + r["output_ids"] for r in batch])
+            hidden = target.model(input_ids=input_ids.to(device),
+                                  attention_mask=mask.to(device)).last_hidden_state
+            for i, record in enumerate(batch):
+                prompt, answer = record["input_ids"], record["output_ids"]
+                if not answer:
+                    labels.append(None)
+                    continue
+                # position t predicts token t + 1: the positions that predict answer tokens
+                logits = target.lm_head(hidden[i, len(prompt) - 1:len(prompt) + len(answer) - 1])
+                probs, index = logits[:, subset].float().softmax(-1).topk(config.teacher_top_k,
+                                                                          dim=-1)
+                labels.append((index.to(torch.int16).cpu(),
+                               (probs / probs.sum(-1, keepdim=True)).half().cpu()))
+            bar.update(len(batch))
+    bar.close()
     torch.save(labels, path)
     return labels
+
+
+def right_padded(sequences: list[list[int]]):
+    """(input_ids, attention_mask), each [len(sequences), longest], padded on the right."""
+    import torch
+
+    width = max(map(len, sequences))
+    input_ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        input_ids[i, :len(seq)] = torch.tensor(seq)
+        mask[i, :len(seq)] = 1
+    return input_ids, mask
 
 
 def pick_vocabulary(data: list[dict], size: int, eos_ids: list[int]) -> list[int]:
@@ -233,7 +335,8 @@ def train(config: DistillConfig, data: list[dict], vocab: list[int], out: pathli
 
     from batchspec import draft_model, models
 
-    student = models.load_causal_lm(config.target, num_layers=config.num_layers)
+    student = models.load_causal_lm(config.target, num_layers=config.num_layers,
+                                    device=config.device)
     for param in student.parameters():
         param.requires_grad_(False)
     wrapped = draft_model.attach_lora(student, config.lora_rank, config.lora_alpha)
@@ -243,6 +346,7 @@ def train(config: DistillConfig, data: list[dict], vocab: list[int], out: pathli
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     index_of = torch.full((student.config.vocab_size,), -100, dtype=torch.long)
     index_of[torch.tensor(vocab)] = torch.arange(len(vocab))
+    index_of = index_of.to(config.device)
     examples = [(d["input_ids"], d["output_ids"], teacher[i] if teacher else None)
                 for i, d in enumerate(data) if d["output_ids"]]
     answer_tokens = [t for _, o, _ in examples for t in o]
@@ -251,7 +355,7 @@ def train(config: DistillConfig, data: list[dict], vocab: list[int], out: pathli
     checkpoint = out / "checkpoint.pt"
     step, losses = 0, []
     if checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+        state = torch.load(checkpoint, weights_only=False, map_location=config.device)
         for (name, module) in wrapped:
             module.lora_a.data.copy_(state["lora"][name][0])
             module.lora_b.data.copy_(state["lora"][name][1])
@@ -293,24 +397,20 @@ def train_step(student, head, batch, index_of):
     when there are soft labels, else its greedy answer tokens."""
     import torch
 
-    sequences = [p + o for p, o, _ in batch]
-    width = max(map(len, sequences))
-    input_ids = torch.zeros(len(batch), width, dtype=torch.long)
-    mask = torch.zeros(len(batch), width, dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        input_ids[i, :len(seq)] = torch.tensor(seq)
-        mask[i, :len(seq)] = 1
-    hidden = student.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+    device = index_of.device
+    input_ids, mask = right_padded([p + o for p, o, _ in batch])
+    hidden = student.model(input_ids=input_ids.to(device),
+                           attention_mask=mask.to(device)).last_hidden_state
     losses = []
     for i, (prompt, answer, soft) in enumerate(batch):
         # position t predicts token t + 1: the positions that predict answer tokens
         log_q = head.subset_logits(hidden[i, len(prompt) - 1:len(prompt) + len(answer) - 1])
         log_q = log_q.log_softmax(-1)
         if soft is not None:
-            index, probs = soft
+            index, probs = (t.to(device) for t in soft)
             losses.append(-(probs.float() * log_q.gather(-1, index.long())).sum(-1))
         else:
-            targets = index_of[torch.tensor(answer)]
+            targets = index_of[torch.tensor(answer, device=device)]
             keep = targets >= 0
             losses.append(-log_q[keep].gather(-1, targets[keep, None]).squeeze(-1))
     return torch.cat(losses).mean()

@@ -4,13 +4,16 @@
   no draft is trained on), the share of answer positions where the draft's argmax is the
   target's token;
 - cost: the median time of one decode step (one token, batch 1, a 200-token cache) of the
-  draft over that of the target, measured the same way in the same process.
+  draft over that of the target, measured the same way in the same process, both with the CPU
+  kernel plans the services use (batchspec.fastlinear.tune).
 """
 import argparse
 import itertools
 import json
 import logging
+import os
 import pathlib
+import shlex
 import statistics
 import sys
 import time
@@ -36,28 +39,12 @@ def bench_prompts(limit: int | None = None) -> list[dict]:
 def target_answers(target, tokenizer, prompts: list[str], max_new_tokens: int,
                    batch_size: int = 16) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy answer ids up to EOS) for each prompt."""
-    import torch
+    from batchspec.distill import answer_batches, chat_ids
 
-    from batchspec.distill import chat_ids
-    from batchspec.models import eos_token_ids
-
-    eos = set(eos_token_ids(target))
+    ids = [chat_ids(tokenizer, p) for p in prompts]
     pairs = []
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch_size):
-            ids = [chat_ids(tokenizer, p) for p in prompts[i:i + batch_size]]
-            width = max(map(len, ids))
-            out = target.generate(
-                input_ids=torch.tensor([[0] * (width - len(x)) + x for x in ids]),
-                attention_mask=torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids]),
-                do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
-            for prompt_ids, row in zip(ids, out[:, width:].tolist()):
-                answer = []
-                for token in row:
-                    answer.append(token)
-                    if token in eos:
-                        break
-                pairs.append((prompt_ids, answer))
+    for start, answers in answer_batches(target, ids, max_new_tokens, batch_size):
+        pairs += zip(ids[start:start + len(answers)], answers)
     return pairs
 
 
@@ -115,6 +102,10 @@ def evaluate(target_spec: str, draft_spec: str, *, num_layers: int | None = None
     else:
         prompts = [r["prompt"] for r in bench_prompts(num_prompts)]
         pairs = target_answers(target, load_tokenizer(target_spec), prompts, max_new_tokens)
+    from batchspec import fastlinear
+
+    for model in (target, draft):  # the kernel plans the services and the benchmark use
+        fastlinear.tune(model, models.kernel_plans_file())
     target_s, draft_s = decode_step_seconds(target), decode_step_seconds(draft)
     return {"target": target_spec, "draft": draft_spec, "draft_num_layers": num_layers,
             "prompts": training_data or "benchmark",
@@ -137,20 +128,26 @@ def main(argv=None) -> int:
                              "trained on, instead of the held-out benchmark prompts")
     parser.add_argument("--record", action="store_true",
                         help="store the result in the draft directory's manifest")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv_list)
+    from batchspec import draft_model, models
+
+    draft_dir = models.PACKAGED_DRAFT if args.draft == models.SMOLLM2_DRAFT else args.draft
     if args.record and args.training_data:
         parser.error("--record stores the held-out figure in the manifest; it does not go "
                      "with --training-data")
+    if args.record and not draft_model.is_draft_dir(str(draft_dir)):
+        parser.error(f"--record needs a distilled draft directory, not {args.draft!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s evaluate %(message)s")
     result = evaluate(args.target, args.draft, num_layers=args.num_layers,
                       max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
                       training_data=args.training_data)
     print(json.dumps(result, indent=2))
     if args.record:
-        from batchspec import draft_model
-
-        manifest = pathlib.Path(args.draft) / draft_model.MANIFEST
+        manifest = pathlib.Path(draft_dir) / draft_model.MANIFEST
         record = json.loads(manifest.read_text())
-        record["evaluation"] = result
+        record["evaluation"] = {
+            **result, "command": "batchspec evaluate-draft " + shlex.join(argv_list),
+            "date": f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, float32"}
         manifest.write_text(json.dumps(record, indent=2))
     return 0

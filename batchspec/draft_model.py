@@ -31,9 +31,10 @@ class LoRALinear(torch.nn.Module):
         super().__init__()
         self.base = base
         self.scale = alpha / rank
-        fan_in = base.in_features
-        self.lora_a = torch.nn.Parameter(torch.randn(rank, fan_in) / fan_in**0.5)
-        self.lora_b = torch.nn.Parameter(torch.zeros(base.out_features, rank))
+        fan_in, device = base.in_features, base.weight.device
+        # drawn on CPU: the same seed starts the same deltas on any device
+        self.lora_a = torch.nn.Parameter((torch.randn(rank, fan_in) / fan_in**0.5).to(device))
+        self.lora_b = torch.nn.Parameter(torch.zeros(base.out_features, rank, device=device))
 
     def forward(self, x):
         return self.base(x) + (x @ self.lora_a.T @ self.lora_b.T) * self.scale
@@ -49,7 +50,7 @@ class SubsetHead(torch.nn.Module):
 
     def __init__(self, embedding_weight: torch.Tensor, token_ids: list[int], vocab_size: int):
         super().__init__()
-        ids = torch.tensor(token_ids, dtype=torch.long)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=embedding_weight.device)
         self.register_buffer("token_ids", ids, persistent=False)
         self.weight = torch.nn.Parameter(embedding_weight[ids].detach().clone(),
                                          requires_grad=False)  # [subset, hidden]
@@ -86,10 +87,13 @@ def attach_subset_head(model, token_ids: list[int]) -> SubsetHead:
 
 
 def save_adapter(out: pathlib.Path, wrapped, norm_weight: torch.Tensor) -> None:
-    tensors = {"norm.weight": norm_weight.detach().to(torch.float16).contiguous()}
+    def stored(tensor):
+        return tensor.detach().to("cpu", torch.float16).contiguous()
+
+    tensors = {"norm.weight": stored(norm_weight)}
     for name, module in wrapped:
-        tensors[f"{name}.lora_a"] = module.lora_a.detach().to(torch.float16).contiguous()
-        tensors[f"{name}.lora_b"] = module.lora_b.detach().to(torch.float16).contiguous()
+        tensors[f"{name}.lora_a"] = stored(module.lora_a)
+        tensors[f"{name}.lora_b"] = stored(module.lora_b)
     save_file(tensors, str(out / ADAPTER))
 
 

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerFast
 
 from batchspec import draft_model, models, tiny
 from batchspec import runner as runner_lib
+from batchspec.data import train_prompts
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,8 @@ def distill(target, out, steps):
         [sys.executable, "-m", "batchspec", "distill", "--target", target, "--out", str(out),
          "--num-prompts", "12", "--max-new-tokens", "8", "--gen-batch-size", "4",
          "--steps", str(steps), "--checkpoint-every", "2", "--batch-size", "4",
-         "--num-layers", "1", "--vocab-size", "40", "--lora-rank", "4", "--teacher-top-k", "8"],
+         "--num-layers", "1", "--vocab-size", "40", "--lora-rank", "4", "--teacher-top-k", "8",
+         "--self-instruct", "6"],
         capture_output=True, text=True, timeout=300)
 
 
@@ -43,14 +45,20 @@ def test_distill_shows_progress_resumes_and_records(tiny_target, tmp_path):
     first = distill(tiny_target, out, steps=4)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "generate" in first.stderr and "train" in first.stderr  # progress bars
-    assert len((out / "data.jsonl").read_text().splitlines()) == 12
+    requests = [json.loads(line) for line in (out / "self_instruct.jsonl").read_text().splitlines()]
+    assert [r["request"] for r in requests] == [
+        r["request"] for r in train_prompts.self_instruct_requests(6)]  # sampled, one per request
+    written = list(dict.fromkeys(r["prompt"] for r in requests if r["prompt"]))
+    rows = [json.loads(line) for line in (out / "data.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == train_prompts.training_prompts(12) + written
     second = distill(tiny_target, out, steps=6)
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from step 4" in second.stderr
     manifest = json.loads((out / draft_model.MANIFEST).read_text())
     training = manifest["training"]
     assert training["config"]["steps"] == 6 and "--steps 6" in training["command"]
-    assert training["data"]["num_sequences"] == 12 and "top-8" in training["data"]["labels"]
+    assert training["data"]["num_sequences"] == 12 + len(written)
+    assert "top-8" in training["data"]["labels"] and "6 sampled" in training["data"]["prompts"]
     assert manifest["base_model"] == tiny_target and manifest["num_layers"] == 1
 
     draft = models.load_causal_lm(str(out))
@@ -69,10 +77,18 @@ def test_distill_shows_progress_resumes_and_records(tiny_target, tmp_path):
 
     rows = [json.loads(line) for line in (out / "data.jsonl").read_text().splitlines()]
     pairs = draft_eval.training_pairs(str(out), max_new_tokens=3, every=5)
-    assert pairs == [(r["input_ids"], r["output_ids"][:3]) for r in rows[::5]]
+    assert pairs == [(r["input_ids"], r["output_ids"][:3]) for r in rows[::5] if r["output_ids"]]
     result = draft_eval.evaluate(tiny_target, str(out), max_new_tokens=3, training_data=str(out))
-    assert result["prompts"] == str(out) and result["num_prompts"] == 1  # every 14th of 12
-    assert result["num_answer_tokens"] == len(rows[0]["output_ids"][:3])
+    every_14th = [r for r in rows[::14] if r["output_ids"]]
+    assert result["prompts"] == str(out) and result["num_prompts"] == len(every_14th)
+    assert result["num_answer_tokens"] == sum(len(r["output_ids"][:3]) for r in every_14th)
+    assert draft_eval.main(["--target", tiny_target, "--draft", str(out), "--max-new-tokens",
+                            "3", "--num-prompts", "2", "--record"]) == 0
+    recorded = json.loads((out / draft_model.MANIFEST).read_text())["evaluation"]
+    assert recorded["num_prompts"] == 2 and recorded["prompts"] == "benchmark"
+    assert recorded["command"].endswith("--num-prompts 2 --record")
+    with pytest.raises(SystemExit):  # --record needs a draft directory to write to
+        draft_eval.main(["--target", tiny_target, "--draft", tiny_target, "--record"])
     with pytest.raises(SystemExit, match="not a distill directory"):
         draft_eval.training_pairs(str(tmp_path), max_new_tokens=3)
 
@@ -91,3 +107,21 @@ def test_training_prompts_grow_by_appending_and_never_include_a_benchmark_prompt
     assert train_prompts.training_prompts(3440, seed=0) == grown  # deterministic
     with pytest.raises(ValueError, match="at most"):
         train_prompts.training_prompts(10**6)
+
+
+def test_self_instruct_requests_cover_every_kind_and_wrap_answers_into_prompts():
+    requests = train_prompts.self_instruct_requests(16, seed=0)
+    assert requests == train_prompts.self_instruct_requests(16, seed=0)  # deterministic
+    kinds = [r["kind"] for r in requests]
+    assert kinds[:8] == [kind for kind, _, _ in train_prompts.SELF_INSTRUCT] == kinds[8:]
+    question = requests[kinds.index("qa")]
+    assert train_prompts.self_instruct_prompt(question, ' "Why do owls hoot at night?" ') == (
+        "Why do owls hoot at night?")
+    translation = requests[kinds.index("translation")]
+    prompt = train_prompts.self_instruct_prompt(translation, "The bus is late again today.")
+    assert prompt.startswith("Translate into ")
+    assert prompt.endswith(": 'The bus is late again today.'")
+    assert train_prompts.self_instruct_prompt(question, "Why?") is None  # too short
+    assert train_prompts.self_instruct_prompt(question, "x" * 601) is None  # too long
+    echo = "Sure! Write only the question: ..."
+    assert train_prompts.self_instruct_prompt(question, echo) is None

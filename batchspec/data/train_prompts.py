@@ -1,8 +1,8 @@
 """Chat prompts for distilling a draft. They cover the same kinds of work as the benchmark
 prompts (bench_prompts.jsonl) without repeating any of them, so the benchmark set stays held out.
 
-Two sources, in this order (a longer list keeps a shorter one as its prefix, so a resumed
-`distill` only generates the new prompts):
+Two fixed sources, in this order (a longer list keeps a shorter one as its prefix, so a
+resumed `distill` only generates the new prompts):
 1. templates x topics (1,440 prompts);
 2. tasks on passages and functions of Python's own standard library (docstrings and short
    function sources, read with `inspect`): summarising, extracting, explaining, translating
@@ -10,6 +10,11 @@ Two sources, in this order (a longer list keeps a shorter one as its prefix, so 
    that agrees with the target on 66% of its training answers but 31% of the benchmark's
    (`batchspec evaluate-draft --draft DIR --training-data DIR`, README); varied inputs are
    what it lacks.
+
+And one the target writes itself (`distill --self-instruct N`, self-instruct style): N
+requests, one per kind of benchmark work in turn, each on a topic ("write a question someone
+might ask about owls"), that the target answers *by sampling*; `self_instruct_prompt` turns
+each answer into a training prompt (the text itself, or a task wrapped around it).
 """
 import importlib
 import inspect
@@ -168,3 +173,53 @@ def training_prompts(count: int, seed: int = 0) -> list[str]:
     if count > len(pool):
         raise ValueError(f"at most {len(pool)} training prompts")
     return pool[:count]
+
+
+# (kind of work, request the target answers by sampling, how its answer becomes a prompt).
+# The kinds are the benchmark's; "{x}" is the target's answer, stripped.
+SELF_INSTRUCT = [
+    ("conversation", "Write a message that someone might send to a friendly chatbot about {t}, "
+                     "asking for advice or an opinion. Write only the message.", "{x}"),
+    ("qa", "Write one question about {t} that starts with why, how or what. "
+           "Write only the question.", "{x}"),
+    ("writing", "Write a request for a short creative text (a story, a poem, a letter or a "
+                "slogan) about {t}. Write only the request.", "{x}"),
+    ("coding", "Write a short programming question or a small Python task inspired by {t}. "
+               "Write only the task.", "{x}"),
+    ("math", "Write a short math word problem about {t}. Write only the problem.", "{x}"),
+    ("extraction", "Write two sentences about {t} that mention names, places, dates or "
+                   "numbers.", "{task}: '{x}'"),
+    ("translation", "Write one short everyday sentence about {t}.", "{task}: '{x}'"),
+    ("summarization", "Write a short paragraph about {t}.", "{task}:\n\n{x}"),
+]
+EXTRACTION_TASKS = ["List the names mentioned in", "List every number and date in",
+                    "Which places are mentioned in", "Extract the key facts as a list from"]
+TRANSLATION_TASKS = [f"Translate into {language}" for language in
+                     ("French", "Spanish", "German", "Italian", "Portuguese")]
+SUMMARY_TASKS = ["Summarize in one sentence", "Give the main point of this text",
+                 "Summarize this for a child", "Write a title and a one-line summary for this"]
+WRAP_TASKS = {"extraction": EXTRACTION_TASKS, "translation": TRANSLATION_TASKS,
+              "summarization": SUMMARY_TASKS}
+
+
+def self_instruct_requests(count: int, seed: int = 0) -> list[dict]:
+    """`count` requests for the target to answer by sampling, the kinds in turn, each with a
+    topic and (for kinds that wrap the answer in a task) the task; deterministic for a seed."""
+    rng = random.Random(seed + 3)
+    topics = TOPICS + MORE_TOPICS
+    requests = []
+    for i in range(count):
+        kind, request, wrap = SELF_INSTRUCT[i % len(SELF_INSTRUCT)]
+        tasks = WRAP_TASKS.get(kind, [""])
+        requests.append({"kind": kind, "request": request.format(t=rng.choice(topics)),
+                         "wrap": wrap, "task": rng.choice(tasks)})
+    return requests
+
+
+def self_instruct_prompt(request: dict, answer: str, max_chars: int = 600) -> str | None:
+    """The training prompt a sampled answer gives, or None for an unusable one (empty, too
+    long, or still talking about the request)."""
+    text = answer.strip().strip('"').strip()
+    if not 10 <= len(text) <= max_chars or "write only" in text.lower():
+        return None
+    return request["wrap"].format(x=text, task=request["task"])
