@@ -98,8 +98,11 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
     started = time.time()
     target = models.load_causal_lm(config.target, device=config.device)
     tokenizer = load_tokenizer(config.target)
-    written = self_instruct_prompts(config, target, tokenizer, out / SELF_INSTRUCT_FILE)
-    data = generate_data(config, target, tokenizer, out / DATA_FILE, written)
+    from batchspec.data.train_prompts import training_prompts
+
+    fixed = training_prompts(config.num_prompts, seed=config.seed)
+    written = self_instruct_prompts(config, target, tokenizer, out / SELF_INSTRUCT_FILE, fixed)
+    data = generate_data(config, target, tokenizer, out / DATA_FILE, fixed + written)
     eos_ids = models.eos_token_ids(target)
     vocab_path = out / "vocab.json"
     if vocab_path.exists():  # resuming: the head (and the teacher's indices) stay as they were
@@ -201,8 +204,8 @@ def answer_batches(model, prompt_ids: list[list[int]], max_new_tokens: int, batc
         yield start, answers
 
 
-def self_instruct_prompts(config: DistillConfig, target, tokenizer,
-                          path: pathlib.Path) -> list[str]:
+def self_instruct_prompts(config: DistillConfig, target, tokenizer, path: pathlib.Path,
+                          fixed: list[str]) -> list[str]:
     """The prompts the target wrote for the config's self-instruct requests, made (or, after a
     stop, finished) by sampling; appends to `path`. Only answers that ended (EOS) count; none
     repeats a fixed training prompt or is a benchmark prompt."""
@@ -233,8 +236,7 @@ def self_instruct_prompts(config: DistillConfig, target, tokenizer,
                 sink.flush()
                 bar.update(len(answers))
         bar.close()
-    taken = set(train_prompts.training_prompts(config.num_prompts, seed=config.seed))
-    taken |= {row["prompt"] for row in bench_prompts()}
+    taken = set(fixed) | {row["prompt"] for row in bench_prompts()}
     written = [p for p in dict.fromkeys(r["prompt"] for r in done if r["prompt"])
                if p not in taken]
     if config.self_instruct:
@@ -243,15 +245,12 @@ def self_instruct_prompts(config: DistillConfig, target, tokenizer,
 
 
 def generate_data(config: DistillConfig, target, tokenizer, path: pathlib.Path,
-                  written: list[str] = ()) -> list[dict]:
-    """The target's greedy answers to the training prompts (the fixed ones, then those it
-    wrote itself); appends to `path`, resuming."""
+                  prompts: list[str]) -> list[dict]:
+    """The target's greedy answers to `prompts` (the fixed ones, then those it wrote itself);
+    appends to `path`, resuming."""
     from tqdm import tqdm
 
-    from batchspec.data.train_prompts import training_prompts
-
     done = read_jsonl(path) if path.exists() else []
-    prompts = training_prompts(config.num_prompts, seed=config.seed) + list(written)
     todo = prompts[len(done):]
     bar = tqdm(total=len(prompts), initial=len(done), desc="generate", unit="prompt")
     ids = [chat_ids(tokenizer, p) for p in todo]

@@ -132,11 +132,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv_list)
     from batchspec import draft_model, models
 
-    draft_dir = models.PACKAGED_DRAFT if args.draft == models.SMOLLM2_DRAFT else args.draft
+    draft_dir = models.model_path(args.draft)
     if args.record and args.training_data:
         parser.error("--record stores the held-out figure in the manifest; it does not go "
                      "with --training-data")
-    if args.record and not draft_model.is_draft_dir(str(draft_dir)):
+    if args.record and not draft_model.is_draft_dir(draft_dir):
         parser.error(f"--record needs a distilled draft directory, not {args.draft!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s evaluate %(message)s")
     result = evaluate(args.target, args.draft, num_layers=args.num_layers,

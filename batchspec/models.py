@@ -41,6 +41,11 @@ def resolve(spec: str) -> ModelSource:
     return ModelSource(spec)
 
 
+def model_path(spec: str) -> str:
+    """A --model value with the packaged draft's name replaced by its directory."""
+    return str(PACKAGED_DRAFT) if spec == SMOLLM2_DRAFT else spec
+
+
 def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
                    num_layers: int | None = None):
     """Load a causal LM for inference; `num_layers` keeps only the first layers (a cheap draft)."""
@@ -51,8 +56,7 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
     from batchspec import draft_model, fastlinear
 
-    if spec == SMOLLM2_DRAFT:
-        spec = str(PACKAGED_DRAFT)
+    spec = model_path(spec)
     if draft_model.is_draft_dir(spec):
         if num_layers is not None:
             raise ValueError("a distilled draft directory fixes its own number of layers")
