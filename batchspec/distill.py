@@ -66,6 +66,13 @@ class DistillConfig:
             raise ValueError("teacher_top_k and self_instruct must be >= 0")
         if not self.lr > 0:
             raise ValueError("lr must be > 0")
+        import torch
+
+        try:
+            torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device must be a torch device such as cpu or cuda:0, "
+                             f"not {self.device!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -109,6 +109,14 @@ def test_training_prompts_grow_by_appending_and_never_include_a_benchmark_prompt
         train_prompts.training_prompts(10**6)
 
 
+def test_distill_config_rejects_an_unknown_device():
+    from batchspec.distill import DistillConfig
+
+    with pytest.raises(ValueError, match="torch device"):
+        DistillConfig(device="gpu0")
+    assert DistillConfig(device="cuda:1").device == "cuda:1"  # checked by name, not by presence
+
+
 def test_self_instruct_requests_cover_every_kind_and_wrap_answers_into_prompts():
     requests = train_prompts.self_instruct_requests(16, seed=0)
     assert requests == train_prompts.self_instruct_requests(16, seed=0)  # deterministic
