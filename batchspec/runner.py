@@ -6,7 +6,8 @@ sequences, and rolls caches back. Invariants:
 - `caches[seq_id].length` is the number of positions cached for the sequence; the coordinator
   names it in every command and a mismatch is refused (FailedPrecondition), never recomputed.
 - A command either applies to every sequence it names or to none: everything is validated
-  before any cache changes, and a group forward works on stacked copies until `commit`.
+  before any cache changes. A group forward never writes into stored caches (appending to a
+  cache makes new tensors), so a failed command leaves every sequence as it was until `store`.
 - Position ids are always explicit (real-token counts), so left padding never shifts them.
 """
 import dataclasses
@@ -20,10 +21,25 @@ from batchspec import errors, kvcache
 
 @dataclasses.dataclass
 class SeqCache:
-    """The cached positions of one sequence."""
+    """The cached positions of one sequence: views of one row of the batch it was last run in.
 
-    layers: list[kvcache.LayerKV] | None  # per layer [1, kv_heads, length, head_dim]
-    length: int
+    Invariant: span_length(spans) == length, and the layers' columns end where the last span
+    does (columns past it belonged to rejected drafts and are dropped by truncation).
+    """
+
+    layers: list[kvcache.LayerKV] | None  # per layer [1, kv_heads, columns, head_dim]
+    length: int  # real positions
+    spans: kvcache.Spans | None = None  # the columns holding them; None: columns [0, length)
+    home: list[kvcache.LayerKV] | None = None  # the batch tensors `layers` are a row of
+    row: int = 0
+
+    def __post_init__(self):
+        if self.spans is None:
+            self.spans = ((0, self.length),) if self.length else ()
+
+    @property
+    def columns(self) -> int:
+        return self.spans[-1][1] if self.spans else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +109,7 @@ class ModelRunner:
         sees the pads after it, and each row keeps only its real positions."""
         width = max(len(t) for _, t in chunk)
         padded = [t + [0] * (width - len(t)) for _, t in chunk]
-        group = GroupForward(self, [SeqCache(None, 0)] * len(chunk), [0] * len(chunk))
+        group = GroupForward(self, [SeqCache(None, 0)] * len(chunk))
         group.step(torch.tensor(padded, device=self.device), num_logits=1)
         rows = group.rows_after([len(t) for _, t in chunk])
         return {seq_id: row for (seq_id, _), row in zip(chunk, rows)}
@@ -154,7 +170,8 @@ class ModelRunner:
             raise errors.FailedPrecondition(
                 "rows have different cache lengths "
                 f"{sorted({r.keep_len for r in rows})}; send realign=true to left-pad them")
-        return GroupForward(self, caches, [r.keep_len for r in rows])
+        return GroupForward(self, [truncate(c, r.keep_len) for c, r in zip(caches, rows)],
+                            reserve=len(rows[0].append_token_ids) + extra_positions)
 
     def store(self, seq_ids: list[int], rows: list[SeqCache]) -> None:
         self.caches.update(zip(seq_ids, rows))
@@ -180,41 +197,65 @@ def prefill_chunks(entries: list[tuple[int, list[int]]], max_tokens: int):
 
 
 def truncate(cache: SeqCache, keep: int) -> SeqCache:
+    """The cache's first `keep` real positions (views, no copy)."""
     if keep == cache.length:
         return cache
     if keep == 0:
         return SeqCache(None, 0)
-    return SeqCache([(k[:, :, :keep], v[:, :, :keep]) for k, v in cache.layers], keep)
+    spans = kvcache.keep_first(cache.spans, keep)
+    columns = spans[-1][1]
+    return SeqCache([(k[:, :, :columns], v[:, :, :columns]) for k, v in cache.layers], keep,
+                    spans, cache.home, cache.row)
+
+
+# A group's batch keeps the holes its rejected drafts leave (masked, not copied) until its
+# widest row has this many columns more than its longest sequence has positions; then the
+# next group forward compacts it (a realignment copy).
+def hole_budget(max_length: int) -> int:
+    return max(32, max_length // 2)
 
 
 class GroupForward:
-    """Batched forwards over a group whose caches are stacked, left-padded when lengths differ.
+    """Batched forwards over a group of sequences.
 
-    Row i's real positions occupy the last `lengths[i]` columns of the stacked cache; the
-    `pads[i]` columns before them are zeros, masked out and never returned to a sequence.
+    When the group is exactly the rows, in order, of the batch its sequences last ran in, that
+    batch is used as it is: rows may differ in padding and holes, which the attention mask
+    hides. Otherwise, or when holes grow past `hole_budget`, each row's real positions are
+    copied into a new left-padded batch (a realignment; zeros in the pad columns).
+    Position ids are each row's count of real positions, so padding never shifts them.
     """
 
-    def __init__(self, runner: ModelRunner, caches: list[SeqCache], keep_lens: list[int]):
+    def __init__(self, runner: ModelRunner, caches: list[SeqCache], reserve: int = 0):
         self.runner = runner
         started = time.perf_counter()
-        self.width = max(keep_lens)
-        self.pads = [self.width - n for n in keep_lens]
-        self.lengths = list(keep_lens)
-        self.realigned = any(self.pads)
-        stacked = kvcache.stack_rows([c.layers for c in caches], keep_lens)
-        self.cache = kvcache.to_model_cache(stacked)
-        device = runner.device
+        self.lengths = [c.length for c in caches]
+        self.spans = [c.spans for c in caches]
+        longest = max(self.lengths)
+        # aligned: every row holds the same positions in columns [0, longest), nothing to hide
+        aligned = all(n == longest and kvcache.is_plain(s)
+                      for n, s in zip(self.lengths, self.spans))
+        layers = resident_batch(caches)
+        self.width = max(c.columns for c in caches)
+        self.copied = layers is None or (self.width - longest > hole_budget(longest)
+                                         or self.width + reserve > runner.max_context_len)
+        if self.copied:
+            layers = kvcache.stack_rows([c.layers for c in caches], self.spans)
+            self.width = longest
+            self.spans = [((longest - n, longest),) if n else () for n in self.lengths]
+        elif layers:
+            layers = [(k[:, :, :self.width], v[:, :, :self.width]) for k, v in layers]
+        self.cache = kvcache.to_model_cache(layers or None)
+        self.realigned = not aligned
         self.mask = None
-        if self.realigned:
-            columns = torch.arange(self.width, device=device)
-            pads = torch.tensor(self.pads, device=device)
-            self.mask = (columns[None, :] >= pads[:, None]).long()  # [batch, width]
+        if not all(s == ((0, self.width),) for s in self.spans if self.width):
+            self.mask = kvcache.column_mask(self.spans, self.width).to(runner.device)
         self.stack_seconds = time.perf_counter() - started
         self.forward_seconds = 0.0
 
     @property
     def realign_seconds(self) -> float:
-        """Time spent stacking caches, counted only when rows had to be left-padded."""
+        """Time spent on rows that were not aligned: copying them into a left-padded batch,
+        or building the mask that hides their pads and holes."""
         return self.stack_seconds if self.realigned else 0.0
 
     @torch.inference_mode()
@@ -235,16 +276,38 @@ class GroupForward:
                                 logits_to_keep=num_logits, **kwargs)
         self.cache = out.past_key_values
         self.lengths = [n + num_new for n in self.lengths]
+        self.spans = [kvcache.append_span(s, self.width, self.width + num_new)
+                      for s in self.spans]
+        self.width += num_new
         logits = out.logits[:, -num_logits:].float()
         self.forward_seconds += time.perf_counter() - started
         return logits
 
     def rows_after(self, keep_lens: list[int]) -> list[SeqCache]:
-        """Per-row caches holding each row's first keep_lens[i] real positions (views)."""
+        """Per-row caches holding each row's first keep_lens[i] real positions (views of this
+        group's batch, which the next forward of the same group reuses as it is)."""
         layers = kvcache.from_model_cache(self.cache)
         rows = []
         for i, keep in enumerate(keep_lens):
             if keep > self.lengths[i]:
                 raise ValueError(f"row {i}: cannot keep {keep} of {self.lengths[i]} positions")
-            rows.append(SeqCache(kvcache.take_row(layers, i, self.pads[i], keep), keep))
+            if keep == 0:
+                rows.append(SeqCache(None, 0))
+                continue
+            spans = kvcache.keep_first(self.spans[i], keep)
+            rows.append(SeqCache(kvcache.take_row(layers, i, spans[-1][1]), keep, spans,
+                                 home=layers, row=i))
         return rows
+
+
+def resident_batch(caches: list[SeqCache]) -> list[kvcache.LayerKV] | None:
+    """The batch tensors the caches are, in order, all the rows of (a lone row's own views);
+    None when they are not."""
+    if len(caches) == 1:
+        return caches[0].layers
+    home = caches[0].home
+    if home is None or home[0][0].shape[0] != len(caches):
+        return None
+    if any(c.home is not home or c.row != i for i, c in enumerate(caches)):
+        return None
+    return home

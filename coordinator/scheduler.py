@@ -1,9 +1,16 @@
-"""Choosing the next group of sequences to step (EXSPEC grouping with a realigning fallback).
+"""Choosing the next group of sequences to step: cohorts, formed by equal length (EXSPEC).
 
-A group of equal committed length needs no realignment in either service: every row's target
-cache is L - 1 long and every row feeds the same number of tokens. Only when no such group is
-worth running (or a sequence has waited too long) do we take a mixed group, which the
-services left-pad (a cost we count and keep rare).
+Sequences are stepped in cohorts of at most batch_size that stay together from step to step,
+always in the same row order. Invariants:
+- A cohort's rows are, in both services, exactly the rows of the batch it last ran as, so the
+  services reuse that batch as it is: no copy, whatever each row accepted (the rows' rejected
+  positions are masked). Only a change of membership makes the services copy (realign) it.
+- New cohorts are cut from equal committed lengths first (EXSPEC), then from neighbouring
+  lengths: a cohort of one length starts with no padding at all.
+- Membership changes only when it must: a sequence arrives, or finishing sequences leave two
+  or more cohorts short. Then the newcomers and the short cohorts are re-formed together, which
+  leaves at most one short cohort.
+- Cohorts take turns, the one that waited longest first, so none starves.
 """
 import dataclasses
 from collections import defaultdict
@@ -14,22 +21,13 @@ from coordinator.sequence import Sequence
 @dataclasses.dataclass(frozen=True)
 class GroupPolicy:
     batch_size: int = 8
-    # A same-length group smaller than this share of the batch we could fill is not worth
-    # running alone; a mixed (realigned) group is taken instead.
-    min_fill: float = 0.5
-    # A sequence not stepped for this many steps forces a mixed group that includes it.
-    max_wait_steps: int = 4
-    # False: no same-length grouping; every step takes the longest-waiting batch_size
-    # sequences and realigns them (the EQSPEC way, kept for comparison).
+    # False: no cohorts; every step takes the longest-waiting batch_size sequences, whatever
+    # their lengths (the EQSPEC way, kept for comparison).
     grouping: bool = True
 
     def __post_init__(self):
         if self.batch_size < 1:
             raise ValueError("batch_size must be >= 1")
-        if not 0 <= self.min_fill <= 1:
-            raise ValueError("min_fill must be in [0, 1]")
-        if self.max_wait_steps < 1:
-            raise ValueError("max_wait_steps must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,31 +37,53 @@ class Group:
 
 
 def pick_group(active: list[Sequence], policy: GroupPolicy, step: int) -> Group | None:
-    """The next group to step, or None when nothing is active."""
+    """The next group to step, or None when nothing is active. With grouping, places new
+    sequences into cohorts (sets `Sequence.cohort`)."""
     if not active:
         return None
-    by_age = sorted(active, key=lambda s: (s.last_step, s.seq_id))
     if not policy.grouping:
-        group = by_age[:policy.batch_size]
-        return Group(group, mixed=len({s.committed_len for s in group}) > 1)
-    starved = [s for s in by_age if step - s.last_step > policy.max_wait_steps]
-    best = _largest_bucket(active)
-    wanted = min(policy.batch_size, len(active))
-    if not starved and len(best) >= max(1, policy.min_fill * wanted):
-        return Group(best[:policy.batch_size], mixed=False)
-    lengths = {s.committed_len for s in by_age[:policy.batch_size]}
-    if len(lengths) == 1:
-        return Group(by_age[:policy.batch_size], mixed=False)
-    return Group(by_age[:policy.batch_size], mixed=True)
+        by_age = sorted(active, key=lambda s: (s.last_step, s.seq_id))
+        return _group(by_age[:policy.batch_size])
+    cohorts = _place(active, policy.batch_size)
+    oldest = min(cohorts, key=lambda c: (min(s.last_step for s in c), c[0].seq_id))
+    return _group(oldest)
 
 
-def _largest_bucket(active: list[Sequence]) -> list[Sequence]:
-    """The biggest set of equal-length sequences, longest-waiting first; ties go to the
-    bucket holding the longest-waiting sequence."""
-    buckets: dict[int, list[Sequence]] = defaultdict(list)
-    for s in sorted(active, key=lambda s: (s.last_step, s.seq_id)):
-        buckets[s.committed_len].append(s)
-    return max(buckets.values(), key=lambda b: (len(b), -b[0].last_step, -b[0].seq_id))
+def _group(sequences: list[Sequence]) -> Group:
+    return Group(sequences, mixed=len({s.committed_len for s in sequences}) > 1)
+
+
+def _place(active: list[Sequence], batch_size: int) -> list[list[Sequence]]:
+    """The active sequences' cohorts, each in seq_id order, after placing newcomers."""
+    by_cohort: dict[int | None, list[Sequence]] = defaultdict(list)
+    for s in sorted(active, key=lambda s: s.seq_id):
+        by_cohort[s.cohort].append(s)
+    loose = by_cohort.pop(None, [])
+    short = [c for c in by_cohort if len(by_cohort[c]) < batch_size]
+    if loose or len(short) > 1:
+        loose += [s for c in short for s in by_cohort.pop(c)]
+        for members in form_cohorts(loose, batch_size):
+            for s in members:
+                s.cohort = members[0].seq_id  # unique: a seq_id is never reused
+            by_cohort[members[0].seq_id] = members
+    return list(by_cohort.values())
+
+
+def form_cohorts(sequences: list[Sequence], batch_size: int) -> list[list[Sequence]]:
+    """Cut sequences into cohorts of at most batch_size: full cohorts of one committed length
+    first (EXSPEC), then the rest in length order, so neighbours in length share a batch.
+    Each cohort is in seq_id order."""
+    by_length: dict[int, list[Sequence]] = defaultdict(list)
+    for s in sorted(sequences, key=lambda s: s.seq_id):
+        by_length[s.committed_len].append(s)
+    cohorts, rest = [], []
+    for length in sorted(by_length):
+        bucket = by_length[length]
+        full = len(bucket) - len(bucket) % batch_size
+        cohorts += [bucket[i:i + batch_size] for i in range(0, full, batch_size)]
+        rest += bucket[full:]
+    cohorts += [rest[i:i + batch_size] for i in range(0, len(rest), batch_size)]
+    return [sorted(c, key=lambda s: s.seq_id) for c in cohorts]
 
 
 def split_by_tokens(sequences: list[Sequence], budget: int) -> list[list[Sequence]]:

@@ -43,6 +43,7 @@ class Sequence:
     finish: Finish | None = None
     stats: Stats = dataclasses.field(default_factory=Stats)
     last_step: int = 0  # engine step at which the sequence last advanced (for fairness)
+    cohort: int | None = None  # the group it is stepped with (scheduler); None: not yet placed
     created: float = dataclasses.field(default_factory=time.monotonic)
     # Optional callable(Sequence) -> bool, asked after each commit (stop strings).
     stop_check: object = dataclasses.field(default=None, repr=False, compare=False)

@@ -46,31 +46,74 @@ def test_draft_append_need_follows_the_valid_prefix():
     assert s.draft_append_need() == 2
 
 
-def test_pick_group_prefers_the_largest_equal_length_bucket():
-    active = [seq(1, 5), seq(2, 7), seq(3, 7), seq(4, 7), seq(5, 9)]
+def ids(group):
+    return [s.seq_id for s in group.sequences]
+
+
+def step_round(active, policy, step):
+    """Pick a group and advance it as the engine would (one token each, this step)."""
+    group = scheduler.pick_group(active, policy, step)
+    for s in group.sequences:
+        s.token_ids.append(50)
+        s.last_step = step
+    return group
+
+
+def test_new_sequences_form_cohorts_of_equal_length_first():
+    active = [seq(1, 5), seq(2, 7), seq(3, 7), seq(4, 9), seq(5, 7), seq(6, 7), seq(7, 6)]
     group = scheduler.pick_group(active, scheduler.GroupPolicy(batch_size=4), step=1)
-    assert not group.mixed
-    assert [s.seq_id for s in group.sequences] == [2, 3, 4]
+    assert ids(group) == [1, 4, 7] and group.mixed  # the leftovers, holding the lowest id
+    sevens = {s.cohort for s in active if s.committed_len == 7}
+    assert len(sevens) == 1 and sevens.isdisjoint({s.cohort for s in group.sequences})
+    for s in group.sequences:
+        s.last_step = 1
+    group = scheduler.pick_group(active, scheduler.GroupPolicy(batch_size=4), step=2)
+    assert ids(group) == [2, 3, 5, 6] and not group.mixed  # the four of length 7 (EXSPEC)
 
 
-def test_pick_group_caps_at_batch_size_and_keeps_identity():
-    active = [seq(i, 6) for i in range(1, 11)]
-    group = scheduler.pick_group(active, scheduler.GroupPolicy(batch_size=4), step=1)
-    assert [s.seq_id for s in group.sequences] == [1, 2, 3, 4]
-    assert all(s.committed_len == 6 for s in group.sequences)
+def test_a_cohort_keeps_its_rows_and_order_while_lengths_diverge():
+    policy = scheduler.GroupPolicy(batch_size=3)
+    active = [seq(i, 6) for i in range(1, 7)]
+    seen = []
+    for step in range(1, 9):
+        group = step_round(active, policy, step)
+        seen.append(ids(group))
+        group.sequences[0].token_ids.append(51)  # it accepted one token more than the others
+    assert seen[0::2] == [[1, 2, 3]] * 4 and seen[1::2] == [[4, 5, 6]] * 4  # turns, unchanged
+    assert scheduler.pick_group(active, policy, 9).mixed  # different lengths, same rows
 
 
-def test_pick_group_falls_back_to_a_mixed_group_when_no_bucket_fills():
-    active = [seq(1, 5), seq(2, 6), seq(3, 7), seq(4, 8)]
-    group = scheduler.pick_group(active, scheduler.GroupPolicy(batch_size=4), step=1)
-    assert group.mixed and len(group.sequences) == 4
+def test_cohorts_take_turns_so_none_waits_longer_than_a_round():
+    policy = scheduler.GroupPolicy(batch_size=4)
+    active = [seq(i, 4 + i % 5) for i in range(1, 21)]
+    last = {}
+    for step in range(1, 31):
+        for s in step_round(active, policy, step).sequences:
+            if s.seq_id in last:
+                assert step - last[s.seq_id] <= 5  # 20 sequences, 5 cohorts of 4
+            last[s.seq_id] = step
+    assert len(last) == 20
 
 
-def test_a_starved_sequence_forces_a_step_that_includes_it():
-    active = [seq(1, 5, last_step=0)] + [seq(i, 9, last_step=9) for i in range(2, 6)]
-    group = scheduler.pick_group(active, scheduler.GroupPolicy(batch_size=4, max_wait_steps=4),
-                                 step=10)
-    assert 1 in [s.seq_id for s in group.sequences] and group.mixed
+def test_short_cohorts_merge_and_newcomers_fill_them():
+    policy = scheduler.GroupPolicy(batch_size=4)
+    active = [seq(i, 6) for i in range(1, 9)]
+    scheduler.pick_group(active, policy, 1)
+    assert len({s.cohort for s in active}) == 2
+    active = [s for s in active if s.seq_id not in (1, 2, 7)]  # finished: both cohorts short
+    group = scheduler.pick_group(active, policy, 2)
+    assert len({s.cohort for s in active}) == 2 and len(group.sequences) == 4
+    active.append(seq(9, 6))  # an arrival joins the short cohort
+    scheduler.pick_group(active, policy, 3)
+    sizes = sorted(sum(s.cohort == c for s in active) for c in {s.cohort for s in active})
+    assert sizes == [2, 4]
+
+
+def test_without_grouping_the_longest_waiting_go_first():
+    active = [seq(1, 5, last_step=3), seq(2, 6, last_step=1), seq(3, 7, last_step=2)]
+    group = scheduler.pick_group(active, scheduler.GroupPolicy(batch_size=2, grouping=False),
+                                 step=4)
+    assert ids(group) == [2, 3] and group.mixed
 
 
 def test_draft_plan_widens_appends_and_drops_rows_too_short_for_them():

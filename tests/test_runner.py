@@ -42,3 +42,38 @@ def test_batched_prefill_equals_one_at_a_time(model_dirs, arch):
             assert k1.shape == k2.shape
             torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch,budget", [("llama", None), ("gpt2", None), ("llama", 3)])
+def test_ragged_groups_match_each_sequence_run_alone(model_dirs, arch, budget, monkeypatch):
+    """Rows of one group keep different numbers of the tokens they feed (rejected drafts).
+    The group's batch is then reused with those holes masked, or compacted into a left-padded
+    copy once holes pass the budget; either way every row's logits are what the model gives
+    that sequence alone, with no cache."""
+    if budget is not None:
+        monkeypatch.setattr(runner_lib, "hole_budget", lambda longest: budget)
+    model = models.load_causal_lm(model_dirs[arch][0])
+    runner = runner_lib.ModelRunner(model, name=arch, device=torch.device("cpu"),
+                                    eos_token_ids=[], max_context_len=256)
+    rng = random.Random(2)
+    tokens = {i: [rng.randrange(4, 90) for _ in range(rng.randint(2, 12))] for i in range(4)}
+    runner.prefill(list(tokens.items()))
+    resident = copied = 0
+    for _ in range(14):
+        fed = {i: [rng.randrange(4, 90) for _ in range(3)] for i in tokens}
+        specs = [runner_lib.RowSpec(i, len(tokens[i]), len(tokens[i]), fed[i]) for i in tokens]
+        group = runner.open_group(specs, realign=True)
+        resident += group.realigned and not group.copied
+        copied += group.copied
+        logits = group.step(torch.tensor([fed[i] for i in tokens]), num_logits=3)
+        for row, i in enumerate(tokens):
+            with torch.inference_mode():
+                alone = model(input_ids=torch.tensor([tokens[i] + fed[i]])).logits[0, -3:]
+            torch.testing.assert_close(logits[row], alone.float(), rtol=1e-4, atol=1e-4)
+        kept = {i: rng.randint(0, 3) for i in tokens}
+        runner.store(list(tokens), group.rows_after([len(tokens[i]) + kept[i] for i in tokens]))
+        for i in tokens:
+            tokens[i] += fed[i][:kept[i]]
+    assert resident > 0  # the group's own batch was reused with holes
+    if budget is not None:
+        assert copied > 1  # and compacted when they grew past the budget
