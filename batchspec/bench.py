@@ -28,8 +28,10 @@ METHODS = {
     "hf_batch1": "1. target alone, batch 1 (HF generate)",
     "hf_batched": "2. target alone, batched (HF generate, left-padded)",
     "hf_assisted": "3. HF assisted generation (batch 1)",
-    "engine_realign": "4. batchspec engine in-process, realigning every step (EQSPEC)",
-    "engine_grouped": "5. batchspec engine in-process, same-length grouping (EXSPEC)",
+    "engine_realign": "4. batchspec engine in-process, realigning every step (EQSPEC: the "
+                      "longest-waiting rows, copied into a new left-padded batch each step)",
+    "engine_grouped": "5. batchspec engine in-process, cohorts formed by equal length (EXSPEC), "
+                      "kept together so each service reuses their batch",
     "grpc": "6. batchspec over the three gRPC processes",
 }
 USES_BATCH = {"hf_batched", "engine_realign", "engine_grouped", "grpc"}
@@ -224,6 +226,8 @@ def run_engine(runners, workload: Workload, batch_size: int, k: int, grouping: b
     from coordinator.scheduler import GroupPolicy
 
     count = len(workload.prompts)
+    for runner in runners.values():  # EQSPEC re-pads every step: no batch is reused
+        runner.reuse_batches = grouping
     engine = Engine(InProcessTarget(runners["target"], "target"),
                     [InProcessDraft(runners["draft"], "draft")],
                     EngineConfig(num_draft_tokens=k,

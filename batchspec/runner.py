@@ -62,6 +62,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.max_context_len = max_context_len
         self.caches: dict[int, SeqCache] = {}
+        # False: every group forward copies its rows into a new batch (the benchmark's EQSPEC).
+        self.reuse_batches = True
         # Held by the servicer around every command: several streams may drive one runner.
         self.lock = threading.Lock()
 
@@ -234,7 +236,8 @@ class GroupForward:
         # aligned: every row holds the same positions in columns [0, longest), nothing to hide
         aligned = all(n == longest and kvcache.is_plain(s)
                       for n, s in zip(self.lengths, self.spans))
-        layers = resident_batch(caches)
+        reuse = runner.reuse_batches or len(caches) == 1
+        layers = resident_batch(caches) if reuse else None
         self.width = max(c.columns for c in caches)
         self.copied = layers is None or (self.width - longest > hole_budget(longest)
                                          or self.width + reserve > runner.max_context_len)
