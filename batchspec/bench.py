@@ -36,9 +36,9 @@ METHODS = {
 }
 USES_BATCH = {"hf_batched", "engine_realign", "engine_grouped", "grpc"}
 # Where a run's wall time went, in report order. prefill: admitting prompts into both caches;
-# draft, verify: the services' compute; realign: stacking left-padded caches (taken out of draft
-# and verify); rpc: round trips minus compute; coordinator: the rest (scheduling, bookkeeping,
-# streaming).
+# draft, verify: the services' compute; realign: the services' time on unaligned rows, masks and
+# copies into a left-padded batch (taken out of draft and verify); rpc: round trips minus
+# compute; coordinator: the rest (scheduling, bookkeeping, streaming).
 BREAKDOWN = ("prefill", "draft", "verify", "realign", "rpc", "coordinator")
 USES_K = {"hf_assisted", "engine_realign", "engine_grouped", "grpc"}
 

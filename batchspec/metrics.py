@@ -46,13 +46,13 @@ class CoordinatorMetrics:
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens admitted.")
         self.grouped_steps = counter("batchspec:grouped_steps",
-                                     "Steps over a group of equal lengths (no realignment).")
+                                     "Steps over a group of equal lengths (aligned rows).")
         self.realigned_steps = counter("batchspec:realigned_steps",
-                                       "Steps over a mixed group that the services realigned.")
+                                       "Steps over a group of mixed lengths (masked, or copied).")
         self.draft_fallback_steps = counter("batchspec:draft_fallback_steps",
                                             "Steps decoded with the target alone (draft down).")
         self.realign_seconds = histogram("batchspec:realign_seconds",
-                                         "Time the services spent realigning, per step.")
+                                         "Time the services spent on unaligned rows, per step.")
         self.draft_seconds = histogram("batchspec:draft_seconds",
                                        "Draft proposal round trip, per step.")
         self.verify_seconds = histogram("batchspec:verify_seconds",
