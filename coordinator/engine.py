@@ -25,9 +25,8 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    # K, the most tokens a step drafts. 1 was fastest at every batch size (1 to 16) for the
-    # default pair on the 2-core CPU, in-process and over gRPC (README, benchmark): verifying
-    # two tokens costs what decoding one does there, while a third costs more. On a GPU, where
+    # K, the most tokens a step drafts. For the default pair on a 2-core CPU, K = 1 or 2 ran
+    # best once batched and no K won clearly at batch 1 (README, benchmark). On a GPU, where
     # verifying a few more tokens is nearly free, raise it.
     num_draft_tokens: int = 1
     # Greedy groups stop drafting early once every row's draft is less sure than this (0: off).
