@@ -19,7 +19,8 @@ def to_model_cache(layers: list[LayerKV] | None) -> DynamicCache:
     """A DynamicCache holding `layers` as they are (an empty cache for None): no copy.
 
     (DynamicCache(ddp_cache_data=layers) would copy every tensor, as big a copy as a
-    realignment: transformers >= 4.56 appends the data to empty layers with torch.cat.)"""
+    realignment: it appends the data to empty layers with torch.cat; scripts/group_steps.py
+    times both.)"""
     if layers is None:
         return DynamicCache()
     cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in layers])
@@ -30,9 +31,7 @@ def to_model_cache(layers: list[LayerKV] | None) -> DynamicCache:
 
 def from_model_cache(cache: DynamicCache) -> list[LayerKV]:
     """The per-layer (keys, values) tensors of a cache, [batch, heads, length, head_dim]."""
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache))  # transformers < 4.56
+    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 # ---- spans: which columns are real positions ---------------------------------------------------

@@ -250,7 +250,7 @@ class GroupForward:
         self.cache = kvcache.to_model_cache(layers or None)
         self.realigned = not aligned
         self.mask = None
-        if not all(s == ((0, self.width),) for s in self.spans if self.width):
+        if self.width and any(s != ((0, self.width),) for s in self.spans):  # pads or holes
             self.mask = kvcache.column_mask(self.spans, self.width).to(runner.device)
         self.stack_seconds = time.perf_counter() - started
         self.forward_seconds = 0.0
