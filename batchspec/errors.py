@@ -73,3 +73,8 @@ def from_status_code(code: grpc.StatusCode | int, message: str) -> BatchspecErro
 def abort_with(context: grpc.ServicerContext, error: BaseException) -> None:
     """Ends an RPC with the status that belongs to `error` (raises, as context.abort does)."""
     context.abort(to_status_code(error), str(error) or type(error).__name__)
+
+
+async def abort_async(context, error: BaseException) -> None:
+    """abort_with for a grpc.aio handler (raises, as context.abort does)."""
+    await context.abort(to_status_code(error), str(error) or type(error).__name__)

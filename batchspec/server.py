@@ -1,4 +1,5 @@
 """The one gRPC server skeleton of all three processes: health, reflection, graceful stop."""
+import asyncio
 import logging
 import signal
 import threading
@@ -33,31 +34,104 @@ def parse_config(parser, argv, build):
         parser.error(str(error))
 
 
-def create_server(address: str, services, *, max_workers: int = 32):
+def create_server(address: str, services, *, max_workers: int = 32, credentials=None):
     """Build a server on `address` ('host:port'; port 0 picks a free one).
 
     services: (add_servicer_to_server function, servicer, full service name) triples.
+    credentials: grpc.ServerCredentials for TLS (see batchspec.tls), None for plaintext.
     Returns (server, port, health_servicer); every service starts NOT_SERVING until
     `set_serving` is called, so health says SERVING only once the model is loaded.
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=CHANNEL_OPTIONS)
     health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [name for _, _, name in services]
-    for add, servicer, name in services:
-        add(servicer, server)
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME],
-                                        server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {address}")
+    port = _register(server, health_servicer, address, services, credentials)
+    set_serving(health_servicer, [name for _, _, name in services], serving=False)
     return server, port, health_servicer
 
 
+def _register(server, health_servicer, address: str, services, credentials) -> int:
+    """Add the services, health (all NOT_SERVING) and reflection; bind; return the port."""
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [name for _, _, name in services]
+    for add, servicer, _name in services:
+        add(servicer, server)
+    reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                        server)
+    port = (server.add_secure_port(address, credentials) if credentials is not None
+            else server.add_insecure_port(address))
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    return port
+
+
+class LoopServer:
+    """A grpc.aio server on an event loop of its own thread, driven from synchronous code
+    with the same calls as a grpc.server (start, stop(grace).wait()). A streaming handler
+    waiting for its next event is a suspended coroutine, not a worker thread, so open streams
+    are bounded only by what the servicers admit; health and reflection always have the loop
+    to answer on."""
+
+    def __init__(self, address: str, services, *, credentials=None, interceptors=()):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="grpc.aio loop")
+        self._thread.start()
+        self._stopped: threading.Event | None = None
+        self.server, self.port, self.health = self._call(
+            self._build(address, services, credentials, list(interceptors)))
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def _build(self, address, services, credentials, interceptors):
+        server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
+        servicer = health.aio.HealthServicer()
+        port = _register(server, servicer, address, services, credentials)
+        for name in [name for _, _, name in services] + [""]:
+            await servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        return server, port, LoopHealth(servicer, self.loop)
+
+    def start(self) -> None:
+        self._call(self.server.start())
+
+    def stop(self, grace_s: float | None) -> threading.Event:
+        """Stop serving (in-flight RPCs get grace_s seconds), then the loop; the event is set
+        once done. Calling it again returns the same event."""
+        if self._stopped is None:
+            self._stopped = threading.Event()
+            future = asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self.loop)
+            future.add_done_callback(self._stop_loop)
+        return self._stopped
+
+    def _stop_loop(self, _future) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._stopped.set()
+
+
+class LoopHealth:
+    """The grpc.aio health servicer with the synchronous `set` of grpc.health.v1's own."""
+
+    def __init__(self, servicer, loop: asyncio.AbstractEventLoop):
+        self.servicer = servicer
+        self.loop = loop
+
+    def set(self, name: str, status) -> None:
+        coro = self.servicer.set(name, status)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            self.loop.create_task(coro)
+        elif self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
+        else:
+            coro.close()  # the server has stopped: nobody is left to ask
+
+
 def set_serving(health_servicer, names, serving: bool = True) -> None:
+    """Set every name and the server as a whole ('') to SERVING or NOT_SERVING."""
     status = (health_pb2.HealthCheckResponse.SERVING if serving
               else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in list(names) + [""]:

@@ -6,7 +6,7 @@ import logging
 import random
 import time
 
-from batchspec import compute, errors, models
+from batchspec import compute, errors, models, security
 from batchspec import runner as runner_lib
 from batchspec import server as server_lib
 from batchspec.metrics import ServiceMetrics, serve_metrics
@@ -132,6 +132,7 @@ class ServiceConfig:
     num_layers: int | None = None
     grace_s: float = 10.0
     metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: a free port
+    tls: security.ServerTls | None = None  # with client_ca set: mutual TLS
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -166,12 +167,17 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int) ->
                         help="seconds to finish in-flight work on SIGTERM")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port (0: a free one)")
+    parser.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
+    parser.add_argument("--tls-ca", default=None,
+                        help="mutual TLS: accept only clients whose certificate this CA signed")
 
 
 def config_from_args(args) -> ServiceConfig:
     return ServiceConfig(model=args.model, host=args.host, port=args.port, device=args.device,
                          dtype=args.dtype, num_layers=args.num_layers, grace_s=args.grace,
-                         metrics_port=args.metrics_port)
+                         metrics_port=args.metrics_port,
+                         tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_ca))
 
 
 def start_model_service(config: ServiceConfig, make_servicer, add_to_server, service_name):
@@ -186,12 +192,15 @@ def start_model_service(config: ServiceConfig, make_servicer, add_to_server, ser
         http = serve_metrics(metrics.registry, config.metrics_port, config.host)
         log.info("%s metrics on http://%s:%d/metrics", role, config.host, http.server_port)
     servicer = make_servicer(runner, dtype=config.dtype, metrics=metrics)
-    server, port, health = server_lib.create_server(f"{config.host}:{config.port}",
-                                                    [(add_to_server, servicer, service_name)])
+    server, port, health = server_lib.create_server(
+        f"{config.host}:{config.port}", [(add_to_server, servicer, service_name)],
+        credentials=config.tls.credentials() if config.tls else None)
     server.start()
     server_lib.set_serving(health, [service_name])
-    log.info("%s serving %s on %s:%d (%s, %s)", service_name, config.model, config.host, port,
-             config.device, config.dtype)
+    log.info("%s serving %s on %s:%d (%s, %s, %s)", service_name, config.model, config.host,
+             port, config.device, config.dtype,
+             "plaintext" if config.tls is None
+             else "mutual TLS" if config.tls.client_ca else "TLS")
     return server, port, health, runner
 
 

@@ -4,7 +4,7 @@ import dataclasses
 import itertools
 import logging
 
-from batchspec import errors
+from batchspec import errors, security
 from batchspec import server as server_lib
 from batchspec.metrics import CoordinatorMetrics, serve_metrics
 from batchspec.v1 import generate_pb2_grpc
@@ -35,6 +35,9 @@ class CoordinatorConfig:
     stall_timeout_s: float = 120.0
     grace_s: float = 10.0
     metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: a free port
+    tls: security.ServerTls | None = None  # TLS on the public API
+    peer_tls: security.ClientTls | None = None  # (mutual) TLS to the model services
+    api_key_file: str | None = None  # clients must send `authorization: Bearer <key>`
 
     def __post_init__(self):
         if not self.targets:
@@ -45,6 +48,11 @@ class CoordinatorConfig:
             raise ValueError("max_new_tokens must be >= 1")
         if self.stall_timeout_s <= 0:
             raise ValueError("stall_timeout_s must be > 0")
+        if self.api_key_file is not None:
+            security.read_api_key(self.api_key_file)
+
+    def peer_credentials(self):
+        return self.peer_tls.credentials() if self.peer_tls else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +92,31 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to finish in-flight requests on SIGTERM")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port (0: a free one)")
+    security_flags = parser.add_argument_group("security (all off by default)")
+    security_flags.add_argument("--tls-cert", default=None,
+                                help="serve the public API over TLS with this certificate (PEM)")
+    security_flags.add_argument("--tls-key", default=None, help="its private key (PEM)")
+    security_flags.add_argument("--api-key-file", default=None,
+                                help="file holding the API key clients must send as "
+                                     "'authorization: Bearer <key>' (health stays open)")
+    security_flags.add_argument("--tls-ca", default=None,
+                                help="reach the model services over TLS, trusting this CA")
+    security_flags.add_argument("--client-cert", default=None,
+                                help="mutual TLS: certificate shown to the model services "
+                                     "(with --tls-ca; default --tls-cert)")
+    security_flags.add_argument("--client-key", default=None,
+                                help="its private key (default --tls-key)")
     return parser
+
+
+def peer_tls_from_args(args) -> security.ClientTls | None:
+    if args.tls_ca is None:
+        if args.client_cert or args.client_key:
+            raise ValueError("--client-cert and --client-key need --tls-ca")
+        return None
+    cert = args.client_cert or (args.tls_cert if args.client_key is None else None)
+    key = args.client_key or (args.tls_key if args.client_cert is None else None)
+    return security.ClientTls(args.tls_ca, cert, key)
 
 
 def config_from_args(args) -> CoordinatorConfig:
@@ -99,7 +131,9 @@ def config_from_args(args) -> CoordinatorConfig:
                              max_new_tokens=args.max_new_tokens,
                              connect_timeout_s=args.connect_timeout,
                              stall_timeout_s=args.stall_timeout, grace_s=args.grace,
-                             metrics_port=args.metrics_port)
+                             metrics_port=args.metrics_port,
+                             tls=security.server_tls(args.tls_cert, args.tls_key),
+                             peer_tls=peer_tls_from_args(args), api_key_file=args.api_key_file)
 
 
 @dataclasses.dataclass
@@ -136,8 +170,10 @@ def build_router(config: CoordinatorConfig, eos_token_ids, telemetry) -> Router:
     for i, address in enumerate(config.targets):
         n = len(config.drafts)
         order = [config.drafts[(i + j) % n] for j in range(n)]
-        engines.append(Engine(TargetClient(address, config.stall_timeout_s),
-                              [DraftClient(a, config.stall_timeout_s) for a in order],
+        credentials = config.peer_credentials()
+        engines.append(Engine(TargetClient(address, config.stall_timeout_s, credentials),
+                              [DraftClient(a, config.stall_timeout_s, credentials)
+                               for a in order],
                               config.engine, eos_token_ids, telemetry, seq_ids=seq_ids))
     router = Router(engines, config.engine.max_queue)
     telemetry.source = router
@@ -151,12 +187,15 @@ def split_addresses(values: list[str]) -> tuple[str, ...]:
 def start(config: CoordinatorConfig) -> Running:
     """Connect to the services, start the engine and the server. Health is SERVING once both
     peers answered, then while a target is reachable (without the draft it still decodes)."""
-    infos = [connect(TargetClient(a), config.connect_timeout_s) for a in config.targets]
+    credentials = config.peer_credentials()
+    infos = [connect(TargetClient(a, credentials=credentials), config.connect_timeout_s)
+             for a in config.targets]
     info = infos[0]
     if len({(i.vocab_size, tuple(i.eos_token_ids)) for i in infos}) != 1:
         raise errors.FailedPrecondition("target replicas host different models")
     for address in config.drafts:
-        draft_info = connect(DraftClient(address), config.connect_timeout_s)
+        draft_info = connect(DraftClient(address, credentials=credentials),
+                             config.connect_timeout_s)
         if draft_info.vocab_size > info.vocab_size:
             raise errors.FailedPrecondition(
                 f"the draft's vocabulary ({draft_info.vocab_size}) is larger than the "
@@ -171,18 +210,25 @@ def start(config: CoordinatorConfig) -> Running:
     engine = build_router(config, info.eos_token_ids, Telemetry(metrics))
     limits = Limits(info.vocab_size, info.max_context_len, config.max_new_tokens)
     servicer = CoordinatorServicer(engine, limits, codec)
-    server, port, health = server_lib.create_server(
+    interceptors = ([security.ApiKeyInterceptor(security.read_api_key(config.api_key_file))]
+                    if config.api_key_file else [])
+    server = server_lib.LoopServer(
         f"{config.host}:{config.port}",
-        [(generate_pb2_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)])
+        [(generate_pb2_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
+        credentials=config.tls.credentials() if config.tls else None, interceptors=interceptors)
+    port, health = server.port, server.health
     # SERVING while the target is reachable (a lost draft only slows decoding); the engine
     # says when that changes.
     engine.on_health = lambda serving: server_lib.set_serving(health, [SERVICE_NAME], serving)
     engine.start()
     server.start()
     server_lib.set_serving(health, [SERVICE_NAME])
-    log.info("coordinator on %s:%d: targets %s (%s), drafts %s, K=%d, batch %d", config.host,
-             port, ",".join(config.targets), info.model, ",".join(config.drafts) or "none",
-             config.engine.num_draft_tokens, config.engine.policy.batch_size)
+    log.info("coordinator on %s:%d (%s%s): targets %s (%s), drafts %s, K=%d, batch %d, "
+             "pool %d, queue %d", config.host, port, "TLS" if config.tls else "plaintext",
+             ", API key" if interceptors else "", ",".join(config.targets), info.model,
+             ",".join(config.drafts) or "none", config.engine.num_draft_tokens,
+             config.engine.policy.batch_size, config.engine.max_num_seqs,
+             config.engine.max_queue)
     return Running(server, port, health, engine, metrics, metrics_port)
 
 

@@ -161,10 +161,14 @@ class ServiceClient:
     stub_type = None
     command_type = None
 
-    def __init__(self, address: str, stall_timeout_s: float = 120.0):
+    def __init__(self, address: str, stall_timeout_s: float = 120.0, credentials=None):
+        """credentials: grpc.ChannelCredentials for (mutual) TLS; None for plaintext."""
         self.address = address
         self.stall_timeout_s = stall_timeout_s
-        self.channel = grpc.insecure_channel(address, options=server_lib.CHANNEL_OPTIONS)
+        self.channel = (grpc.secure_channel(address, credentials,
+                                            options=server_lib.CHANNEL_OPTIONS)
+                        if credentials is not None
+                        else grpc.insecure_channel(address, options=server_lib.CHANNEL_OPTIONS))
         self.stub = self.stub_type(self.channel)
         self._stream: CommandStream | None = None
 

@@ -59,6 +59,7 @@ class Event:
     token_ids: list[int]
     finish: Finish | None = None
     error: errors.BatchspecError | None = None
+    text: str = ""  # their text, when the request has a TextStream
 
 
 @dataclasses.dataclass
@@ -78,10 +79,12 @@ class EngineStats:
 
 
 class RequestHandle:
-    def __init__(self, seq: Sequence, deadline: float | None):
+    def __init__(self, seq: Sequence, deadline: float | None, events=None):
         self.seq = seq
         self.deadline = deadline  # time.monotonic() value, or None
-        self.events: queue.Queue[Event] = queue.Queue()
+        # where the engine thread puts this request's events: anything with put(Event)
+        # (a queue.Queue by default; the public server passes one that wakes its event loop)
+        self.events = events if events is not None else queue.Queue()
         self.cancelled = threading.Event()
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
@@ -146,11 +149,12 @@ class Engine:
     # ---- request side (any thread) ------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], max_new_tokens: int,
                sampling: SamplingParams = SamplingParams(), *, ignore_eos: bool = False,
-               deadline: float | None = None, stop_check=None) -> RequestHandle:
+               deadline: float | None = None, text=None, events=None) -> RequestHandle:
+        """Queue a request. text: a coordinator.text.TextStream that turns its tokens into
+        text and finds its stop strings, on the engine thread; events: see RequestHandle."""
         seq = Sequence(next(self._ids), list(prompt_token_ids), max_new_tokens,
-                       frozenset() if ignore_eos else self.eos_token_ids, sampling,
-                       stop_check=stop_check)
-        handle = RequestHandle(seq, deadline)
+                       frozenset() if ignore_eos else self.eos_token_ids, sampling, text=text)
+        handle = RequestHandle(seq, deadline, events)
         with self._lock:
             if self._stopping:
                 raise errors.Unavailable("the coordinator is shutting down")
@@ -231,23 +235,63 @@ class Engine:
                     return
             try:
                 self.step()
-            except Exception as error:  # keep serving: fail only what this step touched
+            except Exception:  # outside any request's part of the step (reconnection)
                 log.exception("engine step failed")
-                self._fail_all(error)
+                time.sleep(0.05)
 
     def step(self) -> None:
-        """One iteration: drop cancelled/expired requests, admit, then step one group."""
-        self._reap()
+        """One iteration: drop cancelled/expired requests, admit, then step one group.
+        A failure fails only the requests of the part that failed (see _isolated)."""
+        with self._isolated("reaping", []):
+            self._reap()
         if not self._ensure_services():
             time.sleep(min(0.05, self._retry_delay))
             return
-        self._admit()
+        with self._lock:
+            admitting = list(self._waiting)
+        with self._isolated("admission", admitting):
+            self._admit()
         self.telemetry.queue(len(self._active), len(self._waiting))
         active = [h.seq for h in self._active.values()]
         group = scheduler.pick_group(active, self.config.policy, self.stats.num_steps)
         if group is None:
             return
-        self._step_group(group)
+        handles = [self._active[s.seq_id] for s in group.sequences]
+        with self._isolated("step", handles):
+            self._step_group(group)
+
+    @contextlib.contextmanager
+    def _isolated(self, what: str, handles: list[RequestHandle]):
+        """Run one part of a step; if it fails unexpectedly, end only `handles` (those it
+        worked on that are still open) and release their caches, and keep serving the rest.
+        A lost service is not a failure (it raises Unavailable, handled where it happens)."""
+        try:
+            yield
+        except Exception as error:
+            log.exception("engine %s failed; ending the %d requests it touched", what,
+                          len(handles))
+            typed = error if isinstance(error, errors.BatchspecError) else \
+                errors.BatchspecError(f"internal error: {error}")
+            for handle in handles:
+                self._end(handle, typed)
+
+    def _end(self, handle: RequestHandle, error: errors.BatchspecError) -> None:
+        """End a request (unless it finished already) and release it, whatever state its
+        caches are in: a release the service refuses (it never held the sequence, or no
+        longer does) does not matter here."""
+        seq = handle.seq
+        with self._lock:
+            if handle in self._waiting:
+                self._waiting.remove(handle)
+        try:
+            if seq.seq_id in self._active:
+                self._release([seq])
+        except errors.BatchspecError as release_error:
+            log.warning("releasing seq %d after a failure: %s", seq.seq_id, release_error)
+            self._active.pop(seq.seq_id, None)
+        if seq.finish is None:
+            self.telemetry.failed()
+            handle.events.put(Event([], error=error))
 
     def _reap(self) -> None:
         now = time.monotonic()
@@ -315,7 +359,7 @@ class Engine:
 
     def _step_group(self, group: scheduler.Group) -> None:
         seqs = group.sequences
-        timeout = self._time_left([self._active[s.seq_id] for s in seqs])
+        timeout = self._group_timeout([self._active[s.seq_id] for s in seqs])
         proposals, draft_timing, draft_s = self._propose(seqs, group.mixed, timeout)
         if proposals is not None:
             seqs = [s for s in seqs if s.seq_id in proposals]
@@ -338,9 +382,14 @@ class Engine:
                 finished.append(seq)
         self._release(finished)
 
-    def _time_left(self, handles) -> float | None:
-        deadlines = [h.deadline for h in handles if h.deadline is not None]
-        return max(0.001, min(deadlines) - time.monotonic()) if deadlines else None
+    def _group_timeout(self, handles) -> float | None:
+        """How long a group's commands may wait in a service: until the last row's deadline
+        (None when a row has none). A row whose deadline passes mid-step is ended after the
+        step, so one request's short deadline never costs its group mates a step."""
+        deadlines = [h.deadline for h in handles]
+        if not deadlines or None in deadlines:
+            return None
+        return max(0.001, max(deadlines) - time.monotonic())
 
     def _propose(self, seqs: list[Sequence], mixed: bool, timeout: float | None):
         """({seq_id: (draft_token_ids, draft_probs)}, timing, round-trip seconds) for the rows
@@ -391,14 +440,26 @@ class Engine:
         seq.stats.num_target_forward_passes += 1
         seq.last_step = self.stats.num_steps
         committed = seq.commit(outcome.output_token_ids)
-        if seq.finish is None and seq.stop_check is not None and seq.stop_check(seq):
-            seq.finish = Finish.STOP_STRING
+        text = self._text(seq, committed)
         handle = self._active[seq.seq_id]
         self.telemetry.committed(handle, len(committed), num_drafts, outcome.num_accepted)
-        handle.events.put(Event(committed, finish=seq.finish))
+        handle.events.put(Event(committed, finish=seq.finish, text=text))
         if seq.finish is not None:
             self.telemetry.finished(handle)
         return seq.finish is not None
+
+    @staticmethod
+    def _text(seq: Sequence, committed: list[int]) -> str:
+        """The text of newly committed tokens (O(new tokens)); a stop string ends the
+        sequence, and the end of a sequence sends the text held back until then."""
+        if seq.text is None:
+            return ""
+        text = seq.text.feed(committed)
+        if seq.text.stopped:
+            seq.finish = seq.finish or Finish.STOP_STRING
+        elif seq.finish is not None:
+            text += seq.text.flush()
+        return text
 
     def _count_step(self, group: scheduler.Group, fallback: bool, draft_timing, timing,
                     draft_s: float, verify_s: float) -> None:
@@ -419,17 +480,6 @@ class Engine:
         self.telemetry.step(group.mixed, fallback, draft_s, verify_s, realign_s)
 
     # ---- endings and releases -----------------------------------------------------------------
-    def _end(self, handle: RequestHandle, error: errors.BatchspecError) -> None:
-        """End a request early with an error; release it from both services."""
-        seq = handle.seq
-        with self._lock:
-            if handle in self._waiting:
-                self._waiting.remove(handle)
-        if seq.seq_id in self._active:
-            self._release([seq])
-        self.telemetry.failed()
-        handle.events.put(Event([], error=error))
-
     def _release(self, seqs: list[Sequence]) -> None:
         if not seqs:
             return
@@ -452,12 +502,6 @@ class Engine:
 
     def _mark_stale(self, client, seqs: list[Sequence]) -> None:
         self._stale.setdefault(client.address, set()).update(s.seq_id for s in seqs)
-
-    def _fail_all(self, error: Exception) -> None:
-        typed = error if isinstance(error, errors.BatchspecError) else errors.BatchspecError(
-            f"internal error: {error}")
-        for handle in list(self._active.values()):
-            self._end(handle, typed)
 
     # ---- lost services ------------------------------------------------------------------------
     def _draft_lost(self, error) -> None:

@@ -45,8 +45,8 @@ class Sequence:
     last_step: int = 0  # engine step at which the sequence last advanced (for fairness)
     cohort: int | None = None  # the group it is stepped with (scheduler); None: not yet placed
     created: float = dataclasses.field(default_factory=time.monotonic)
-    # Optional callable(Sequence) -> bool, asked after each commit (stop strings).
-    stop_check: object = dataclasses.field(default=None, repr=False, compare=False)
+    # Optional coordinator.text.TextStream: the generated text and its stop strings.
+    text: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.token_ids:

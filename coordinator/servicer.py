@@ -1,17 +1,20 @@
 """gRPC edge of the coordinator: validates and converts the public API, streams events.
 The one module that converts between `batchspec.v1.generate` messages and engine records."""
+import asyncio
 import dataclasses
 import logging
 import math
 import random
 import time
 
+import grpc
+
 from batchspec import errors
 from batchspec.params import SamplingParams
 from batchspec.v1 import generate_pb2, generate_pb2_grpc
 from coordinator.engine import Engine
 from coordinator.sequence import Finish
-from coordinator.text import Detokenizer, TextCodec
+from coordinator.text import TextCodec, TextStream
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "batchspec.v1.Coordinator"
@@ -88,47 +91,111 @@ def to_sampling(request: generate_pb2.GenerateRequest) -> SamplingParams:
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
 
+class LoopEvents:
+    """A request's event queue that the engine thread fills and an asyncio handler awaits:
+    `put` (any thread) hands the event to the event loop, which wakes the handler."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, event) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    async def get(self):
+        return await self._queue.get()
+
+
 class CoordinatorServicer(generate_pb2_grpc.CoordinatorServicer):
+    """Generate on grpc.aio: an open stream is a suspended coroutine, not a thread, so the
+    number of streams is bounded by admission (the pool and the queue), not by workers."""
+
     def __init__(self, engine: Engine, limits: Limits, codec: TextCodec | None):
         self.engine = engine
         self.limits = limits
         self.codec = codec
 
-    def Generate(self, request, context):
-        started = time.monotonic()
+    async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+        ending = Ending(request.request_id, time.monotonic())
+        handle = None
         try:
             valid = validate(request, self.limits, self.codec)
-            remaining = context.time_remaining()  # huge when the client set no deadline
-            deadline = started + remaining if remaining is not None and remaining < 1e6 else None
-            detok = Detokenizer(self.codec, valid.stop)
-            stop_check = ((lambda seq: detok.stop_index(seq.generated_token_ids) is not None)
-                          if valid.stop else None)
+            remaining = context.time_remaining()  # None when the client set no deadline
+            if remaining is not None and remaining < 1e6:
+                ending.deadline = ending.started + remaining
+            text = (TextStream(self.codec, valid.stop,
+                               skip_special_tokens=not request.include_special_tokens)
+                    if self.codec else None)
+            events = LoopEvents(asyncio.get_running_loop())
             handle = self.engine.submit(valid.prompt_token_ids, valid.max_new_tokens,
                                         valid.sampling, ignore_eos=valid.ignore_eos,
-                                        deadline=deadline, stop_check=stop_check)
+                                        deadline=ending.deadline, text=text, events=events)
+            ending.seq = handle.seq
+            while True:
+                event = await events.get()
+                if event.error is not None:
+                    raise event.error
+                response = generate_pb2.GenerateResponse(token_ids=event.token_ids,
+                                                         text=event.text)
+                if event.finish is not None:
+                    response.finish_reason = _FINISH[event.finish]
+                    response.stats.CopyFrom(to_stats(handle.seq))
+                    ending.reason = f"finished ({event.finish.value})"
+                yield response
+                if event.finish is not None:
+                    return
         except errors.BatchspecError as error:
-            errors.abort_with(context, error)
-        context.add_callback(lambda: self.engine.cancel(handle))
-        yield from self._stream(handle, detok, context, request.request_id, started)
+            ending.fail(error, admitted=handle is not None)
+            await errors.abort_async(context, error)
+        except asyncio.CancelledError:  # the client went away, or its deadline passed
+            ending.reason = "deadline" if ending.past_deadline() else "cancelled"
+            raise
+        finally:
+            if handle is not None and not (ending.reason or "").startswith("finished"):
+                self.engine.cancel(handle)  # frees its slot and caches at the next step
+            ending.log()
 
-    def _stream(self, handle, detok, context, request_id, started):
-        seq = handle.seq
-        while True:
-            event = handle.events.get()
-            if event.error is not None:
-                log.info("request %s (seq %d) failed: %s", request_id or "-", seq.seq_id,
-                         event.error)
-                errors.abort_with(context, event.error)
-            final = event.finish is not None
-            response = generate_pb2.GenerateResponse(
-                token_ids=event.token_ids, text=detok.delta(seq.generated_token_ids, final))
-            if final:
-                response.finish_reason = _FINISH[event.finish]
-                response.stats.CopyFrom(to_stats(seq))
-                log_finished(request_id, seq, time.monotonic() - started)
-            yield response
-            if final:
-                return
+
+@dataclasses.dataclass
+class Ending:
+    """How a request ended, for its one log line."""
+
+    request_id: str
+    started: float
+    deadline: float | None = None
+    seq: object = None
+    reason: str | None = None
+    detail: str = ""
+
+    def past_deadline(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline - 0.001
+
+    def fail(self, error: errors.BatchspecError, admitted: bool) -> None:
+        code = errors.to_status_code(error)
+        if not admitted:
+            self.reason = "invalid" if code == grpc.StatusCode.INVALID_ARGUMENT else "refused"
+        elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            self.reason = "deadline"
+        elif code == grpc.StatusCode.CANCELLED:
+            self.reason = "cancelled"
+        else:
+            self.reason = "failed"
+        self.detail = f"{code.name}: {error}"
+
+    def log(self) -> None:
+        seq = self.seq
+        reason = self.reason or "cancelled"  # ended by the server's shutdown or a closed loop
+        fields = [f"request {self.request_id or '-'}", f"ended={reason}"]
+        if seq is not None:
+            drafted = seq.stats.num_drafted_tokens
+            acceptance = seq.stats.num_accepted_tokens / drafted if drafted else 0.0
+            fields += [f"seq={seq.seq_id}", f"prompt_tokens={len(seq.prompt_token_ids)}",
+                       f"tokens={seq.num_generated}", f"acceptance={acceptance:.2f}",
+                       f"steps={seq.stats.num_target_forward_passes}"]
+        fields.append(f"time={time.monotonic() - self.started:.3f}s")
+        if self.detail:
+            fields.append(f"error={self.detail!r}")
+        log.info(" ".join(fields))
 
 
 def to_stats(seq) -> generate_pb2.RequestStats:
@@ -137,12 +204,3 @@ def to_stats(seq) -> generate_pb2.RequestStats:
         num_accepted_tokens=seq.stats.num_accepted_tokens,
         num_target_forward_passes=seq.stats.num_target_forward_passes,
         num_generated_tokens=seq.num_generated, num_prompt_tokens=len(seq.prompt_token_ids))
-
-
-def log_finished(request_id, seq, seconds: float) -> None:
-    drafted = seq.stats.num_drafted_tokens
-    acceptance = seq.stats.num_accepted_tokens / drafted if drafted else 0.0
-    log.info("request %s seq=%d prompt_tokens=%d tokens=%d acceptance=%.2f steps=%d "
-             "time=%.3fs finish=%s", request_id or "-", seq.seq_id, len(seq.prompt_token_ids),
-             seq.num_generated, acceptance, seq.stats.num_target_forward_passes, seconds,
-             seq.finish.value)

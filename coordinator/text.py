@@ -4,6 +4,13 @@ import pathlib
 
 from tokenizers import Tokenizer
 
+# Tokens decoded together with each new one, so that merges across a token boundary (a
+# space, a multi-byte character split over tokens) come out as they would in a full decode.
+_CONTEXT_TOKENS = 6
+# A UTF-8 character has at most 4 bytes: this many U+FFFD at the end of the text are bytes
+# that will never be a character, and are sent as they are.
+_MAX_CHAR_TOKENS = 4
+
 
 class TextCodec:
     def __init__(self, path: str):
@@ -17,35 +24,84 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
-class Detokenizer:
-    """Turns a growing list of generated ids into text deltas. An incomplete multi-byte
-    character (decoded as U+FFFD at the end) waits for the next tokens."""
+class TextStream:
+    """One request's generated text, built as tokens arrive, at a cost per step that depends
+    on the new tokens only (not on how long the text already is).
 
-    def __init__(self, codec: TextCodec | None, stop: list[str]):
+    Invariants, after every `feed`:
+    - the text of ids[prefix:] is decoded together (a window of at most 2 * _CONTEXT_TOKENS
+      plus the new ids) and its first `done` characters were produced already: what follows
+      them is the new text, as a full decode would give it (the incremental detokenisation of
+      TGI and vLLM). A trailing U+FFFD (a character whose bytes are not all here yet) waits
+      for the next tokens.
+    - `pending` is text produced but not streamed: the longest tail that could still grow into
+      a stop string (shorter than the longest stop string). No part of a stop string is ever
+      streamed, and each search looks only at `pending` plus the new text.
+    - special tokens (end of sequence, chat markers) give no text unless asked for.
+    """
+
+    def __init__(self, codec: TextCodec, stop=(), skip_special_tokens: bool = True):
         self.codec = codec
-        self.stop = stop
-        self.emitted = 0  # characters of the full text already sent
+        self.stop = [s for s in stop if s]
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = 0  # the window decoded at each step is ids[prefix:]
+        self.done = 0  # characters of the window's text already produced
+        self.pending = ""
+        self.stopped = False
 
-    def text(self, token_ids: list[int]) -> str:
-        return self.codec.decode(token_ids) if self.codec else ""
-
-    def stop_index(self, token_ids: list[int]) -> int | None:
-        """Where the first stop string starts in the text, or None."""
-        text = self.text(token_ids)
-        found = [text.find(s) for s in self.stop if s and s in text]
-        return min(found) if found else None
-
-    def delta(self, token_ids: list[int], final: bool) -> str:
-        text = self.text(token_ids)
-        cut = self.stop_index(token_ids) if self.stop else None
-        if cut is not None:
-            text = text[:cut]
-        elif not final and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")
-        out = text[self.emitted:] if len(text) > self.emitted else ""
-        self.emitted = max(self.emitted, len(text))
+    def feed(self, token_ids: list[int]) -> str:
+        """Add committed tokens; return the text now safe to stream. After a stop string,
+        `stopped` is set and the text ends just before it; later tokens give nothing."""
+        if self.stopped:
+            return ""
+        self.ids.extend(token_ids)
+        self.pending += self._new_text()
+        found = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self.stopped = True
+            out, self.pending = self.pending[:min(found)], ""
+            return out
+        keep = len(self.pending) - self._held_back()
+        out, self.pending = self.pending[:keep], self.pending[keep:]
         return out
+
+    def flush(self) -> str:
+        """At the end of the request: everything not yet streamed (a held-back tail that did
+        not become a stop string, an incomplete trailing character)."""
+        if self.stopped:
+            return ""
+        self.pending += self._decode(self.ids[self.prefix:])[self.done:]
+        out, self.pending = self.pending, ""
+        return out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.codec.decode(ids, self.skip_special_tokens)
+
+    def _new_text(self) -> str:
+        window = self._decode(self.ids[self.prefix:])
+        complete = window.rstrip("\ufffd")
+        if len(window) - len(complete) >= _MAX_CHAR_TOKENS:
+            complete = window  # not a character in the making, but bytes that are no text
+        new = complete[self.done:]
+        self.done = max(self.done, len(complete))
+        start = len(self.ids) - _CONTEXT_TOKENS
+        if start >= self.prefix + _CONTEXT_TOKENS:
+            # Slide the window: the text it has not produced yet (an incomplete character)
+            # is its end, and stays its end.
+            not_done = len(window) - self.done
+            self.prefix = start
+            self.done = len(self._decode(self.ids[start:])) - not_done
+        return new
+
+    def _held_back(self) -> int:
+        """How many characters at the end of `pending` begin some stop string."""
+        for size in range(min(len(self.pending), max(map(len, self.stop), default=1) - 1), 0,
+                          -1):
+            if any(s.startswith(self.pending[-size:]) for s in self.stop):
+                return size
+        return 0
