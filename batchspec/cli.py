@@ -18,17 +18,19 @@ def main(argv=None) -> int:
                 "distill": _module_main("batchspec.distill"),
                 "evaluate-draft": _module_main("batchspec.draft_eval"),
                 "bench": _module_main("batchspec.bench"),
+                "loadtest": _module_main("batchspec.loadtest"),
                 "target": _service("target_service"), "draft": _service("draft_service"),
                 "coordinator": _service("coordinator")}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: batchspec {serve,generate,health,distill,evaluate-draft,bench,target,draft,"
-              "coordinator} [options]\n\n"
+        print("usage: batchspec {serve,generate,health,distill,evaluate-draft,bench,loadtest,"
+              "target,draft,coordinator} [options]\n\n"
               "  serve        start target, draft and coordinator on loopback and serve\n"
               "  generate     stream a completion from a running coordinator\n"
               "  health       exit 0 when a server's grpc.health.v1 says SERVING\n"
               "  distill      train a draft for a target by distillation\n"
               "  evaluate-draft  greedy agreement and cost of a draft, on held-out prompts\n"
               "  bench        compare batchspec with the alternatives, side by side\n"
+              "  loadtest     many concurrent streams against a coordinator on tiny models\n"
               "  target       run the target service   (python -m target_service)\n"
               "  draft        run the draft service    (python -m draft_service)\n"
               "  coordinator  run the coordinator      (python -m coordinator)\n\n"
