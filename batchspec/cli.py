@@ -85,6 +85,14 @@ def serve_parser() -> argparse.ArgumentParser:
                         help="greedy groups stop drafting below this draft probability "
                              "(default: the coordinator's)")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="sequences in the pool (default: the coordinator's)")
+    parser.add_argument("--max-queue", type=int, default=None,
+                        help="requests that may wait for the pool before RESOURCE_EXHAUSTED "
+                             "(default: the coordinator's)")
+    parser.add_argument("--api-key-file", default=None,
+                        help="clients must send the key in this file as 'authorization: "
+                             "Bearer <key>' (health stays open)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds to wait for each service to become healthy")
     return parser
@@ -110,8 +118,9 @@ def serve(argv) -> int:
                        "--batch-size", str(args.batch_size)]
     if tokenizer:
         coordinator_cmd += ["--tokenizer", tokenizer]
-    if args.min_draft_confidence is not None:
-        coordinator_cmd += ["--min-draft-confidence", str(args.min_draft_confidence)]
+    for flag in ("min_draft_confidence", "max_num_seqs", "max_queue", "api_key_file"):
+        if getattr(args, flag) is not None:
+            coordinator_cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     children = []
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -167,13 +176,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(address: str, service: str, timeout: float, children=()) -> None:
-    """Poll grpc.health.v1 until `service` is SERVING; fail early if a child died."""
+def wait_healthy(address: str, service: str, timeout: float, children=(),
+                 credentials=None) -> None:
+    """Poll grpc.health.v1 until `service` is SERVING; fail early if a child died.
+    credentials: grpc.ChannelCredentials for a TLS server, None for plaintext."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             dead = [c for c in children if c.poll() is not None]
@@ -205,6 +216,36 @@ def find_tokenizer(model: str) -> str | None:
     return str(out / "tokenizer.json")
 
 
+def open_channel(address: str, credentials=None):
+    import grpc
+
+    return (grpc.secure_channel(address, credentials) if credentials is not None
+            else grpc.insecure_channel(address))
+
+
+def add_client_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-ca", default=None,
+                        help="connect over TLS, trusting this CA (PEM); default plaintext")
+    parser.add_argument("--client-cert", default=None,
+                        help="mutual TLS: the certificate to show (PEM, with --tls-ca)")
+    parser.add_argument("--client-key", default=None, help="its private key (PEM)")
+
+
+def client_credentials(parser: argparse.ArgumentParser, args):
+    """Channel credentials from add_client_tls_arguments' flags (None: plaintext); a bad
+    combination or a missing file is a usage error."""
+    from batchspec import security
+
+    if args.tls_ca is None:
+        if args.client_cert or args.client_key:
+            parser.error("--client-cert and --client-key need --tls-ca")
+        return None
+    try:
+        return security.ClientTls(args.tls_ca, args.client_cert, args.client_key).credentials()
+    except ValueError as error:
+        parser.error(str(error))
+
+
 # ---- health -------------------------------------------------------------------------------------
 def health(argv) -> int:
     """A container healthcheck over the standard gRPC health protocol."""
@@ -212,9 +253,11 @@ def health(argv) -> int:
     parser.add_argument("address", help="HOST:PORT")
     parser.add_argument("service", nargs="?", default="", help="service name ('' = server)")
     parser.add_argument("--timeout", type=float, default=3.0)
+    add_client_tls_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        wait_healthy(args.address, args.service, args.timeout)
+        wait_healthy(args.address, args.service, args.timeout,
+                     credentials=client_credentials(parser, args))
     except TimeoutError as error:
         print(error, file=sys.stderr)
         return 1
@@ -237,6 +280,9 @@ def generate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--stats", action="store_true", help="print speculation stats at the end")
+    parser.add_argument("--api-key-file", default=None,
+                        help="send the API key in this file as 'authorization: Bearer <key>'")
+    add_client_tls_arguments(parser)
     return parser
 
 
@@ -245,7 +291,17 @@ def generate(argv) -> int:
 
     from batchspec.v1 import generate_pb2, generate_pb2_grpc
 
-    args = generate_parser().parse_args(argv)
+    parser = generate_parser()
+    args = parser.parse_args(argv)
+    credentials = client_credentials(parser, args)
+    metadata = ()
+    if args.api_key_file:
+        from batchspec import security
+
+        try:
+            metadata = (("authorization", f"Bearer {security.read_api_key(args.api_key_file)}"),)
+        except ValueError as error:
+            parser.error(str(error))
     request = generate_pb2.GenerateRequest(max_new_tokens=args.max_new_tokens, stop=args.stop)
     if args.token_ids:
         request.prompt_token_ids.extend(int(t) for t in args.token_ids.split(","))
@@ -254,10 +310,10 @@ def generate(argv) -> int:
     for field in ("temperature", "top_k", "top_p", "seed"):
         if getattr(args, field) is not None:
             setattr(request, field, getattr(args, field))
-    with grpc.insecure_channel(args.address) as channel:
+    with open_channel(args.address, credentials) as channel:
         stub = generate_pb2_grpc.CoordinatorStub(channel)
         try:
-            for response in stub.Generate(request, timeout=args.timeout):
+            for response in stub.Generate(request, timeout=args.timeout, metadata=metadata):
                 if args.token_ids:
                     sys.stdout.write("".join(f"{t} " for t in response.token_ids))
                 else:

@@ -144,6 +144,35 @@ def test_cpu_override_reserves_no_gpu():
         assert parse_service_command(services[name]["command"]).device == "cpu"
 
 
+@pytest.mark.parametrize("files", [("compose.yaml",), ("compose.yaml", "compose.scale.yaml"),
+                                   ("compose.yaml", "compose.cpu.yaml"),
+                                   ("compose.yaml", "compose.tls.yaml")])
+def test_only_the_coordinator_publishes_a_port(files):
+    services = load_compose(*files)["services"]
+    assert [name for name, svc in services.items() if svc.get("ports")] == ["coordinator"]
+
+
+def test_tls_override_turns_on_tls_mutual_tls_and_the_api_key_everywhere():
+    from batchspec.cli import add_client_tls_arguments
+
+    services = load_compose("compose.yaml", "compose.tls.yaml")["services"]
+    for name in ("target", "draft"):
+        args = parse_service_command(services[name]["command"])
+        assert args.tls_cert == f"/tls/{name}.pem" and args.tls_ca == "/tls/ca.pem"
+        assert "models:/models" in services[name]["volumes"]
+        check_healthcheck(services[name], args.port, SERVICE_NAMES[name])
+    coordinator = services["coordinator"]
+    args = coordinator_main.build_parser().parse_args(coordinator["command"][2:])
+    assert args.tls_cert and args.tls_key and args.tls_ca and args.api_key_file
+    check_healthcheck(coordinator, args.port, SERVICE_NAMES["coordinator"])
+    for svc in services.values():  # every healthcheck speaks TLS, and parses
+        parser = __import__("argparse").ArgumentParser()
+        parser.add_argument("address")
+        parser.add_argument("service")
+        add_client_tls_arguments(parser)
+        assert parser.parse_args(svc["healthcheck"]["test"][3:]).tls_ca == "/tls/ca.pem"
+
+
 def test_dockerfile_builds_protos_runs_as_non_root_and_asks_for_cuda_explicitly():
     text = (ROOT / "Dockerfile").read_text()
     assert "gen_protos.py" in text and re.search(r"^USER (?!root)\w+", text, re.M)

@@ -203,7 +203,8 @@ def test_hundreds_of_streams_complete_or_are_refused_cleanly(model_dirs):
             outcomes = list(pool.map(one, requests))
         assert wait_for(lambda: not stack.target_runner.caches and not stack.draft_runner.caches)
     refused = [o for o in outcomes if isinstance(o, grpc.StatusCode)]
-    assert set(refused) <= {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    # 300 at once against 32 + 100 places: some must be turned away, and only that way
+    assert refused and set(refused) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
     completed = [(r, o) for r, o in zip(requests, outcomes) if not isinstance(o, grpc.StatusCode)]
     assert len(completed) >= 100
     for (prompt, max_new), tokens in completed:
