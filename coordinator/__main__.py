@@ -7,12 +7,11 @@ import logging
 from batchspec import errors, security
 from batchspec import server as server_lib
 from batchspec.metrics import CoordinatorMetrics, serve_metrics
-from batchspec.v1 import generate_pb2_grpc
 from coordinator import scheduler
 from coordinator.clients import DraftClient, TargetClient
 from coordinator.engine import Engine, EngineConfig
 from coordinator.router import Router
-from coordinator.servicer import SERVICE_NAME, CoordinatorServicer, Limits
+from coordinator.servicer import SERVICE_NAME, CoordinatorServicer, Limits, add_to_server
 from coordinator.telemetry import Telemetry
 from coordinator.text import TextCodec
 
@@ -214,7 +213,7 @@ def start(config: CoordinatorConfig) -> Running:
                     if config.api_key_file else [])
     server = server_lib.LoopServer(
         f"{config.host}:{config.port}",
-        [(generate_pb2_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
+        [(add_to_server, servicer, SERVICE_NAME)],
         credentials=config.tls.credentials() if config.tls else None, interceptors=interceptors)
     port, health = server.port, server.health
     # SERVING while the target is reachable (a lost draft only slows decoding); the engine

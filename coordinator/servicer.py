@@ -8,6 +8,7 @@ import random
 import time
 
 import grpc
+from google.protobuf import message
 
 from batchspec import errors
 from batchspec.params import SamplingParams
@@ -41,10 +42,38 @@ class ValidRequest:
     ignore_eos: bool
 
 
+class Undecodable(bytes):
+    """Bytes that arrived as a GenerateRequest but do not parse as one."""
+
+    request_id = ""  # for the log line
+
+
+def parse_request(data: bytes):
+    """The request deserializer: undecodable bytes reach the servicer (which refuses them with
+    INVALID_ARGUMENT, like any bad input) instead of failing inside gRPC with UNKNOWN."""
+    try:
+        return generate_pb2.GenerateRequest.FromString(data)
+    except message.DecodeError:
+        return Undecodable(data)
+
+
+def add_to_server(servicer, server) -> None:
+    """Register Generate with parse_request (the generated function parses with FromString)."""
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=parse_request,
+        response_serializer=generate_pb2.GenerateResponse.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME,
+                                                                          handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def validate(request: generate_pb2.GenerateRequest, limits: Limits,
              codec: TextCodec | None) -> ValidRequest:
     """Check a request; raises InvalidArgument saying what to fix."""
     bad = errors.InvalidArgument
+    if isinstance(request, Undecodable):
+        raise bad(f"the request ({len(request)} bytes) does not parse as a "
+                  "batchspec.v1.GenerateRequest")
     if request.prompt and request.prompt_token_ids:
         raise bad("set either prompt or prompt_token_ids, not both")
     if request.prompt:
