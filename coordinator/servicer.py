@@ -197,7 +197,7 @@ class Ending:
     detail: str = ""
 
     def past_deadline(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline - 0.001
+        return self.deadline is not None and time.monotonic() >= self.deadline - 0.05
 
     def fail(self, error: errors.BatchspecError, admitted: bool) -> None:
         code = errors.to_status_code(error)

@@ -194,27 +194,27 @@ def test_every_ended_request_leaves_one_log_line_with_its_reason(model_dirs, cap
         generate(stub, [5, 6], 5, request_id="done")
         with pytest.raises(grpc.RpcError):
             generate(stub, [], 5, request_id="bad")
-        with pytest.raises(grpc.RpcError):
-            generate(stub, [5, 6], 240, timeout=0.3, request_id="late")
-        long = stub.Generate(generate_pb2.GenerateRequest(
-            prompt_token_ids=[5, 6], max_new_tokens=240, ignore_eos=True, request_id="gone"))
-        next(long)
-        waiting = stub.Generate(generate_pb2.GenerateRequest(
-            prompt_token_ids=[7], max_new_tokens=5, ignore_eos=True, request_id="queued"))
-        assert wait_for(lambda: stack.engine.num_waiting() == 1)
-        with pytest.raises(grpc.RpcError) as caught:
-            generate(stub, [8], 5, request_id="full")
-        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        long.cancel()
-        assert len([t for r in waiting for t in r.token_ids]) == 5
-        assert wait_for(lambda: "request gone" in caplog.text, timeout=5)
+        with stack.target_runner.lock:  # the target takes no command: nothing advances
+            with pytest.raises(grpc.RpcError) as caught:
+                generate(stub, [5, 6], 20, timeout=0.3, request_id="late")
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            gone = stub.Generate(generate_pb2.GenerateRequest(
+                prompt_token_ids=[5, 6], max_new_tokens=20, request_id="gone"))
+            assert wait_for(lambda: stack.engine.num_waiting() == 1)  # the queue is full
+            with pytest.raises(grpc.RpcError) as caught:
+                generate(stub, [8], 5, request_id="full")
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            gone.cancel()
+            assert wait_for(lambda: "request gone" in caplog.text, timeout=5)
+        assert wait_for(lambda: stack.engine.num_waiting() == 0)
+        assert len(generate(stub, [7], 5, request_id="after")) == 5
     lines = {line.split()[1]: line for line in caplog.messages if line.startswith("request ")}
     assert "ended=finished (length)" in lines["done"] and "tokens=5" in lines["done"]
     assert "ended=invalid" in lines["bad"] and "INVALID_ARGUMENT" in lines["bad"]
     assert "ended=deadline" in lines["late"]
     assert "ended=cancelled" in lines["gone"]
     assert "ended=refused" in lines["full"] and "RESOURCE_EXHAUSTED" in lines["full"]
-    assert "ended=finished" in lines["queued"]
+    assert "ended=finished (length)" in lines["after"]
     assert len([m for m in caplog.messages if m.startswith("request ")]) == 6
 
 
