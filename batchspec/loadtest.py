@@ -224,27 +224,39 @@ class HealthProber:
 
 
 def probe_health(address: str) -> None:
-    """The prober's loop: check until standard input closes, then print JSON."""
+    """The prober's loop: a health check, then a reflection query (list the services), until
+    standard input closes; then print JSON."""
     import threading
 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     closed = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
-    times, failures = [], 0
+    out = {"health_s": [], "health_failures": 0, "reflection_s": [], "reflection_failures": 0}
     with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
         while not closed.wait(HEALTH_EVERY_S):
             started = time.perf_counter()
             try:
-                answer = stub.Check(health_pb2.HealthCheckRequest(service=COORDINATOR),
-                                    timeout=5)
-                failures += answer.status != health_pb2.HealthCheckResponse.SERVING
+                answer = health.Check(health_pb2.HealthCheckRequest(service=COORDINATOR),
+                                      timeout=5)
+                out["health_failures"] += answer.status != health_pb2.HealthCheckResponse.SERVING
             except grpc.RpcError:
-                failures += 1
-            times.append(time.perf_counter() - started)
-    print(json.dumps({"health_s": times, "health_failures": failures}))
+                out["health_failures"] += 1
+            out["health_s"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            try:
+                [answer] = reflection.ServerReflectionInfo(iter(
+                    [reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+                names = {s.name for s in answer.list_services_response.service}
+                out["reflection_failures"] += COORDINATOR not in names
+            except grpc.RpcError:
+                out["reflection_failures"] += 1
+            out["reflection_s"].append(time.perf_counter() - started)
+    print(json.dumps(out))
 
 
 async def watch_pool(metrics_port: int, done: asyncio.Event, watch: dict) -> None:
@@ -328,6 +340,8 @@ def report(config: LoadConfig, result: dict, expected: list) -> dict:
         "health_checks": len(result["health_s"]),
         "health_failures": result["health_failures"],
         "slowest_health_s": max(result["health_s"], default=None),
+        "reflection_failures": result["reflection_failures"],
+        "slowest_reflection_s": max(result["reflection_s"], default=None),
         "max_running": max(result["running"], default=0),
         "max_waiting": max(result["waiting"], default=0),
         "caches_left": result["caches_left"],
@@ -339,6 +353,8 @@ def report(config: LoadConfig, result: dict, expected: list) -> dict:
         "pool full": out["max_running"] == config.max_num_seqs,
         "health within 100 ms": out["slowest_health_s"] is not None
         and out["slowest_health_s"] <= 0.1 and not out["health_failures"],
+        "reflection within 100 ms": out["slowest_reflection_s"] is not None
+        and out["slowest_reflection_s"] <= 0.1 and not out["reflection_failures"],
         "no cache left": not any(result["caches_left"].values()),
         "completed outputs exact": exact == len(completed),
     }
@@ -357,7 +373,8 @@ def summary(report: dict) -> str:
         f"{report['other_errors'] or 'none'}",
         f"  time to first token p50 {ms(report['ttft_p50_s'])}, p99 {ms(report['ttft_p99_s'])}",
         f"  health: {report['health_checks']} checks, slowest {ms(report['slowest_health_s'])}, "
-        f"{report['health_failures']} failed",
+        f"{report['health_failures']} failed; reflection: slowest "
+        f"{ms(report['slowest_reflection_s'])}, {report['reflection_failures']} failed",
         f"  pool: at most {report['max_running']:.0f} running, {report['max_waiting']:.0f} "
         f"waiting; caches left {report['caches_left']}",
         f"  exact: {report['exact']} of {report['completed']} completed outputs",

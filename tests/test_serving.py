@@ -352,4 +352,5 @@ def test_loadtest_refuses_beyond_pool_and_queue_and_leaves_nothing_behind():
     assert report["caches_left"] == {"target": 0, "draft": 0}
     assert report["exact"] == report["completed"]
     assert report["health_checks"] > 0 and report["health_failures"] == 0
+    assert report["reflection_failures"] == 0
     assert "refused" in loadtest.summary(report)
