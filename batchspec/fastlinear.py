@@ -1,15 +1,14 @@
 """Linear layers computed weight-major on CPU, with the row count each shape runs best at.
 
-With the MKL build of torch used here (CPU, float32), `x @ W.T` for a handful of rows (one
-decode step, a K+1-token verify) costs about one matrix-vector product *per row*, while the
-same product taken as `(W @ x.T).T` costs little more for 2 to 64 rows than for one. On the
-2-core machine this project is developed on, one SmolLM2 step at batch 1 (200 cached
-positions) takes 29.7 ms to decode and 58.7 ms to verify 2 drafts the usual way, against
-21.4 and 24.7 ms here: verifying K+1 tokens costs about what decoding one does
-(`python3 scripts/step_times.py` measures it).
+With the MKL build of CPU torch (float32), `x @ W.T` for a handful of rows (one decode step, a
+K+1-token verify) costs about one matrix-vector product *per row*, while the same product taken
+as `(W @ x.T).T` costs little more for 2 to 64 rows than for one. On a 2-core AMD EPYC, one
+SmolLM2 step at batch 1 (200 cached positions) took 29.7 ms to decode and 58.7 ms to verify 2
+drafts the usual way, against 21.4 and 24.7 ms weight-major: verifying K+1 tokens costs about
+what decoding one does (`python3 scripts/step_times.py` measures it; docs/benchmarks.md).
 
-The kernel's speed also jumps with the row count: here 3 rows of the head cost more than 4,
-and 13 to 15 rows far more than 16. So `tune(model)` (run by each service and by the
+The kernel's speed also jumps with the row count: on that machine 3 rows of the head cost more
+than 4, and 13 to 15 rows far more than 16. So `tune(model)` (run by each service and by the
 benchmark at start-up) times, for every weight shape and 1 to MAX_ROWS rows, the usual product
 and the weight-major one with the rows padded to a few sizes (padding rows are copies, their
 outputs dropped), on enough copies of the weight that it comes from memory as in a real
