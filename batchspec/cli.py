@@ -183,8 +183,10 @@ def wait_healthy(address: str, service: str, timeout: float, children=(),
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from batchspec import server as server_lib
+
     deadline = time.monotonic() + timeout
-    with open_channel(address, credentials) as channel:
+    with server_lib.open_channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             dead = [c for c in children if c.poll() is not None]
@@ -216,13 +218,6 @@ def find_tokenizer(model: str) -> str | None:
     return str(out / "tokenizer.json")
 
 
-def open_channel(address: str, credentials=None):
-    import grpc
-
-    return (grpc.secure_channel(address, credentials) if credentials is not None
-            else grpc.insecure_channel(address))
-
-
 def add_client_tls_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-ca", default=None,
                         help="connect over TLS, trusting this CA (PEM); default plaintext")
@@ -236,14 +231,11 @@ def client_credentials(parser: argparse.ArgumentParser, args):
     combination or a missing file is a usage error."""
     from batchspec import security
 
-    if args.tls_ca is None:
-        if args.client_cert or args.client_key:
-            parser.error("--client-cert and --client-key need --tls-ca")
-        return None
     try:
-        return security.ClientTls(args.tls_ca, args.client_cert, args.client_key).credentials()
+        tls = security.client_tls(args.tls_ca, args.client_cert, args.client_key)
     except ValueError as error:
         parser.error(str(error))
+    return tls.credentials() if tls else None
 
 
 # ---- health -------------------------------------------------------------------------------------
@@ -289,6 +281,7 @@ def generate_parser() -> argparse.ArgumentParser:
 def generate(argv) -> int:
     import grpc
 
+    from batchspec import server as server_lib
     from batchspec.v1 import generate_pb2, generate_pb2_grpc
 
     parser = generate_parser()
@@ -310,7 +303,7 @@ def generate(argv) -> int:
     for field in ("temperature", "top_k", "top_p", "seed"):
         if getattr(args, field) is not None:
             setattr(request, field, getattr(args, field))
-    with open_channel(args.address, credentials) as channel:
+    with server_lib.open_channel(args.address, credentials) as channel:
         stub = generate_pb2_grpc.CoordinatorStub(channel)
         try:
             for response in stub.Generate(request, timeout=args.timeout, metadata=metadata):

@@ -300,20 +300,12 @@ async def caches_left(procs: Processes, settle_s: float = 5.0) -> dict[str, int]
 
 def reference(target_dir: str, prompt_list: list[list[int]], max_new_tokens: int) -> list:
     """The target alone, batch 1, greedy, end-of-sequence ignored (as the streams ask)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
+    from batchspec.tiny import greedy_ignoring_eos
+
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    out = []
-    with torch.no_grad():
-        for prompt in prompt_list:
-            ids = torch.tensor([prompt])
-            tokens = []
-            for _ in range(max_new_tokens):
-                tokens.append(int(model(ids).logits[0, -1].argmax()))
-                ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
-            out.append(tokens)
-    return out
+    return [greedy_ignoring_eos(model, prompt, max_new_tokens) for prompt in prompt_list]
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -73,6 +73,16 @@ def server_tls(cert: str | None, key: str | None, client_ca: str | None = None):
     return ServerTls(cert, key, client_ca)
 
 
+def client_tls(ca: str | None, cert: str | None, key: str | None):
+    """ClientTls from command-line paths, or None when TLS is off (no CA). Raises ValueError
+    for a certificate without a CA, or a half-given certificate."""
+    if ca is None:
+        if cert is not None or key is not None:
+            raise ValueError("--client-cert and --client-key need --tls-ca")
+        return None
+    return ClientTls(ca, cert, key)
+
+
 def read_api_key(path: str) -> str:
     key = _read(path).decode().strip()
     if not key:

@@ -24,6 +24,13 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def open_channel(address: str, credentials=None, options=CHANNEL_OPTIONS):
+    """A client channel: TLS with grpc.ChannelCredentials, plaintext without."""
+    if credentials is not None:
+        return grpc.secure_channel(address, credentials, options=options)
+    return grpc.insecure_channel(address, options=options)
+
+
 def parse_config(parser, argv, build):
     """Parse the command line and build its frozen config with build(args). A value the
     config refuses exits with the parser's usage message (status 2), not a traceback."""

@@ -41,6 +41,19 @@ def noisy_copy(model, seed: int, scale: float):
     return draft
 
 
+@torch.no_grad()
+def greedy_ignoring_eos(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The target alone at batch 1: plain greedy decoding that treats EOS as an ordinary token
+    (the reference for requests with ignore_eos)."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens = []
+    for _ in range(max_new_tokens):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values,
+                    use_cache=True)
+    return tokens
+
+
 def pick_eos(model, rate: float = 0.04) -> int:
     """A token the model picks greedily about `rate` of the time: as EOS it gives early stops
     in some requests but not all."""

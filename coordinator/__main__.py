@@ -109,13 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def peer_tls_from_args(args) -> security.ClientTls | None:
-    if args.tls_ca is None:
-        if args.client_cert or args.client_key:
-            raise ValueError("--client-cert and --client-key need --tls-ca")
-        return None
-    cert = args.client_cert or (args.tls_cert if args.client_key is None else None)
-    key = args.client_key or (args.tls_key if args.client_cert is None else None)
-    return security.ClientTls(args.tls_ca, cert, key)
+    """The model services' CA and the certificate shown to them: --client-cert/--client-key,
+    else the public --tls-cert/--tls-key."""
+    if args.client_cert is None and args.client_key is None and args.tls_ca is not None:
+        return security.client_tls(args.tls_ca, args.tls_cert, args.tls_key)
+    return security.client_tls(args.tls_ca, args.client_cert, args.client_key)
 
 
 def config_from_args(args) -> CoordinatorConfig:

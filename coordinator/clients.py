@@ -165,10 +165,7 @@ class ServiceClient:
         """credentials: grpc.ChannelCredentials for (mutual) TLS; None for plaintext."""
         self.address = address
         self.stall_timeout_s = stall_timeout_s
-        self.channel = (grpc.secure_channel(address, credentials,
-                                            options=server_lib.CHANNEL_OPTIONS)
-                        if credentials is not None
-                        else grpc.insecure_channel(address, options=server_lib.CHANNEL_OPTIONS))
+        self.channel = server_lib.open_channel(address, credentials)
         self.stub = self.stub_type(self.channel)
         self._stream: CommandStream | None = None
 

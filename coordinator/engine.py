@@ -235,22 +235,18 @@ class Engine:
                     return
             try:
                 self.step()
-            except Exception:  # outside any request's part of the step (reconnection)
+            except Exception:  # outside any request's part of the step (reaping, reconnection)
                 log.exception("engine step failed")
                 time.sleep(0.05)
 
     def step(self) -> None:
         """One iteration: drop cancelled/expired requests, admit, then step one group.
         A failure fails only the requests of the part that failed (see _isolated)."""
-        with self._isolated("reaping", []):
-            self._reap()
+        self._reap()
         if not self._ensure_services():
             time.sleep(min(0.05, self._retry_delay))
             return
-        with self._lock:
-            admitting = list(self._waiting)
-        with self._isolated("admission", admitting):
-            self._admit()
+        self._admit()
         self.telemetry.queue(len(self._active), len(self._waiting))
         active = [h.seq for h in self._active.values()]
         group = scheduler.pick_group(active, self.config.policy, self.stats.num_steps)
@@ -305,14 +301,18 @@ class Engine:
                     f"deadline passed after {handle.seq.num_generated} tokens"))
 
     def _admit(self) -> None:
+        """Move the next run of waiting requests that fits the pool into it (prefilled)."""
         with self._lock:
             room = self.config.max_num_seqs - len(self._active)
             runs = scheduler.split_by_tokens([h.seq for h in self._waiting[:room]],
                                              self.config.max_prefill_tokens)
             count = len(runs[0]) if runs else 0
             new, self._waiting = self._waiting[:count], self._waiting[count:]
-        if not new:
-            return
+        if new:
+            with self._isolated("admission", new):
+                self._prefill_new(new)
+
+    def _prefill_new(self, new: list[RequestHandle]) -> None:
         entries = [h.seq.prefill_entry() for h in new]
         try:
             with self._timed_prefill():

@@ -47,6 +47,7 @@ class TextStream:
     def __init__(self, codec: TextCodec, stop=(), skip_special_tokens: bool = True):
         self.codec = codec
         self.stop = [s for s in stop if s]
+        self.longest_stop = max(map(len, self.stop), default=0)
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.prefix = 0  # the window decoded at each step is ids[prefix:]
@@ -100,8 +101,7 @@ class TextStream:
 
     def _held_back(self) -> int:
         """How many characters at the end of `pending` begin some stop string."""
-        for size in range(min(len(self.pending), max(map(len, self.stop), default=1) - 1), 0,
-                          -1):
+        for size in range(min(len(self.pending), self.longest_stop - 1), 0, -1):
             if any(s.startswith(self.pending[-size:]) for s in self.stop):
                 return size
         return 0
