@@ -66,6 +66,8 @@ class ModelRunner:
         self.reuse_batches = True
         # Held by the servicer around every command: several streams may drive one runner.
         self.lock = threading.Lock()
+        # What forwards cost on this device (measure_step_costs at start-up; Describe reports it)
+        self.step_costs: list[StepCost] = []
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def num_cached_tokens(self) -> int:
@@ -314,3 +316,48 @@ def resident_batch(caches: list[SeqCache]) -> list[kvcache.LayerKV] | None:
     if any(c.home is not home or c.row != i for i, c in enumerate(caches)):
         return None
     return home
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    rows: int
+    tokens: int  # fed per row
+    context: int  # cached positions per row before the forward
+    seconds: float  # the fastest of a few runs
+
+
+# The grid measured at start-up: batch sizes a step may take and tokens a verify feeds
+# (1 + K for K = 0..7); a draft step feeds 1 (or a few to catch up).
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+CALIBRATION_TOKENS = (1, 2, 3, 5, 8)
+
+
+def measure_step_costs(runner: ModelRunner, rows=CALIBRATION_ROWS, tokens=CALIBRATION_TOKENS,
+                       context: int = 64, repeats: int = 2,
+                       budget_s: float = 10.0) -> list[StepCost]:
+    """Time group forwards of `rows` sequences feeding `tokens` tokens each over `context`
+    cached positions, the way verify and propose run them. Batch sizes grow until the grid
+    would take more than budget_s (a slow device measures fewer of them)."""
+    costs, spent = [], 0.0
+    context = min(context, runner.max_context_len - max(tokens) - 1)
+    for num_rows in rows:
+        ids = [-(i + 2) for i in range(num_rows)]  # never a coordinator's (positive) seq id
+        runner.prefill([(seq_id, [0] * context) for seq_id in ids])
+        try:
+            for num_tokens in tokens:
+                times = []
+                for _ in range(repeats):
+                    specs = [RowSpec(s, context, context, [0] * num_tokens) for s in ids]
+                    group = runner.open_group(specs, realign=False)
+                    started = time.perf_counter()
+                    group.step(torch.zeros(num_rows, num_tokens, dtype=torch.long),
+                               num_logits=num_tokens)
+                    times.append(time.perf_counter() - started)
+                seconds = min(times)
+                costs.append(StepCost(num_rows, num_tokens, context, seconds))
+                spent += sum(times)
+        finally:
+            runner.release(ids)
+        if spent * 2.5 > budget_s:  # the next batch size costs about twice as much
+            break
+    return costs

@@ -21,44 +21,62 @@ class Verification:
     output_token_ids: torch.Tensor  # [batch, K + 1]; row i's tokens are [:num_accepted[i] + 1]
 
 
-def greedy_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) -> Verification:
+def greedy_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
+                  num_drafts: torch.Tensor | None = None) -> Verification:
     """Exact greedy verification.
 
     draft_token_ids: [batch, K]; target_logits: [batch, K + 1, vocab], where position j holds
     the target's logits for the token after draft j - 1 (position 0: after the last committed).
     A draft is accepted only while it equals the target's argmax; the token after the accepted
-    prefix is the target's argmax there (recovered, or bonus when all K match).
+    prefix is the target's argmax there (recovered, or bonus when all of the row's drafts match).
+    num_drafts: [batch] drafts each row really carries (<= K; the rest are padding, never
+    accepted); None: all K.
     """
     target_token_ids = target_logits.argmax(dim=-1)  # [batch, K + 1]
-    num_drafts = draft_token_ids.shape[1]
-    matches = draft_token_ids == target_token_ids[:, :num_drafts]  # [batch, K]
+    width = draft_token_ids.shape[1]
+    matches = draft_token_ids == target_token_ids[:, :width]  # [batch, K]
+    matches &= _real(num_drafts, matches)
     num_accepted = matches.int().cumprod(dim=1).sum(dim=1)
     return Verification(num_accepted, target_token_ids)
 
 
+def _real(num_drafts: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """[batch, K] True where a row's draft j is real (j < num_drafts[row])."""
+    if num_drafts is None:
+        return torch.ones_like(like, dtype=torch.bool)
+    columns = torch.arange(like.shape[1], device=like.device)
+    return columns[None, :] < num_drafts.to(like.device)[:, None]
+
+
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor,
                      target_probs: torch.Tensor, accept_uniforms: torch.Tensor,
-                     final_uniforms: torch.Tensor) -> Verification:
+                     final_uniforms: torch.Tensor,
+                     num_drafts: torch.Tensor | None = None) -> Verification:
     """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
 
     draft_token_ids: [batch, K]; draft_probs q: [batch, K, vocab], the distributions the drafts
     were sampled from; target_probs p: [batch, K + 1, vocab]; accept_uniforms: [batch, K] in
-    (0, 1]; final_uniforms: [batch] in (0, 1].
+    (0, 1]; final_uniforms: [batch] in (0, 1]. num_drafts: [batch] drafts each row really
+    carries (None: all K); a row with n < K drafts is verified exactly as if K were n (its
+    padding is never accepted, and its bonus token is sampled from p at position n).
 
     Draft j is accepted when u_j * q(x_j) <= p(x_j), i.e. with probability min(1, p/q), and only
     if every earlier draft was. At the first rejection the recovered token is sampled from
     norm(max(0, p - q)) (from p when that residual is all zero); when all K are accepted the
     bonus token is sampled from p at position K. One-hot p and q make this exact greedy.
     """
-    batch, num_drafts = draft_token_ids.shape
+    batch, width = draft_token_ids.shape
     index = draft_token_ids.unsqueeze(-1)
-    p_draft = target_probs[:, :num_drafts].gather(-1, index).squeeze(-1)  # [batch, K]
+    p_draft = target_probs[:, :width].gather(-1, index).squeeze(-1)  # [batch, K]
     q_draft = draft_probs.gather(-1, index).squeeze(-1)  # [batch, K]
-    accepted = accept_uniforms * q_draft <= p_draft
+    real = _real(num_drafts, draft_token_ids)
+    accepted = (accept_uniforms * q_draft <= p_draft) & real
     num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)  # [batch]
 
-    # q padded with zeros at position K, so the "residual" there is p itself (the bonus).
-    q_padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], 1)
+    # q zeroed past each row's real drafts (and padded at position K), so the "residual" at a
+    # row's own end is p itself (the bonus).
+    q_padded = torch.cat([draft_probs * real[..., None],
+                          draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], 1)
     rows = torch.arange(batch, device=draft_token_ids.device)
     p_final = target_probs[rows, num_accepted]  # [batch, vocab]
     residual = (p_final - q_padded[rows, num_accepted]).clamp_min(0)

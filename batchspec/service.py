@@ -104,7 +104,11 @@ def describe(runner: runner_lib.ModelRunner, dtype: str) -> cache_pb2.ModelInfo:
                                max_context_len=runner.max_context_len,
                                num_sequences=len(runner.caches),
                                num_cached_tokens=runner.num_cached_tokens(),
-                               device=str(runner.device), dtype=dtype)
+                               device=str(runner.device), dtype=dtype,
+                               step_costs=[cache_pb2.StepCost(rows=c.rows, tokens=c.tokens,
+                                                              context=c.context,
+                                                              seconds=c.seconds)
+                                           for c in runner.step_costs])
 
 
 def to_sampling(params: cache_pb2.SamplingParams) -> SamplingParams:
@@ -206,7 +210,8 @@ def start_model_service(config: ServiceConfig, make_servicer, add_to_server, ser
 
 def warm_up(runner: runner_lib.ModelRunner) -> None:
     """Plan the CPU linear kernels (timing them takes a few seconds for SmolLM2, the first
-    time on a machine) and run one forward."""
+    time on a machine), run one forward, and measure what forwards cost (for the
+    coordinator's choice of draft lengths; a few seconds)."""
     from batchspec import fastlinear
 
     started = time.perf_counter()
@@ -216,6 +221,14 @@ def warm_up(runner: runner_lib.ModelRunner) -> None:
                  time.perf_counter() - started, store)
     runner.prefill([(-1, [0, 0])])
     runner.release([-1])
+    started = time.perf_counter()
+    runner.step_costs = runner_lib.measure_step_costs(runner)
+    largest = runner.step_costs[-1] if runner.step_costs else None
+    log.info("measured %d forward costs in %.1f s (up to %d rows: %.1f ms for 1 token each)",
+             len(runner.step_costs), time.perf_counter() - started,
+             largest.rows if largest else 0,
+             1000 * next((c.seconds for c in runner.step_costs
+                          if largest and c.rows == largest.rows and c.tokens == 1), 0.0))
 
 
 def main(role: str, default_port: int, make_servicer, add_to_server, service_name, argv=None):

@@ -24,6 +24,8 @@ class ModelInfo:
     max_context_len: int
     num_sequences: int
     num_cached_tokens: int
+    # (rows, tokens, seconds) of forwards measured at the service's start-up
+    step_costs: tuple[tuple[int, int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +205,8 @@ class ServiceClient:
         except grpc.RpcError as error:
             raise errors.Unavailable(f"{self.address}: {_describe(error)}") from error
         return ModelInfo(info.model, info.vocab_size, list(info.eos_token_ids),
-                         info.max_context_len, info.num_sequences, info.num_cached_tokens)
+                         info.max_context_len, info.num_sequences, info.num_cached_tokens,
+                         tuple((c.rows, c.tokens, c.seconds) for c in info.step_costs))
 
     def prefill(self, entries: list[tuple[int, list[int]]]) -> list[int]:
         result = self.stream.call(prefill=cache_pb2.PrefillCommand(entries=[

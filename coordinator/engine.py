@@ -15,7 +15,7 @@ import time
 
 from batchspec import errors
 from batchspec.params import SamplingParams
-from coordinator import scheduler
+from coordinator import goodput, scheduler
 from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
 from coordinator.sequence import Finish, Sequence
 from coordinator.telemetry import Telemetry
@@ -25,13 +25,16 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    # K, the most tokens a step drafts. For the default pair on a 2-core CPU, K = 1 or 2 ran
-    # best once batched and no K won clearly at batch 1 (README, benchmark). On a GPU, where
-    # verifying a few more tokens is nearly free, raise it.
-    num_draft_tokens: int = 1
+    # K, the most tokens a step drafts. With the goodput policy each greedy row drafts what
+    # pays (0 to K); sampled rows always draft K, so a seeded request's tokens never depend on
+    # timings or batch mates.
+    num_draft_tokens: int = 4
+    # "goodput": per row and step, the K with the most expected tokens per second (0: plain
+    # decoding), from the services' measured costs and each row's acceptance;
+    # "fixed": every row drafts num_draft_tokens.
+    draft_policy: str = "goodput"
     # Greedy groups stop drafting early once every row's draft is less sure than this (0: off).
-    # For the default pair at batch 1, 0.6 and 0.8 measured best of {0, 0.3, 0.6, 0.8} (README).
-    min_draft_confidence: float = 0.6
+    min_draft_confidence: float = 0.0
     policy: scheduler.GroupPolicy = scheduler.GroupPolicy()
     max_num_seqs: int = 64  # sequences stepped concurrently (the pool)
     max_queue: int = 1024  # requests waiting for a pool slot; beyond it RESOURCE_EXHAUSTED
@@ -44,6 +47,8 @@ class EngineConfig:
     def __post_init__(self):
         if not 1 <= self.num_draft_tokens <= 32:
             raise ValueError("num_draft_tokens must be in [1, 32]")
+        if self.draft_policy not in ("goodput", "fixed"):
+            raise ValueError("draft_policy must be 'goodput' or 'fixed'")
         if not 0.0 <= self.min_draft_confidence <= 1.0:
             raise ValueError("min_draft_confidence must be in [0, 1]")
         if self.max_num_seqs < 1 or self.max_queue < 0:
@@ -67,7 +72,8 @@ class EngineStats:
     num_steps: int = 0
     num_grouped_steps: int = 0
     num_realigned_steps: int = 0
-    num_draft_fallback_steps: int = 0
+    num_draft_fallback_steps: int = 0  # no draft service: target alone
+    num_plain_steps: int = 0  # the policy chose K = 0 for every row: no draft call
     draft_seconds: float = 0.0  # coordinator-side round trips
     verify_seconds: float = 0.0
     draft_compute_seconds: float = 0.0  # the services' own accounts
@@ -145,6 +151,7 @@ class Engine:
         self._probes: dict[str, Probe] = {}  # service address -> its probe in flight
         self._next_retry = 0.0
         self._retry_delay = config.reconnect_backoff_s[0]
+        self._policy: goodput.GoodputPolicy | None = None  # built at the first step
 
     # ---- request side (any thread) ------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], max_new_tokens: int,
@@ -360,12 +367,15 @@ class Engine:
     def _step_group(self, group: scheduler.Group) -> None:
         seqs = group.sequences
         timeout = self._group_timeout([self._active[s.seq_id] for s in seqs])
-        proposals, draft_timing, draft_s = self._propose(seqs, group.mixed, timeout)
-        if proposals is not None:
-            seqs = [s for s in seqs if s.seq_id in proposals]
-        specs = [VerifySpec(s.seq_id, s.target_cache_len, s.token_ids[s.target_cache_len:],
-                            *(proposals[s.seq_id] if proposals else ([], [])), s.sampling)
-                 for s in seqs]
+        plan = self._plan(seqs)
+        proposals, draft_timing, draft_s = self._propose(
+            [s for s, k in zip(seqs, plan) if k], max(plan), timeout)
+        specs = []
+        for seq, k in zip(seqs, plan):
+            drafts, probs, _ = proposals.get(seq.seq_id, ([], [], 0))
+            specs.append(VerifySpec(seq.seq_id, seq.target_cache_len,
+                                    seq.token_ids[seq.target_cache_len:], drafts[:k], probs[:k],
+                                    seq.sampling))
         started = time.perf_counter()
         try:
             outcomes, timing = self.target.verify(group.mixed, specs, timeout=timeout)
@@ -375,12 +385,47 @@ class Engine:
         except errors.DeadlineExceeded:
             return  # the rows' deadlines passed while queued: _reap ends them next step
         verify_s = time.perf_counter() - started
-        self._count_step(group, proposals is None, draft_timing, timing, draft_s, verify_s)
+        width = max(len(spec.draft_token_ids) for spec in specs)
+        if self._policy.calibrated:
+            self._policy.target.observe([(len(specs), 1 + width)], timing.forward_seconds,
+                                        verify_s)
+        self._count_step(group, not self._draft_up, max(plan) == 0, draft_timing, timing,
+                         draft_s, verify_s)
         finished = []
-        for seq, outcome in zip(seqs, outcomes):
-            if self._commit(seq, outcome, num_drafts=len(specs[0].draft_token_ids)):
+        for seq, spec, outcome in zip(seqs, specs, outcomes):
+            drafted = proposals.get(seq.seq_id, ([], [], 0))[2]
+            if self._commit(seq, outcome, len(spec.draft_token_ids), drafted):
                 finished.append(seq)
         self._release(finished)
+
+    def _plan(self, seqs: list[Sequence]) -> list[int]:
+        """Tokens each row drafts this step (0: none), by the draft policy."""
+        if self._policy is None:
+            self._policy = self._build_policy()
+        max_k = self.config.num_draft_tokens
+        if not self._draft_up:
+            return [0] * len(seqs)
+        if self.config.draft_policy == "fixed":
+            return [max_k] * len(seqs)
+        rows = [self._policy.row(s.spec, s.draft_append_need() if s.draft_cache_len is not None
+                                 else s.committed_len, None if s.sampling.greedy else max_k)
+                for s in seqs]
+        return self._policy.plan(rows).k
+
+    def _build_policy(self) -> goodput.GoodputPolicy:
+        """The goodput policy, with the forward costs both services measured at start-up (none
+        when a service does not report them: then every row drafts K)."""
+        def costs(client):
+            try:
+                return goodput.ServiceCost(goodput.ForwardCosts(client.describe().step_costs))
+            except errors.BatchspecError as error:
+                log.warning("no forward costs from %s (%s): drafting K every step",
+                            client.address, error)
+                return None
+        config = goodput.GoodputConfig(max_k=self.config.num_draft_tokens)
+        if self.config.draft_policy == "fixed" or self.draft is None:
+            return goodput.GoodputPolicy(config, None, None)
+        return goodput.GoodputPolicy(config, costs(self.draft), costs(self.target))
 
     def _group_timeout(self, handles) -> float | None:
         """How long a group's commands may wait in a service: until the last row's deadline
@@ -391,19 +436,20 @@ class Engine:
             return None
         return max(0.001, max(deadlines) - time.monotonic())
 
-    def _propose(self, seqs: list[Sequence], mixed: bool, timeout: float | None):
-        """({seq_id: (draft_token_ids, draft_probs)}, timing, round-trip seconds) for the rows
-        that can draft together; (None, None, 0) when the draft service is down (target-only
-        decoding)."""
-        if not self._draft_up:
-            return None, None, 0.0
+    def _propose(self, seqs: list[Sequence], num_drafts: int, timeout: float | None):
+        """({seq_id: (draft_token_ids, draft_probs, drafted)}, timing, round-trip seconds) for
+        the rows that can draft together; ({}, None, 0) when none can or the draft service is
+        down (target-only decoding). `drafted` is what the service drafted (and cached, but
+        the last) for the row, which may be more than the row verifies."""
+        if not self._draft_up or not num_drafts:
+            return {}, None, 0.0
         ready = [s for s in seqs if s.draft_cache_len is not None]
         rows, width = scheduler.draft_plan(ready) if ready else ([], 0)
         if not rows:
-            return None, None, 0.0
-        num_drafts = self.config.num_draft_tokens
+            return {}, None, 0.0
         specs = [ProposeSpec(s.seq_id, s.draft_cache_len, s.committed_len - width,
                              s.token_ids[s.committed_len - width:], s.sampling) for s in rows]
+        mixed = len({s.committed_len for s in rows}) > 1
         started = time.perf_counter()
         try:
             proposals, timing = self.draft.propose(
@@ -411,30 +457,37 @@ class Engine:
                 min_confidence=self.config.min_draft_confidence)
         except errors.Unavailable as error:
             self._draft_lost(error)
-            return None, None, 0.0
+            return {}, None, 0.0
         except errors.DeadlineExceeded:
-            return None, None, 0.0
+            return {}, None, 0.0
         round_trip = time.perf_counter() - started
         for seq, proposal in zip(rows, proposals):
             seq.draft_cache_len = proposal.cache_len
             if proposal.probs_bytes:
                 self.stats.num_sampled_rows += 1
                 self.stats.num_draft_probs_bytes += proposal.probs_bytes
-        return ({p.seq_id: (p.draft_token_ids, p.draft_probs) for p in proposals}, timing,
-                round_trip)
+        drafted = len(proposals[0].draft_token_ids)
+        if self._policy.calibrated:
+            self._policy.draft.observe(goodput.draft_calls(len(rows), width, drafted),
+                                       timing.forward_seconds, round_trip)
+        return ({p.seq_id: (p.draft_token_ids, p.draft_probs, drafted) for p in proposals},
+                timing, round_trip)
 
-    def _commit(self, seq: Sequence, outcome, num_drafts: int) -> bool:
-        """Apply one verification to its sequence; True when the sequence finished."""
+    def _commit(self, seq: Sequence, outcome, num_drafts: int, drafted: int) -> bool:
+        """Apply one verification to its sequence; True when the sequence finished.
+        num_drafts: drafts the row verified; drafted: what the draft service drafted for it
+        this step (0: it was not in the proposal)."""
         before = seq.committed_len
         if outcome.seq_id != seq.seq_id or outcome.cache_len != before + outcome.num_accepted:
             raise errors.FailedPrecondition(
                 f"target answered seq {outcome.seq_id} with cache {outcome.cache_len}; expected "
                 f"seq {seq.seq_id} with {before + outcome.num_accepted}")
         seq.target_cache_len = outcome.cache_len
-        if num_drafts:
-            # The draft cached committed[:before] and drafts 1..K-1; those up to the first
-            # rejection are now committed.
-            seq.draft_valid_len = before + min(outcome.num_accepted, num_drafts - 1)
+        if drafted:
+            # The draft cached committed[:before] and drafts 1..D-1 (D = drafted); those up to
+            # the first rejection are now committed (a row verifies at most D of them).
+            seq.draft_valid_len = before + min(outcome.num_accepted, drafted - 1)
+        self._policy.observe(seq.spec, num_drafts, outcome.num_accepted)
         seq.stats.num_drafted_tokens += num_drafts
         seq.stats.num_accepted_tokens += outcome.num_accepted
         seq.stats.num_target_forward_passes += 1
@@ -461,10 +514,12 @@ class Engine:
             text += seq.text.flush()
         return text
 
-    def _count_step(self, group: scheduler.Group, fallback: bool, draft_timing, timing,
-                    draft_s: float, verify_s: float) -> None:
+    def _count_step(self, group: scheduler.Group, fallback: bool, plain: bool, draft_timing,
+                    timing, draft_s: float, verify_s: float) -> None:
         stats = self.stats
         stats.num_steps += 1
+        if plain and not fallback:
+            stats.num_plain_steps += 1
         if group.mixed:
             stats.num_realigned_steps += 1
         else:
@@ -477,7 +532,8 @@ class Engine:
         stats.verify_compute_seconds += timing.compute_seconds
         stats.draft_compute_seconds += draft_timing.compute_seconds if draft_timing else 0.0
         stats.realign_seconds += realign_s
-        self.telemetry.step(group.mixed, fallback, draft_s, verify_s, realign_s)
+        self.telemetry.step(group.mixed, fallback, draft_s if draft_timing else None, verify_s,
+                            realign_s)
 
     # ---- endings and releases -----------------------------------------------------------------
     def _release(self, seqs: list[Sequence]) -> None:

@@ -14,6 +14,7 @@ import enum
 import time
 
 from batchspec.params import SamplingParams
+from coordinator.goodput import RowState
 
 
 class Finish(enum.Enum):
@@ -45,6 +46,7 @@ class Sequence:
     last_step: int = 0  # engine step at which the sequence last advanced (for fairness)
     cohort: int | None = None  # the group it is stepped with (scheduler); None: not yet placed
     created: float = dataclasses.field(default_factory=time.monotonic)
+    spec: RowState = dataclasses.field(default_factory=RowState)  # its acceptance, for K
     # Optional coordinator.text.TextStream: the generated text and its stop strings.
     text: object = dataclasses.field(default=None, repr=False, compare=False)
 

@@ -21,15 +21,16 @@ class Telemetry:
         if self.metrics:
             self.metrics.prompt_tokens.inc(num_prompt_tokens)
 
-    def step(self, mixed: bool, fallback: bool, draft_s: float, verify_s: float,
+    def step(self, mixed: bool, fallback: bool, draft_s: float | None, verify_s: float,
              realign_s: float) -> None:
+        """draft_s: None when the step made no draft call (no draft service, or K = 0)."""
         m = self.metrics
         if not m:
             return
         (m.realigned_steps if mixed else m.grouped_steps).inc()
         if fallback:
             m.draft_fallback_steps.inc()
-        else:
+        if draft_s is not None:
             m.draft_seconds.observe(draft_s)
         m.verify_seconds.observe(verify_s)
         if mixed:

@@ -3,8 +3,8 @@ import dataclasses
 
 import torch
 
-from batchspec import errors, sampling
 from batchspec import runner as runner_lib
+from batchspec import sampling
 from batchspec.params import SamplingParams
 from batchspec.service import sampling_uniforms
 
@@ -17,7 +17,7 @@ class VerifyRow:
     seq_id: int
     expected_cache_len: int
     append_token_ids: list[int]  # committed tokens not yet cached (normally the last one)
-    draft_token_ids: list[int]  # K drafted tokens
+    draft_token_ids: list[int]  # this row's drafted tokens (0..K)
     draft_probs: torch.Tensor | None  # [K, vocab] the drafts' distributions; None when greedy
     sampling: SamplingParams
 
@@ -33,23 +33,26 @@ class VerifyOutcome:
 def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bool):
     """Run [append + drafts] through the target for every row and accept per row.
 
+    Rows may carry different numbers of drafts (0 included: plain decoding for that row);
+    shorter rows are padded out to the longest, and padding is never accepted. Causal
+    attention keeps the padding from touching any real position.
+
     Cache invariant on return: each row's cache holds its committed tokens but the last,
     where committed now includes the accepted drafts and the one new token; the rejected
-    drafts' positions are dropped before the caches are stored.
+    drafts' (and the padding's) positions are dropped before the caches are stored.
     """
-    num_drafts = len(rows[0].draft_token_ids)
-    if any(len(r.draft_token_ids) != num_drafts for r in rows):
-        raise errors.InvalidArgument("every row of a verify must carry the same number of drafts")
+    width = max(len(r.draft_token_ids) for r in rows)
     for r in rows:
         runner.check_token_ids(r.draft_token_ids, f"drafts of sequence {r.seq_id}")
     specs = [runner_lib.RowSpec(r.seq_id, r.expected_cache_len, r.expected_cache_len,
                                 r.append_token_ids) for r in rows]
-    group = runner.open_group(specs, realign=realign, extra_positions=num_drafts)
-    input_ids = torch.tensor([r.append_token_ids + r.draft_token_ids for r in rows])
-    logits = group.step(input_ids, num_logits=num_drafts + 1)  # [batch, K + 1, vocab]
-    drafts = torch.tensor([r.draft_token_ids for r in rows], dtype=torch.long).reshape(
-        len(rows), num_drafts)
-    result = accept(rows, drafts, logits)
+    group = runner.open_group(specs, realign=realign, extra_positions=width)
+    padded = [r.draft_token_ids + [0] * (width - len(r.draft_token_ids)) for r in rows]
+    input_ids = torch.tensor([r.append_token_ids + d for r, d in zip(rows, padded)])
+    logits = group.step(input_ids, num_logits=width + 1)  # [batch, K + 1, vocab]
+    drafts = torch.tensor(padded, dtype=torch.long).reshape(len(rows), width)
+    counts = torch.tensor([len(r.draft_token_ids) for r in rows])
+    result = accept(rows, drafts, logits, counts)
     num_accepted = result.num_accepted.tolist()
     base = [r.expected_cache_len + len(r.append_token_ids) for r in rows]
     cache_lens = [b + n for b, n in zip(base, num_accepted)]
@@ -59,31 +62,35 @@ def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bo
             for r, n, out, c in zip(rows, num_accepted, outputs, cache_lens)], group
 
 
-def accept(rows: list[VerifyRow], drafts: torch.Tensor, logits: torch.Tensor):
-    """Greedy verification when every row is greedy, else lossless rejection sampling."""
+def accept(rows: list[VerifyRow], drafts: torch.Tensor, logits: torch.Tensor,
+           counts: torch.Tensor):
+    """Greedy verification when every row is greedy, else lossless rejection sampling.
+    counts: [batch] each row's real drafts (the rest of `drafts` is padding)."""
     if all(r.sampling.greedy for r in rows):
-        return sampling.greedy_verify(drafts, logits)
-    batch, num_drafts = drafts.shape
+        return sampling.greedy_verify(drafts, logits, counts)
+    batch, width = drafts.shape
     vocab = logits.shape[-1]
     target_probs = sampling.processed_probs(
         logits, torch.tensor([r.sampling.temperature for r in rows]),
         torch.tensor([r.sampling.top_k for r in rows]),
         torch.tensor([r.sampling.top_p for r in rows]))
-    draft_probs = torch.stack([draft_distribution(r, drafts[i], num_drafts, vocab)
+    draft_probs = torch.stack([draft_distribution(r, drafts[i], width, vocab)
                                for i, r in enumerate(rows)])
     positions = [first_draft_position(r) for r in rows]
-    accept_u = torch.tensor([sampling_uniforms(r.sampling.seed, range(p, p + num_drafts),
+    accept_u = torch.tensor([sampling_uniforms(r.sampling.seed, range(p, p + width),
                                                ACCEPT_STREAM) for r, p in zip(rows, positions)],
-                            dtype=torch.float64).reshape(batch, num_drafts)
+                            dtype=torch.float64).reshape(batch, width)
     return sampling.rejection_sample(drafts, draft_probs, target_probs, accept_u.float(),
-                                     final_uniforms(rows, positions))
+                                     final_uniforms(rows, positions), counts)
 
 
-def draft_distribution(row: VerifyRow, drafts: torch.Tensor, num_drafts: int, vocab: int):
-    """q for one row: the wire distributions, or one-hot drafts for a greedy row."""
+def draft_distribution(row: VerifyRow, drafts: torch.Tensor, width: int, vocab: int):
+    """q for one row, [width, vocab]: the wire distributions (zeros for padding), or one-hot
+    drafts for a greedy row."""
     if row.sampling.greedy or row.draft_probs is None:
-        return torch.nn.functional.one_hot(drafts, vocab).float().reshape(num_drafts, vocab)
-    return row.draft_probs
+        return torch.nn.functional.one_hot(drafts, vocab).float().reshape(width, vocab)
+    probs = row.draft_probs.reshape(-1, vocab)
+    return torch.cat([probs, probs.new_zeros(width - probs.shape[0], vocab)])
 
 
 def first_draft_position(row: VerifyRow) -> int:

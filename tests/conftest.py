@@ -78,6 +78,9 @@ def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, me
     draft_server, draft_port, _, draft_runner = start_draft(draft_dir)
     # fixed K unless a test asks for adaptive draft length: tiny drafts are rarely confident
     engine_kwargs.setdefault("min_draft_confidence", 0.0)
+    # every step drafts K unless a test asks for the goodput policy: these tests check the
+    # mechanics of drafting, which the policy could turn off for tiny models
+    engine_kwargs.setdefault("draft_policy", "fixed")
     engine_config = EngineConfig(num_draft_tokens=num_draft_tokens,
                                  policy=scheduler.GroupPolicy(batch_size=batch_size),
                                  reconnect_backoff_s=(0.05, 0.5), **engine_kwargs)

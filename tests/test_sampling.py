@@ -128,3 +128,32 @@ def test_speculative_sampling_reproduces_the_target_distribution():
     assert total_variation < 0.01, (observed, total_variation)
     # and the sampler is not trivially resampling from p: some drafts are accepted
     assert 0 < result.num_accepted.float().mean().item() < num_drafts
+
+
+def test_a_row_with_fewer_drafts_is_verified_as_if_alone():
+    """Ragged rows (different K per row): padding a row's drafts out to the group's K changes
+    nothing, greedy or sampled, for the same uniforms."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, width = 6, 4
+    for trial in range(50):
+        n = trial % (width + 1)  # the row's real drafts, 0..K
+        p = torch.softmax(torch.randn(1, width + 1, vocab, generator=gen), -1)
+        q = torch.softmax(torch.randn(1, width, vocab, generator=gen), -1)
+        drafts = torch.randint(vocab, (1, width), generator=gen)
+        u = torch.rand(1, width, generator=gen).clamp_min(1e-6)
+        final = torch.rand(1, generator=gen).clamp_min(1e-6)
+        padded = sampling.rejection_sample(drafts, q, p, u, final, num_drafts=torch.tensor([n]))
+        alone = sampling.rejection_sample(drafts[:, :n], q[:, :n], p[:, :n + 1], u[:, :n], final)
+        k = int(alone.num_accepted)
+        assert int(padded.num_accepted) == k
+        assert same_prefix(padded, alone, k + 1)
+        logits = torch.log(p)
+        padded = sampling.greedy_verify(drafts, logits, num_drafts=torch.tensor([n]))
+        alone = sampling.greedy_verify(drafts[:, :n], logits[:, :n + 1])
+        k = int(alone.num_accepted)
+        assert int(padded.num_accepted) == k <= n
+        assert same_prefix(padded, alone, k + 1)
+
+
+def same_prefix(a, b, n: int) -> bool:
+    return a.output_token_ids[0, :n].tolist() == b.output_token_ids[0, :n].tolist()

@@ -1,0 +1,216 @@
+"""Draft length by goodput: the pure policy, and the engine switching K (0 included) per row
+with exact output and a draft that catches up after a stretch without drafting."""
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchspec import runner as runner_lib
+from batchspec.inprocess import InProcessDraft, InProcessTarget
+from coordinator import goodput
+from coordinator.engine import Engine, EngineConfig
+from coordinator.scheduler import GroupPolicy
+
+import tiny_models
+from conftest import running_stack
+from test_exactness import generate_all, random_requests
+
+
+# ---- the pure policy ---------------------------------------------------------------------------
+def cpu_like(verify_per_token: float, verify_per_row_token: float = 0.0,
+             draft_fraction: float = 0.2) -> tuple[goodput.ServiceCost, goodput.ServiceCost]:
+    """Costs shaped like a CPU: a fixed part plus a part growing with rows x tokens."""
+    grid = [(r, t) for r in (1, 2, 4, 8, 16, 32) for t in (1, 2, 3, 5, 8)]
+    target = [(r, t, 0.03 + verify_per_token * t + verify_per_row_token * r * t)
+              for r, t in grid]
+    draft = [(r, t, s * draft_fraction) for r, t, s in target]
+    return (goodput.ServiceCost(goodput.ForwardCosts(draft)),
+            goodput.ServiceCost(goodput.ForwardCosts(target)))
+
+
+def policy(max_k=4, **costs) -> goodput.GoodputPolicy:
+    return goodput.GoodputPolicy(goodput.GoodputConfig(max_k=max_k), *cpu_like(**costs))
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert goodput.expected_tokens(0.5, 0) == 1
+    assert goodput.expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert goodput.expected_tokens(1.0, 3) == 4
+
+
+def test_forward_costs_interpolate_and_extend_the_grid():
+    costs = goodput.ForwardCosts([(1, 1, 1.0), (4, 1, 4.0), (1, 3, 3.0), (4, 3, 12.0)])
+    assert costs.predict(1, 1) == 1.0
+    assert costs.predict(2, 1) == pytest.approx(2.0)
+    assert costs.predict(2, 2) == pytest.approx(4.0)  # between (2, 1) = 2 and (2, 3) = 6
+    assert costs.predict(8, 1) == pytest.approx(8.0)  # past the grid: the last slope
+    assert costs.predict(1, 5) == pytest.approx(5.0)
+
+
+def test_live_timings_correct_the_calibration():
+    cost = goodput.ServiceCost(goodput.ForwardCosts([(1, 1, 0.010), (1, 2, 0.012)]))
+    for _ in range(60):  # the device turned out twice as slow, with 5 ms of RPC per command
+        cost.observe([(1, 1)], forward_s=0.020, round_trip_s=0.025)
+    assert cost.ratio == pytest.approx(2.0, rel=0.01)
+    assert cost.predict([(1, 2)]) == pytest.approx(2 * 0.012 + 0.005, rel=0.02)
+
+
+def test_memory_bound_batch_one_drafts_and_compute_bound_large_batches_do_not():
+    p = policy(verify_per_token=0.002, verify_per_row_token=0.004)
+    one = p.plan([goodput.Row(0.65)])
+    assert one.k[0] >= 1  # verifying a few tokens costs little more than one
+    many = p.plan([goodput.Row(0.65)] * 32)
+    assert many.k == [0] * 32  # every extra token costs its full price: plain decoding
+
+
+def test_rows_of_one_group_get_different_k():
+    p = policy(verify_per_token=0.002, verify_per_row_token=0.001)
+    plan = p.plan([goodput.Row(0.9), goodput.Row(0.02), goodput.Row(0.85), goodput.Row(0.03)])
+    assert plan.k[0] == plan.k[2] > 0
+    assert plan.k[1] == plan.k[3] == 0  # the draft is not even run for them
+
+
+def test_no_collapse_at_the_switching_threshold():
+    """As acceptance rises across the point where drafting starts to pay, the planned goodput
+    never falls below plain decoding's and never drops: the switch is continuous."""
+    p = policy(verify_per_token=0.004, verify_per_row_token=0.002)
+    plain = p._best_for([goodput.Row(0.5)] * 8, 0).tokens_per_s
+    rates, ks = [], []
+    for step in range(100):
+        plan = p.plan([goodput.Row(step / 100)] * 8)
+        rates.append(plan.tokens_per_s)
+        ks.append(max(plan.k))
+    assert min(rates) >= plain * (1 - 1e-9)
+    assert all(b >= a - 1e-9 for a, b in zip(rates, rates[1:]))
+    assert ks[0] == 0 and ks[-1] > 0  # it does switch, in this range
+
+
+def test_sampled_rows_always_draft_k_and_exploration_forces_a_draft():
+    p = policy(verify_per_token=0.002, verify_per_row_token=0.004)
+    plan = p.plan([goodput.Row(0.05, forced_k=4)] + [goodput.Row(0.05)] * 15)
+    assert plan.k[0] == 4
+    idle = goodput.RowState(idle_steps=32)
+    row = p.row(idle, catch_up=33)
+    assert row.explore
+    assert max(p.plan([row] * 16).k) >= 1
+
+
+def test_acceptance_estimate_follows_the_evidence():
+    p = policy(verify_per_token=0.002)
+    state = goodput.RowState()
+    for _ in range(30):
+        p.observe(state, num_drafts=4, num_accepted=4)
+    high = p.acceptance(state)
+    for _ in range(30):
+        p.observe(state, num_drafts=4, num_accepted=0)
+    assert high > 0.9 and p.acceptance(state) < 0.3
+    p.observe(state, num_drafts=0, num_accepted=0)
+    assert state.idle_steps == 1
+
+
+def test_without_calibration_every_row_drafts_k():
+    p = goodput.GoodputPolicy(goodput.GoodputConfig(max_k=3), None, None)
+    assert p.plan([goodput.Row(0.1)] * 3).k == [3, 3, 3]
+
+
+# ---- the engine switching K --------------------------------------------------------------------
+class Scripted(goodput.GoodputPolicy):
+    """A policy whose K follows a script per engine step (same K for every row of a step, or
+    alternating per row), to drive the engine through every kind of switch."""
+
+    def __init__(self, script):
+        super().__init__(goodput.GoodputConfig(max_k=4), None, None)
+        self.script = script
+        self.calls = 0
+
+    def plan(self, rows):
+        k = self.script(self.calls, len(rows))
+        self.calls += 1
+        return goodput.Plan(k, 0.0)
+
+
+def stretches(step, batch):
+    """Drafting, then 12 steps of K = 0, then per-row K (0 and 3 alternating), repeating."""
+    phase = step % 30
+    if phase < 8:
+        return [4] * batch
+    if phase < 20:
+        return [0] * batch
+    return [3 if (i + step) % 2 else 0 for i in range(batch)]
+
+
+def engine_for(target_dir, draft_dir, script, batch_size):
+    from batchspec import models
+
+    loaded = [models.load_causal_lm(d) for d in (target_dir, draft_dir)]
+    eos = models.eos_token_ids(loaded[0])
+    runners = [runner_lib.ModelRunner(m, name=d, device=torch.device("cpu"), eos_token_ids=eos,
+                                      max_context_len=256)
+               for m, d in zip(loaded, (target_dir, draft_dir))]
+    engine = Engine(InProcessTarget(runners[0], "target"), [InProcessDraft(runners[1], "draft")],
+                    EngineConfig(num_draft_tokens=4,
+                                 policy=GroupPolicy(batch_size=batch_size),
+                                 max_num_seqs=64, max_queue=64),
+                    eos)
+    engine._policy = Scripted(script)
+    return engine, runners
+
+
+def run_all(engine, requests, ignore_eos=False):
+    handles = [engine.submit(p, m, ignore_eos=ignore_eos) for p, m in requests]
+    while engine.load():
+        engine.step()
+    out = []
+    for handle in handles:
+        tokens = []
+        while not handle.events.empty():
+            tokens += handle.events.get().token_ids
+        out.append(tokens)
+    return out, handles
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_switching_k_per_row_and_step_stays_exact(model_dirs, arch):
+    target_dir, draft_dir = model_dirs[arch]
+    requests = random_requests(seed=41, count=12)
+    engine, _ = engine_for(target_dir, draft_dir, stretches, batch_size=4)
+    outputs, handles = run_all(engine, requests)
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    for (prompt, max_new), tokens in zip(requests, outputs):
+        assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
+    assert engine.stats.num_plain_steps > 0
+    assert sum(h.seq.stats.num_drafted_tokens for h in handles) > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_acceptance_recovers_after_a_stretch_without_drafting(model_dirs, arch):
+    """With the target as its own draft every draft must be accepted: a draft that missed the
+    tokens committed while K was 0 (stale state) would be rejected after each stretch."""
+    target_dir, _ = model_dirs[arch]
+    engine, _ = engine_for(target_dir, target_dir, stretches, batch_size=3)
+    rng = random.Random(5)
+    requests = [([rng.randrange(4, tiny_models.VOCAB) for _ in range(rng.randint(2, 12))], 90)
+                for _ in range(6)]
+    outputs, handles = run_all(engine, requests, ignore_eos=True)
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    for (prompt, max_new), tokens in zip(requests, outputs):
+        assert tokens == tiny_models.greedy_ignoring_eos(model, prompt, max_new)
+    drafted = sum(h.seq.stats.num_drafted_tokens for h in handles)
+    accepted = sum(h.seq.stats.num_accepted_tokens for h in handles)
+    assert engine.stats.num_plain_steps >= 12 and drafted > 100
+    assert accepted == drafted
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_goodput_policy_over_grpc_is_exact(model_dirs, arch):
+    """The default policy, with the costs the services measured at start-up."""
+    target_dir, draft_dir = model_dirs[arch]
+    requests = random_requests(seed=17, count=24)
+    with running_stack(target_dir, draft_dir, batch_size=8, num_draft_tokens=4,
+                       draft_policy="goodput") as stack:
+        results = generate_all(stack.stub(), requests)
+        assert stack.engine.engines[0]._policy.calibrated
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    for (prompt, max_new), (tokens, _) in zip(requests, results):
+        assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
