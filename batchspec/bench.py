@@ -7,6 +7,7 @@ The exact-match reference is method 1, the target alone at batch 1.
 """
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -25,8 +26,11 @@ from coordinator.engine import EngineConfig
 log = logging.getLogger("batchspec.bench")
 
 METHODS = {
-    "hf_batch1": "1. target alone, batch 1 (HF generate)",
-    "hf_batched": "2. target alone, batched (HF generate, left-padded)",
+    "hf_stock_batch1": "0a. stock transformers: the target alone, batch 1, unpatched model "
+                       "(what a transformers user runs)",
+    "hf_stock_batched": "0b. stock transformers: batched, left-padded, unpatched model",
+    "hf_batch1": "1. target alone, batch 1 (HF generate, with batchspec's CPU linear kernels)",
+    "hf_batched": "2. target alone, batched (HF generate, left-padded, batchspec's kernels)",
     "hf_assisted": "3. HF assisted generation (batch 1)",
     "engine_realign": "4. batchspec engine in-process, realigning every step (EQSPEC: the "
                       "longest-waiting rows, copied into a new left-padded batch each step)",
@@ -34,7 +38,7 @@ METHODS = {
                       "kept together so each service reuses their batch",
     "grpc": "6. batchspec over the three gRPC processes",
 }
-USES_BATCH = {"hf_batched", "engine_realign", "engine_grouped", "grpc"}
+USES_BATCH = {"hf_stock_batched", "hf_batched", "engine_realign", "engine_grouped", "grpc"}
 # Where a run's wall time went, in report order. prefill: admitting prompts into both caches;
 # draft, verify: the services' compute; realign: the services' time on unaligned rows, masks and
 # copies into a left-padded batch (taken out of draft and verify); rpc: round trips minus
@@ -50,12 +54,17 @@ class BenchConfig:
     draft_layers: int | None = None
     num_prompts: int = 82
     max_new_tokens: int = 64
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
-    ks: tuple[int, ...] = (2, 4, 6)
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    ks: tuple[int, ...] = (EngineConfig.num_draft_tokens,)
     methods: tuple[str, ...] = tuple(METHODS)
     out: str = "bench-out"
     quick: bool = False
     min_draft_confidence: float = EngineConfig.min_draft_confidence
+    draft_policy: str = EngineConfig.draft_policy  # methods 4-6
+    # Poisson arrival rates (requests per second) for the arrival-driven load over gRPC
+    arrival_rates: tuple[float, ...] = ()
+    load_batch_size: int = 32  # the coordinator's --batch-size under that load
+    dtype: str = "float32"  # of both models, in every method
 
     def __post_init__(self):
         unknown = set(self.methods) - set(METHODS)
@@ -74,6 +83,8 @@ class Workload:
     max_new_tokens: int
     eos_token_ids: list[int]
     min_draft_confidence: float = 0.0  # adaptive draft length (methods 3 to 6 alike)
+    draft_policy: str = EngineConfig.draft_policy  # methods 4-6
+    dtype: str = "float32"
 
 
 @dataclasses.dataclass
@@ -110,8 +121,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-layers", type=int, default=None)
     parser.add_argument("--num-prompts", type=int, default=82)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--batch-sizes", default="1,2,4,8,16")
-    parser.add_argument("--ks", default="2,4,6")
+    parser.add_argument("--batch-sizes", default="1,2,4,8,16,32")
+    parser.add_argument("--ks", default=str(EngineConfig.num_draft_tokens),
+                        help="K values (with the goodput policy: the most a step drafts)")
+    parser.add_argument("--draft-policy", choices=("goodput", "fixed"),
+                        default=EngineConfig.draft_policy,
+                        help="batchspec's draft length: goodput (the default of `serve`) or "
+                             "fixed K")
+    parser.add_argument("--arrival-rates", default="",
+                        help="also run an arrival-driven load over gRPC: Poisson arrivals at "
+                             "these rates (requests/s, comma-separated), batchspec against "
+                             "the same server decoding with the target alone; reports "
+                             "throughput, TTFT and ITL p50/p99")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="dtype of both models in every method; `exact` then compares with "
+                             "the target alone at batch 1 in the same dtype")
+    parser.add_argument("--load-batch-size", type=int, default=32,
+                        help="the coordinator's --batch-size under the arrival-driven load")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", default="bench-out", help="report directory")
     parser.add_argument("--min-draft-confidence", type=float,
@@ -126,12 +152,19 @@ def config_from_args(args) -> BenchConfig:
     if args.quick:
         return BenchConfig(target="tiny", num_prompts=8, max_new_tokens=12, batch_sizes=(1, 4),
                            ks=(2, 4), out=args.out, quick=True,
-                           methods=tuple(m for m in args.methods.split(",") if m))
+                           methods=tuple(m for m in args.methods.split(",") if m),
+                           draft_policy=args.draft_policy,
+                           arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",")
+                                               if x),
+                           load_batch_size=args.load_batch_size, dtype=args.dtype)
     return BenchConfig(target=args.target, draft=args.draft, draft_layers=args.draft_layers,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                        batch_sizes=ints(args.batch_sizes), ks=ints(args.ks),
                        methods=tuple(m for m in args.methods.split(",") if m), out=args.out,
-                       min_draft_confidence=args.min_draft_confidence)
+                       min_draft_confidence=args.min_draft_confidence,
+                       draft_policy=args.draft_policy,
+                       arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",") if x),
+                       load_batch_size=args.load_batch_size, dtype=args.dtype)
 
 
 # ---- the workload ------------------------------------------------------------------------------
@@ -149,7 +182,7 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
                    for _ in range(config.num_prompts)]
         eos = models.eos_token_ids(models.load_causal_lm(target))
         return Workload(target, draft, None, prompts, config.max_new_tokens, eos,
-                        config.min_draft_confidence)
+                        config.min_draft_confidence, config.draft_policy)
     from batchspec.distill import chat_ids, load_tokenizer
     from batchspec.draft_eval import bench_prompts
 
@@ -158,7 +191,8 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
     draft = config.draft or models.SMOLLM2_DRAFT
     target_model = models.load_causal_lm(config.target)
     return Workload(config.target, draft, config.draft_layers, prompts, config.max_new_tokens,
-                    models.eos_token_ids(target_model), config.min_draft_confidence)
+                    models.eos_token_ids(target_model), config.min_draft_confidence,
+                    config.draft_policy, config.dtype)
 
 
 def truncate_at_eos(tokens: list[int], eos: set[int], limit: int) -> list[int]:
@@ -188,11 +222,11 @@ class PassCounter:
 def run_hf(models_, workload: Workload, method: str, batch_size: int, k: int) -> Run:
     import torch
 
-    target, draft = models_["target"], models_["draft"]
+    target, draft = models_["stock" if "stock" in method else "target"], models_["draft"]
     eos = set(workload.eos_token_ids)
     pad = workload.eos_token_ids[0] if workload.eos_token_ids else 0
     outputs, counter = [], PassCounter(target)
-    size = batch_size if method == "hf_batched" else 1
+    size = batch_size if method.endswith("batched") else 1
     kwargs = {}
     if method == "hf_assisted":
         draft.generation_config.num_assistant_tokens = k
@@ -230,7 +264,7 @@ def run_engine(runners, workload: Workload, batch_size: int, k: int, grouping: b
         runner.reuse_batches = grouping
     engine = Engine(InProcessTarget(runners["target"], "target"),
                     [InProcessDraft(runners["draft"], "draft")],
-                    EngineConfig(num_draft_tokens=k,
+                    EngineConfig(num_draft_tokens=k, draft_policy=workload.draft_policy,
                                  min_draft_confidence=workload.min_draft_confidence,
                                  policy=GroupPolicy(batch_size=batch_size, grouping=grouping),
                                  max_num_seqs=count, max_queue=count),
@@ -293,6 +327,7 @@ class GrpcStack:
         # one after the other: each times its CPU kernels at start-up, best on a quiet CPU
         for role, name, extra in (("target", "TargetService", ["--model", workload.target]),
                                   ("draft", "DraftService", draft_cmd)):
+            extra = extra + ["--dtype", workload.dtype]
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", f"{role}_service", "--port", str(self.ports[role]),
                  "--metrics-port", str(self.metrics[role])] + extra,
@@ -300,23 +335,37 @@ class GrpcStack:
             wait_healthy(f"127.0.0.1:{self.ports[role]}", f"batchspec.v1.{name}", 600,
                          self.procs)
 
+    @contextlib.contextmanager
+    def coordinator(self, workload: Workload, batch_size: int, k: int, draft: bool = True):
+        """A coordinator process over the running services: yields (port, metrics port).
+        draft=False: the target alone (plain batched decoding, the same server otherwise)."""
+        from batchspec.cli import free_port, wait_healthy
+
+        port, metrics_port = free_port(), free_port()
+        command = [sys.executable, "-m", "coordinator",
+                   "--target", f"127.0.0.1:{self.ports['target']}", "--port", str(port),
+                   "--batch-size", str(batch_size), "-k", str(k),
+                   "--max-num-seqs", str(max(64, len(workload.prompts))),
+                   "--min-draft-confidence", str(workload.min_draft_confidence),
+                   "--draft-policy", workload.draft_policy,
+                   "--metrics-port", str(metrics_port)]
+        if draft:
+            command += ["--draft", f"127.0.0.1:{self.ports['draft']}"]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_healthy(f"127.0.0.1:{port}", "batchspec.v1.Coordinator", 120, [process])
+            yield port, metrics_port
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
     def run(self, workload: Workload, batch_size: int, k: int) -> Run:
         import grpc
 
-        from batchspec.cli import free_port, wait_healthy
         from batchspec.v1 import generate_pb2, generate_pb2_grpc
 
-        port, metrics_port = free_port(), free_port()
         count = len(workload.prompts)
-        coordinator = subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "--target", f"127.0.0.1:{self.ports['target']}",
-             "--draft", f"127.0.0.1:{self.ports['draft']}", "--port", str(port),
-             "--batch-size", str(batch_size), "-k", str(k), "--max-num-seqs", str(count),
-             "--min-draft-confidence", str(workload.min_draft_confidence),
-             "--metrics-port", str(metrics_port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_healthy(f"127.0.0.1:{port}", "batchspec.v1.Coordinator", 120, [coordinator])
+        with self.coordinator(workload, batch_size, k) as (port, metrics_port):
             before = {r: scrape(self.metrics[r]) for r in ("target", "draft")}
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = generate_pb2_grpc.CoordinatorStub(channel)
@@ -333,9 +382,6 @@ class GrpcStack:
                 seconds = time.perf_counter() - started
             coord = scrape(metrics_port)
             after = {r: scrape(self.metrics[r]) for r in ("target", "draft")}
-        finally:
-            coordinator.terminate()
-            coordinator.wait(timeout=30)
         compute = {r: after[r].get(f'command_seconds_sum{{command="{c}"}}', 0)
                    - before[r].get(f'command_seconds_sum{{command="{c}"}}', 0)
                    for r, c in (("target", "verify"), ("draft", "propose"))}
@@ -395,9 +441,13 @@ def run(config: BenchConfig) -> dict:
 
     with tempfile.TemporaryDirectory() as scratch:
         workload = build_workload(config, pathlib.Path(scratch))
-        target = models.load_causal_lm(workload.target)
-        draft = models.load_causal_lm(workload.draft, num_layers=workload.draft_layers)
+        target = models.load_causal_lm(workload.target, dtype=workload.dtype)
+        draft = models.load_causal_lm(workload.draft, num_layers=workload.draft_layers,
+                                      dtype=workload.dtype)
         hf = {"target": target, "draft": draft}
+        if {"hf_stock_batch1", "hf_stock_batched"} & set(config.methods):
+            hf["stock"] = models.load_causal_lm(workload.target, stock=True,
+                                                dtype=workload.dtype)
         make_runner = lambda m, n: runner_lib.ModelRunner(  # noqa: E731
             m, name=n, device=torch.device("cpu"), eos_token_ids=workload.eos_token_ids,
             max_context_len=models.max_context_len(target))
@@ -405,22 +455,56 @@ def run(config: BenchConfig) -> dict:
                    "draft": make_runner(draft, workload.draft)}
         plan = [("hf_batch1", 1, 0)] + [s for s in settings(config) if s[0] != "hf_batch1"]
         warm_up(hf, runners, workload)
-        stack = GrpcStack(workload) if "grpc" in config.methods else None
-        rows, reference = [], None
+        if config.draft_policy == "goodput" and {"engine_realign", "engine_grouped"} & set(
+                config.methods):
+            for runner in runners.values():  # what a service measures at its start-up
+                runner.step_costs = runner_lib.measure_step_costs(runner)
+        wants_grpc = "grpc" in config.methods or config.arrival_rates
+        stack = GrpcStack(workload) if wants_grpc else None
+        rows, reference, load = [], None, []
         try:
             for method, batch_size, k in tqdm(plan, desc="bench", unit="run"):
                 result = run_one(method, batch_size, k, hf, runners, workload, stack)
                 reference = reference or result.outputs
                 rows.append(summarise(method, batch_size, k, result, reference))
+            for rate in tqdm(config.arrival_rates, desc="arrival load", unit="rate"):
+                load += arrival_load(stack, workload, rate, config, reference)
         finally:
             if stack:
                 stack.close()
     add_ratios(rows)
     rows = [r for r in rows if r["method"] in config.methods]
-    return {"config": dataclasses.asdict(config), "machine": machine(),
+    return {"config": dataclasses.asdict(config), "machine": machine(config.dtype),
             "num_prompts": len(workload.prompts), "target": workload.target,
-            "draft": workload.draft, "rows": rows,
+            "draft": workload.draft, "rows": rows, "load": load,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def arrival_load(stack, workload: Workload, rate: float, config: BenchConfig,
+                 reference) -> list[dict]:
+    """The same Poisson arrivals (seeded) against batchspec and against the same server
+    decoding with the target alone; one row each."""
+    import grpc
+
+    from batchspec import arrivals
+    from batchspec.v1 import generate_pb2_grpc
+
+    offsets = arrivals.poisson_offsets(rate, len(workload.prompts), seed=int(rate * 1000))
+    k = config.ks[-1]
+    rows = []
+    for method, draft in (("grpc", True), ("grpc_target_only", False)):
+        with stack.coordinator(workload, config.load_batch_size, k, draft=draft) as (port, _):
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = generate_pb2_grpc.CoordinatorStub(channel)
+                traces, seconds = arrivals.run_load(stub, workload.prompts,
+                                                    workload.max_new_tokens, offsets)
+        row = {"method": method, "rate": rate, "batch_size": config.load_batch_size,
+               "k": k if draft else None, **arrivals.summarise(traces, seconds)}
+        if reference:
+            row["exact_match"] = round(sum(t.token_ids == r for t, r in zip(traces, reference))
+                                       / len(reference), 4)
+        rows.append(row)
+    return rows
 
 
 def warm_up(hf, runners, workload: Workload) -> None:
@@ -429,10 +513,13 @@ def warm_up(hf, runners, workload: Workload) -> None:
     lazy initialisation."""
     from batchspec import fastlinear, models
 
-    for model in hf.values():
-        fastlinear.tune(model, models.kernel_plans_file())
+    for name, model in hf.items():
+        if name != "stock":
+            fastlinear.tune(model, models.kernel_plans_file())
     short = dataclasses.replace(workload, prompts=workload.prompts[:2], max_new_tokens=4)
     run_hf(hf, short, "hf_batch1", 1, 0)
+    if "stock" in hf:
+        run_hf(hf, short, "hf_stock_batch1", 1, 0)
     run_engine(runners, short, 2, 2, grouping=True)
 
 
@@ -466,20 +553,40 @@ def summarise(method, batch_size, k, result: Run, reference) -> dict:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    batch1 = next(r["tokens_per_s"] for r in rows if r["method"] == "hf_batch1")
-    batched = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["method"] == "hf_batched"}
-    for row in rows:
-        row["vs_batch1"] = round(row["tokens_per_s"] / batch1, 3)
-        if row["batch_size"] in batched:
-            row["vs_batched"] = round(row["tokens_per_s"] / batched[row["batch_size"]], 3)
+    """Each row's speed over the target alone at batch 1 and over batched decoding at its
+    batch size: with batchspec's kernels (vs_batch1, vs_batched) and, when measured, stock
+    transformers (vs_stock_batch1, vs_stock_batched)."""
+    for prefix, single, batched_method in (("", "hf_batch1", "hf_batched"),
+                                           ("stock_", "hf_stock_batch1", "hf_stock_batched")):
+        batch1 = next((r["tokens_per_s"] for r in rows if r["method"] == single), None)
+        batched = {r["batch_size"]: r["tokens_per_s"] for r in rows
+                   if r["method"] == batched_method}
+        for row in rows:
+            if batch1:
+                row[f"vs_{prefix}batch1"] = round(row["tokens_per_s"] / batch1, 3)
+            if row["batch_size"] in batched:
+                row[f"vs_{prefix}batched"] = round(
+                    row["tokens_per_s"] / batched[row["batch_size"]], 3)
 
 
-def machine() -> dict:
+def machine(dtype: str = "float32") -> dict:
     import torch
 
     return {"cpu_count": os.cpu_count(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "python": platform.python_version(),
-            "platform": platform.platform(), "device": "cpu", "dtype": "float32"}
+            "platform": platform.platform(), "device": "cpu", "dtype": dtype,
+            "cpu": cpu_model()}
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as the kernel reports it (empty where it does not)."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 # ---- the report ------------------------------------------------------------------------------
@@ -498,13 +605,16 @@ def markdown(report: dict) -> str:
              f"{report['num_prompts']} prompts, max_new_tokens "
              f"{report['config']['max_new_tokens']}, {report['machine']['device']} "
              f"{report['machine']['dtype']}, {report['machine']['threads']} threads, "
+             f"draft policy {report['config'].get('draft_policy', 'fixed')}, "
              f"min_draft_confidence {report['config']['min_draft_confidence']} "
              "(K is the most drafted per step)", "",
-             "| method | batch | K | tok/s | vs batched | vs batch 1 | accept rate | accept len "
+             "| method | batch | K | tok/s | vs stock batched | vs stock batch 1 | vs batched "
+             "| vs batch 1 | accept rate | accept len "
              "| target passes/tok | realigned steps "
              "| prefill / draft / verify / realign / rpc / coord "
              "| exact |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| --- | ---: |"]
     fmt = lambda v, f="{:.2f}": "" if v is None else f.format(v)  # noqa: E731
     for r in report["rows"]:
         share = r.get("time_share")
@@ -512,12 +622,28 @@ def markdown(report: dict) -> str:
                             BREAKDOWN) if share else ""
         lines.append(
             f"| {r['method']} | {r['batch_size']} | {fmt(r['k'], '{}')} | "
-            f"{r['tokens_per_s']:.1f} | {fmt(r.get('vs_batched'))} | {fmt(r.get('vs_batch1'))} | "
+            f"{r['tokens_per_s']:.1f} | {fmt(r.get('vs_stock_batched'))} | "
+            f"{fmt(r.get('vs_stock_batch1'))} | {fmt(r.get('vs_batched'))} | "
+            f"{fmt(r.get('vs_batch1'))} | "
             f"{fmt(r.get('acceptance_rate'))} | {fmt(r.get('mean_acceptance_length'))} | "
             f"{r['target_passes_per_token']:.2f} | "
             f"{fmt(r.get('realigned_step_share'), '{:.0%}')} | "
             f"{shares} | {r['exact_match']:.0%} |")
     lines += ["", "Methods: " + "; ".join(f"`{k}` = {v}" for k, v in METHODS.items()), ""]
+    if report.get("load"):
+        lines += ["## Arrival-driven load (Poisson arrivals, over gRPC)", "",
+                  "`grpc_target_only` is the same server with no draft: plain batched decoding "
+                  "under the same arrivals.", "",
+                  "| method | rate (req/s) | batch | K | tok/s | TTFT p50 / p99 (ms) "
+                  "| ITL p50 / p99 (ms) | exact |",
+                  "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: |"]
+        for r in report["load"]:
+            lines.append(f"| {r['method']} | {r['rate']:g} | {r['batch_size']} | "
+                         f"{r['k'] or ''} | {r['tokens_per_s']:.1f} | "
+                         f"{r['ttft_p50_ms']} / {r['ttft_p99_ms']} | "
+                         f"{r['itl_p50_ms']} / {r['itl_p99_ms']} | "
+                         f"{r.get('exact_match', 0):.0%} |")
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -59,6 +59,7 @@ def _service(module: str):
 # ---- serve --------------------------------------------------------------------------------------
 def serve_parser() -> argparse.ArgumentParser:
     from coordinator.engine import EngineConfig
+    from coordinator.scheduler import GroupPolicy
 
     parser = argparse.ArgumentParser(prog="batchspec serve", description=(
         "Start the target and draft services and the coordinator on loopback; serve until "
@@ -79,12 +80,15 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--num-draft-tokens", "-k", type=int,
                         default=EngineConfig.num_draft_tokens,
-                        help="most tokens drafted per step (K; default %(default)s, best on "
-                             "CPU; raise it on a GPU)")
+                        help="most tokens a step drafts per sequence (K; default %(default)s)")
+    parser.add_argument("--draft-policy", choices=("goodput", "fixed"), default=None,
+                        help="goodput: each step drafts what pays, 0 to K tokens per sequence; "
+                             "fixed: always K (default: the coordinator's, goodput)")
     parser.add_argument("--min-draft-confidence", type=float, default=None,
                         help="greedy groups stop drafting below this draft probability "
                              "(default: the coordinator's)")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=GroupPolicy.batch_size,
+                        help="most sequences per step (default %(default)s)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="sequences in the pool (default: the coordinator's)")
     parser.add_argument("--max-queue", type=int, default=None,
@@ -118,7 +122,8 @@ def serve(argv) -> int:
                        "--batch-size", str(args.batch_size)]
     if tokenizer:
         coordinator_cmd += ["--tokenizer", tokenizer]
-    for flag in ("min_draft_confidence", "max_num_seqs", "max_queue", "api_key_file"):
+    for flag in ("draft_policy", "min_draft_confidence", "max_num_seqs", "max_queue",
+                 "api_key_file"):
         if getattr(args, flag) is not None:
             coordinator_cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     children = []

@@ -47,8 +47,10 @@ def model_path(spec: str) -> str:
 
 
 def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
-                   num_layers: int | None = None):
-    """Load a causal LM for inference; `num_layers` keeps only the first layers (a cheap draft)."""
+                   num_layers: int | None = None, stock: bool = False):
+    """Load a causal LM for inference; `num_layers` keeps only the first layers (a cheap draft);
+    `stock` leaves transformers' own linear layers in place (the benchmark's unpatched
+    baseline: what a user of transformers runs)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -71,7 +73,8 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kwargs)
     if num_layers is not None:
         truncate_layers(model, num_layers)
-    fastlinear.patch_linears(model)
+    if not stock:
+        fastlinear.patch_linears(model)
     return model.to(device).eval()
 
 

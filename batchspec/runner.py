@@ -333,8 +333,8 @@ CALIBRATION_TOKENS = (1, 2, 3, 5, 8)
 
 
 def measure_step_costs(runner: ModelRunner, rows=CALIBRATION_ROWS, tokens=CALIBRATION_TOKENS,
-                       context: int = 64, repeats: int = 2,
-                       budget_s: float = 10.0) -> list[StepCost]:
+                       context: int = 128, repeats: int = 2,
+                       budget_s: float = 12.0) -> list[StepCost]:
     """Time group forwards of `rows` sequences feeding `tokens` tokens each over `context`
     cached positions, the way verify and propose run them. Batch sizes grow until the grid
     would take more than budget_s (a slow device measures fewer of them)."""
@@ -346,16 +346,17 @@ def measure_step_costs(runner: ModelRunner, rows=CALIBRATION_ROWS, tokens=CALIBR
         try:
             for num_tokens in tokens:
                 times = []
-                for _ in range(repeats):
+                for attempt in range(repeats + 1):  # the first run warms up, untimed
                     specs = [RowSpec(s, context, context, [0] * num_tokens) for s in ids]
                     group = runner.open_group(specs, realign=False)
                     started = time.perf_counter()
                     group.step(torch.zeros(num_rows, num_tokens, dtype=torch.long),
                                num_logits=num_tokens)
-                    times.append(time.perf_counter() - started)
+                    if attempt:
+                        times.append(time.perf_counter() - started)
                 seconds = min(times)
                 costs.append(StepCost(num_rows, num_tokens, context, seconds))
-                spent += sum(times)
+                spent += sum(times) * (repeats + 1) / repeats
         finally:
             runner.release(ids)
         if spent * 2.5 > budget_s:  # the next batch size costs about twice as much

@@ -66,15 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer.json or a directory holding it (enables text prompts)")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    parser.add_argument("--batch-size", type=int, default=scheduler.GroupPolicy.batch_size,
+                        help="most sequences per step (default %(default)s)")
     parser.add_argument("--num-draft-tokens", "-k", type=int,
                         default=EngineConfig.num_draft_tokens,
-                        help="most tokens drafted per step (K; default %(default)s, best on "
-                             "CPU; raise it on a GPU)")
+                        help="most tokens a step drafts per sequence (K; default %(default)s)")
+    parser.add_argument("--draft-policy", choices=("goodput", "fixed"),
+                        default=EngineConfig.draft_policy,
+                        help="goodput: per sequence and step the K (0 to -k) with the most "
+                             "expected tokens per second, from measured costs and acceptance; "
+                             "fixed: always -k (default %(default)s)")
     parser.add_argument("--min-draft-confidence", type=float,
                         default=EngineConfig.min_draft_confidence,
                         help="greedy groups stop drafting once every row's draft probability "
-                             "falls below this (0: always draft K)")
+                             "falls below this (default %(default)s: off)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences in the pool")
     parser.add_argument("--max-queue", type=int, default=1024,
                         help="requests that may wait for the pool before RESOURCE_EXHAUSTED")
@@ -118,6 +123,7 @@ def peer_tls_from_args(args) -> security.ClientTls | None:
 
 def config_from_args(args) -> CoordinatorConfig:
     engine = EngineConfig(num_draft_tokens=args.num_draft_tokens,
+                          draft_policy=args.draft_policy,
                           min_draft_confidence=args.min_draft_confidence,
                           policy=scheduler.GroupPolicy(batch_size=args.batch_size),
                           max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,

@@ -49,7 +49,11 @@ class RowState:
         is num_accepted successes and, if num_accepted < num_drafts, one failure (the
         geometric model's maximum-likelihood counts)."""
         if num_drafts == 0:
+            # no evidence: what is known fades, and the estimate drifts back to the running
+            # mean, so a row turned off by a few rejections is tried again soon
             self.idle_steps += 1
+            self.accepted *= decay
+            self.rejected *= decay
             return
         self.idle_steps = 0
         self.accepted = self.accepted * decay + num_accepted
@@ -64,15 +68,23 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 class ForwardCosts:
-    """Seconds of one forward of `rows` rows feeding `tokens` tokens each, interpolated from
-    the grid a service measured at start-up (piecewise linear in rows and in tokens, extended
-    linearly past the grid)."""
+    """Seconds of one forward of `rows` rows feeding `tokens` tokens each, from the grid a
+    service measured at start-up. Single timings are noisy, so the grid is smoothed first:
+    for each batch size a straight line in tokens (least squares, never decreasing), then
+    never cheaper for more rows. Between grid points it interpolates linearly, and past the
+    grid it extends the last slope."""
 
     def __init__(self, points):
         # points: (rows, tokens, seconds) triples
-        self._table: dict[int, dict[int, float]] = {}
+        by_rows: dict[int, list[tuple[int, float]]] = {}
         for rows, tokens, seconds in points:
-            self._table.setdefault(tokens, {})[rows] = seconds
+            by_rows.setdefault(rows, []).append((tokens, seconds))
+        self._table: dict[int, dict[int, float]] = {}
+        for rows in sorted(by_rows):
+            for tokens, seconds in _line(by_rows[rows]):
+                curve = self._table.setdefault(tokens, {})
+                fewer = [curve[r] for r in curve if r < rows]
+                curve[rows] = max([seconds] + fewer)
         self._tokens = sorted(self._table)
 
     def __bool__(self) -> bool:
@@ -85,6 +97,19 @@ class ForwardCosts:
         curve = self._table[tokens]
         sizes = sorted(curve)
         return _interpolate(sizes, curve.__getitem__, rows)
+
+
+def _line(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The least-squares line through (tokens, seconds), slope >= 0, at the same tokens."""
+    if len(points) < 2:
+        return points
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_s = sum(s for _, s in points) / n
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    slope = max(0.0, sum((t - mean_t) * (s - mean_s) for t, s in points) / spread) \
+        if spread else 0.0
+    return [(t, mean_s + slope * (t - mean_t)) for t, _ in points]
 
 
 def _interpolate(xs: list[int], f, x: float) -> float:

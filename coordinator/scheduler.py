@@ -20,7 +20,7 @@ from coordinator.sequence import Sequence
 
 @dataclasses.dataclass(frozen=True)
 class GroupPolicy:
-    batch_size: int = 8
+    batch_size: int = 32  # a step takes at most this many sequences (one cohort)
     # False: no cohorts; every step takes the longest-waiting batch_size sequences, whatever
     # their lengths (the EQSPEC way, kept for comparison).
     grouping: bool = True

@@ -9,7 +9,8 @@ from batchspec.bench import METHODS, USES_BATCH, USES_K
 def test_quick_bench_writes_a_complete_exact_report(tmp_path):
     out = tmp_path / "report"
     done = subprocess.run([sys.executable, "-m", "batchspec", "bench", "--quick", "--out",
-                           str(out)], capture_output=True, text=True, timeout=300)
+                           str(out), "--arrival-rates", "40"],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "results.json").read_text())
     rows = report["rows"]
@@ -24,14 +25,35 @@ def test_quick_bench_writes_a_complete_exact_report(tmp_path):
         assert "vs_batch1" in row and "target_passes_per_token" in row
         if row["method"] in ("engine_realign", "engine_grouped", "grpc"):
             assert row["exact_match"] == 1.0, row
-            assert 0 <= row["acceptance_rate"] <= 1 and row["mean_acceptance_length"] >= 1
+            if "acceptance_rate" in row:  # the goodput policy may choose K = 0 throughout
+                assert 0 <= row["acceptance_rate"] <= 1 and row["mean_acceptance_length"] >= 1
             assert set(row["time_share"]) == {"prefill", "draft", "verify", "realign", "rpc",
                                               "coordinator"}
             assert row["time_share"]["prefill"] > 0 and row["time_share"]["verify"] > 0
             assert 0 <= row["realigned_step_share"] <= 1
         if row["method"] in USES_BATCH:
-            assert "vs_batched" in row
+            assert "vs_batched" in row and "vs_stock_batched" in row
     assert rows[0]["method"] == "hf_batch1" and rows[0]["exact_match"] == 1.0
     markdown = (out / "results.md").read_text()
     assert all(f"| {m} |" in markdown for m in METHODS)
+    # the arrival-driven load: batchspec and plain decoding under the same Poisson arrivals
+    load = report["load"]
+    assert [r["method"] for r in load] == ["grpc", "grpc_target_only"]
+    for row in load:
+        assert row["num_requests"] == report["num_prompts"] and row["exact_match"] == 1.0
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        assert 0 <= row["itl_p50_ms"] <= row["itl_p99_ms"] and row["tokens_per_s"] > 0
+    assert "Arrival-driven load" in markdown
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_poisson_arrivals_and_percentiles():
+    from batchspec import arrivals
+
+    offsets = arrivals.poisson_offsets(rate=4.0, count=4000, seed=1)
+    assert offsets == sorted(offsets)
+    assert 900 < offsets[-1] < 1100  # about count / rate seconds
+    assert arrivals.poisson_offsets(4.0, 5, seed=2) == arrivals.poisson_offsets(4.0, 5, seed=2)
+    values = list(range(1, 101))
+    assert arrivals.percentile(values, 50) == 50 and arrivals.percentile(values, 99) == 99
+    assert arrivals.percentile([], 50) is None

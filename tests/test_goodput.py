@@ -48,6 +48,18 @@ def test_forward_costs_interpolate_and_extend_the_grid():
     assert costs.predict(1, 5) == pytest.approx(5.0)
 
 
+def test_noisy_calibration_is_smoothed_to_never_cheaper_for_more_work():
+    # one slow outlier at 3 tokens and one fast at 5 (as single timings on a busy CPU give)
+    noisy = [(1, 1, 0.038), (1, 2, 0.041), (1, 3, 0.054), (1, 5, 0.050), (1, 8, 0.066),
+             (2, 1, 0.036), (2, 2, 0.044), (2, 3, 0.060), (2, 5, 0.070), (2, 8, 0.090)]
+    costs = goodput.ForwardCosts(noisy)
+    for rows in (1, 2):
+        by_tokens = [costs.predict(rows, t) for t in range(1, 9)]
+        assert by_tokens == sorted(by_tokens)
+    assert all(costs.predict(2, t) >= costs.predict(1, t) for t in range(1, 9))
+    assert costs.predict(1, 3) < 0.054 and costs.predict(1, 5) > 0.050
+
+
 def test_live_timings_correct_the_calibration():
     cost = goodput.ServiceCost(goodput.ForwardCosts([(1, 1, 0.010), (1, 2, 0.012)]))
     for _ in range(60):  # the device turned out twice as slow, with 5 ms of RPC per command
@@ -214,3 +226,16 @@ def test_goodput_policy_over_grpc_is_exact(model_dirs, arch):
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     for (prompt, max_new), (tokens, _) in zip(requests, results):
         assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
+
+
+def test_a_row_turned_off_drifts_back_to_the_running_mean():
+    p = policy(verify_per_token=0.002)
+    for _ in range(50):
+        p.observe(goodput.RowState(), num_drafts=4, num_accepted=3)  # other rows: ~0.75
+    state = goodput.RowState()
+    for _ in range(5):
+        p.observe(state, num_drafts=2, num_accepted=0)
+    low = p.acceptance(state)
+    for _ in range(20):
+        p.observe(state, num_drafts=0, num_accepted=0)
+    assert low < 0.4 < p.acceptance(state)

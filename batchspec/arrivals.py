@@ -1,0 +1,96 @@
+"""Arrival-driven load, the way serving systems are judged: requests arrive as a Poisson
+process at a given rate, each streams its tokens over gRPC, and the run reports throughput,
+time to first token (TTFT) and inter-token latency (ITL) at p50 and p99.
+
+ITL is measured per token: a streamed message carrying n tokens, t seconds after the previous
+one, counts n gaps of t / n (speculation delivers several tokens at once).
+"""
+import concurrent.futures
+import dataclasses
+import math
+import random
+import threading
+import time
+
+
+def poisson_offsets(rate: float, count: int, seed: int = 0) -> list[float]:
+    """Arrival times (seconds from the start) of `count` requests at `rate` per second."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(count):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+@dataclasses.dataclass
+class Trace:
+    """One request's timeline (time.perf_counter values)."""
+
+    arrival: float
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    first_token: float | None = None
+    gaps: list[float] = dataclasses.field(default_factory=list)  # per token, after the first
+    finished: float | None = None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100), nearest rank; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
+    return ordered[rank - 1]
+
+
+def run_load(stub, prompts: list[list[int]], max_new_tokens: int,
+             offsets: list[float]) -> tuple[list[Trace], float]:
+    """Send prompts[i] at offsets[i] seconds from now (one thread per request, started at its
+    arrival); returns the traces and the seconds from the first arrival to the last finish."""
+    from batchspec.v1 import generate_pb2
+
+    start = time.perf_counter()
+    traces = [Trace(start + o) for o in offsets]
+    stop = threading.Event()
+
+    def one(i: int) -> None:
+        trace = traces[i]
+        delay = trace.arrival - time.perf_counter()
+        if delay > 0 and stop.wait(delay):
+            return
+        trace.arrival = time.perf_counter()
+        last = None
+        for response in stub.Generate(generate_pb2.GenerateRequest(
+                prompt_token_ids=prompts[i], max_new_tokens=max_new_tokens), timeout=3600):
+            now = time.perf_counter()
+            n = len(response.token_ids)
+            if n and trace.first_token is None:
+                trace.first_token = now  # tokens delivered with the first count in TTFT only
+            elif n:
+                trace.gaps += [(now - last) / n] * n
+            if n:
+                last = now
+            trace.token_ids += response.token_ids
+        trace.finished = time.perf_counter()
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(one, i) for i in range(len(prompts))]
+        try:
+            for future in futures:
+                future.result()
+        finally:
+            stop.set()
+    first = min(t.arrival for t in traces)
+    last = max(t.finished for t in traces)
+    return traces, last - first
+
+
+def summarise(traces: list[Trace], seconds: float) -> dict:
+    ttft = [t.first_token - t.arrival for t in traces if t.first_token is not None]
+    gaps = [g for t in traces for g in t.gaps]
+    tokens = sum(len(t.token_ids) for t in traces)
+    ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
+    return {"num_requests": len(traces), "num_tokens": tokens, "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 2),
+            "ttft_p50_ms": ms(percentile(ttft, 50)), "ttft_p99_ms": ms(percentile(ttft, 99)),
+            "itl_p50_ms": ms(percentile(gaps, 50)), "itl_p99_ms": ms(percentile(gaps, 99))}
