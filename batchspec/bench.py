@@ -65,6 +65,7 @@ class BenchConfig:
     arrival_rates: tuple[float, ...] = ()
     load_batch_size: int = 32  # the coordinator's --batch-size under that load
     dtype: str = "float32"  # of both models, in every method
+    prompts: str | None = None  # a JSONL file of {"prompt": ...}; default: the packaged set
 
     def __post_init__(self):
         unknown = set(self.methods) - set(METHODS)
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "these rates (requests/s, comma-separated), batchspec against "
                              "the same server decoding with the target alone; reports "
                              "throughput, TTFT and ITL p50/p99")
+    parser.add_argument("--prompts", default=None,
+                        help="JSONL file of {\"prompt\": ...} chat prompts (default: the "
+                             "packaged benchmark prompts)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="dtype of both models in every method; `exact` then compares with "
                              "the target alone at batch 1 in the same dtype")
@@ -156,7 +160,8 @@ def config_from_args(args) -> BenchConfig:
                            draft_policy=args.draft_policy,
                            arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",")
                                                if x),
-                           load_batch_size=args.load_batch_size, dtype=args.dtype)
+                           load_batch_size=args.load_batch_size, dtype=args.dtype,
+                       prompts=args.prompts)
     return BenchConfig(target=args.target, draft=args.draft, draft_layers=args.draft_layers,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                        batch_sizes=ints(args.batch_sizes), ks=ints(args.ks),
@@ -164,7 +169,8 @@ def config_from_args(args) -> BenchConfig:
                        min_draft_confidence=args.min_draft_confidence,
                        draft_policy=args.draft_policy,
                        arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",") if x),
-                       load_batch_size=args.load_batch_size, dtype=args.dtype)
+                       load_batch_size=args.load_batch_size, dtype=args.dtype,
+                       prompts=args.prompts)
 
 
 # ---- the workload ------------------------------------------------------------------------------
@@ -187,7 +193,8 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
     from batchspec.draft_eval import bench_prompts
 
     tokenizer = load_tokenizer(config.target)
-    prompts = [chat_ids(tokenizer, r["prompt"]) for r in bench_prompts(config.num_prompts)]
+    prompts = [chat_ids(tokenizer, r["prompt"])
+               for r in bench_prompts(config.num_prompts, config.prompts)]
     draft = config.draft or models.SMOLLM2_DRAFT
     target_model = models.load_causal_lm(config.target)
     return Workload(config.target, draft, config.draft_layers, prompts, config.max_new_tokens,
@@ -265,6 +272,7 @@ def run_engine(runners, workload: Workload, batch_size: int, k: int, grouping: b
     engine = Engine(InProcessTarget(runners["target"], "target"),
                     [InProcessDraft(runners["draft"], "draft")],
                     EngineConfig(num_draft_tokens=k, draft_policy=workload.draft_policy,
+                                 overlap="off",  # both models in this one process
                                  min_draft_confidence=workload.min_draft_confidence,
                                  policy=GroupPolicy(batch_size=batch_size, grouping=grouping),
                                  max_num_seqs=count, max_queue=count),

@@ -23,8 +23,13 @@ from batchspec.data import read_jsonl
 log = logging.getLogger("batchspec.evaluate")
 
 
-def bench_prompts(limit: int | None = None) -> list[dict]:
-    rows = read_jsonl(pathlib.Path(__file__).parent / "data" / "bench_prompts.jsonl")
+def bench_prompts(limit: int | None = None, path: str | None = None) -> list[dict]:
+    """The benchmark's prompts ({"category", "prompt"} rows), or a JSONL file of the same
+    shape ("category" optional)."""
+    rows = read_jsonl(pathlib.Path(path) if path else
+                      pathlib.Path(__file__).parent / "data" / "bench_prompts.jsonl")
+    for row in rows:
+        row.setdefault("category", "other")
     if not limit:
         return rows
     # a subset takes the categories in turn, so that every kind of work is in it

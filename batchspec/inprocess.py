@@ -31,7 +31,8 @@ class _InProcess:
         r = self.runner
         return ModelInfo(r.name, r.vocab_size, r.eos_token_ids, r.max_context_len,
                          len(r.caches), r.num_cached_tokens(),
-                         tuple((c.rows, c.tokens, c.seconds) for c in r.step_costs))
+                         tuple((c.rows, c.tokens, c.seconds) for c in r.step_costs),
+                         str(r.device))
 
     def prefill(self, entries):
         return self.runner.prefill(entries)

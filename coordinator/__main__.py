@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="goodput: per sequence and step the K (0 to -k) with the most "
                              "expected tokens per second, from measured costs and acceptance; "
                              "fixed: always -k (default %(default)s)")
+    parser.add_argument("--overlap", choices=("auto", "on", "off"), default=EngineConfig.overlap,
+                        help="draft for the next cohort while the target verifies this one; "
+                             "auto: unless both services run on CPU (default %(default)s)")
     parser.add_argument("--min-draft-confidence", type=float,
                         default=EngineConfig.min_draft_confidence,
                         help="greedy groups stop drafting once every row's draft probability "
@@ -123,7 +126,7 @@ def peer_tls_from_args(args) -> security.ClientTls | None:
 
 def config_from_args(args) -> CoordinatorConfig:
     engine = EngineConfig(num_draft_tokens=args.num_draft_tokens,
-                          draft_policy=args.draft_policy,
+                          draft_policy=args.draft_policy, overlap=args.overlap,
                           min_draft_confidence=args.min_draft_confidence,
                           policy=scheduler.GroupPolicy(batch_size=args.batch_size),
                           max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,

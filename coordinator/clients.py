@@ -26,6 +26,7 @@ class ModelInfo:
     num_cached_tokens: int
     # (rows, tokens, seconds) of forwards measured at the service's start-up
     step_costs: tuple[tuple[int, int, float], ...] = ()
+    device: str = ""  # e.g. "cpu", "cuda:0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +207,8 @@ class ServiceClient:
             raise errors.Unavailable(f"{self.address}: {_describe(error)}") from error
         return ModelInfo(info.model, info.vocab_size, list(info.eos_token_ids),
                          info.max_context_len, info.num_sequences, info.num_cached_tokens,
-                         tuple((c.rows, c.tokens, c.seconds) for c in info.step_costs))
+                         tuple((c.rows, c.tokens, c.seconds) for c in info.step_costs),
+                         info.device)
 
     def prefill(self, entries: list[tuple[int, list[int]]]) -> list[int]:
         result = self.stream.call(prefill=cache_pb2.PrefillCommand(entries=[

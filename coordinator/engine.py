@@ -5,6 +5,7 @@ One engine thread owns every Sequence; request threads talk to it only through `
 service is re-prefilled from this record: a draft outage degrades to target-only decoding,
 a target outage makes requests wait (bounded by their deadlines).
 """
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -35,6 +36,10 @@ class EngineConfig:
     draft_policy: str = "goodput"
     # Greedy groups stop drafting early once every row's draft is less sure than this (0: off).
     min_draft_confidence: float = 0.0
+    # Draft for the next cohort while the target verifies this one, so both services work at
+    # once: "on", "off", or "auto": on unless both services run on CPU (then they share the
+    # host's cores, and on a small CPU running both at once made each much slower).
+    overlap: str = "auto"
     policy: scheduler.GroupPolicy = scheduler.GroupPolicy()
     max_num_seqs: int = 64  # sequences stepped concurrently (the pool)
     max_queue: int = 1024  # requests waiting for a pool slot; beyond it RESOURCE_EXHAUSTED
@@ -47,6 +52,8 @@ class EngineConfig:
     def __post_init__(self):
         if not 1 <= self.num_draft_tokens <= 32:
             raise ValueError("num_draft_tokens must be in [1, 32]")
+        if self.overlap not in ("auto", "on", "off"):
+            raise ValueError("overlap must be 'auto', 'on' or 'off'")
         if self.draft_policy not in ("goodput", "fixed"):
             raise ValueError("draft_policy must be 'goodput' or 'fixed'")
         if not 0.0 <= self.min_draft_confidence <= 1.0:
@@ -74,6 +81,7 @@ class EngineStats:
     num_realigned_steps: int = 0
     num_draft_fallback_steps: int = 0  # no draft service: target alone
     num_plain_steps: int = 0  # the policy chose K = 0 for every row: no draft call
+    num_overlapped_steps: int = 0  # verifies during which the next group was drafted
     draft_seconds: float = 0.0  # coordinator-side round trips
     verify_seconds: float = 0.0
     draft_compute_seconds: float = 0.0  # the services' own accounts
@@ -82,6 +90,17 @@ class EngineStats:
     prefill_seconds: float = 0.0  # coordinator-side round trips, both services
     num_sampled_rows: int = 0  # (sequence, step) pairs that sent draft distributions
     num_draft_probs_bytes: int = 0  # their wire size, summed
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A group whose drafts are ready: each row's K and the draft's proposals."""
+
+    seqs: list[Sequence]
+    plan: dict[int, int]  # seq_id -> drafts it verifies (0: none)
+    proposals: dict  # seq_id -> (draft_token_ids, draft_probs, drafted, draft cache_len)
+    draft_timing: object  # the draft service's Timing, None without a draft call
+    draft_s: float
 
 
 class RequestHandle:
@@ -152,6 +171,10 @@ class Engine:
         self._next_retry = 0.0
         self._retry_delay = config.reconnect_backoff_s[0]
         self._policy: goodput.GoodputPolicy | None = None  # built at the first step
+        self._prepared: Prepared | None = None  # a group drafted while the last one verified
+        self._overlapping: bool | None = None  # config.overlap, resolved at the first step
+        # runs verify commands, so that the engine thread can draft meanwhile
+        self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify")
 
     # ---- request side (any thread) ------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], max_new_tokens: int,
@@ -211,6 +234,9 @@ class Engine:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
+        # ask the services for their costs and devices now, not on the first request's path
+        self._policy = self._build_policy()
+        self._overlap()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -227,6 +253,7 @@ class Engine:
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self._verifier.shutdown(wait=False)
         for handle in list(self._active.values()) + self._waiting:
             handle.events.put(Event([], error=errors.Unavailable("the coordinator stopped")))
 
@@ -247,7 +274,8 @@ class Engine:
                 time.sleep(0.05)
 
     def step(self) -> None:
-        """One iteration: drop cancelled/expired requests, admit, then step one group.
+        """One iteration: drop cancelled/expired requests, admit, then verify one group, and
+        (with overlap) draft for the next group while the target verifies this one.
         A failure fails only the requests of the part that failed (see _isolated)."""
         self._reap()
         if not self._ensure_services():
@@ -255,13 +283,49 @@ class Engine:
             return
         self._admit()
         self.telemetry.queue(len(self._active), len(self._waiting))
-        active = [h.seq for h in self._active.values()]
-        group = scheduler.pick_group(active, self.config.policy, self.stats.num_steps)
-        if group is None:
+        current, self._prepared = self._still_open(self._prepared), None
+        current = current or self._prepare(exclude=set())
+        if current is None:
             return
-        handles = [self._active[s.seq_id] for s in group.sequences]
-        with self._isolated("step", handles):
-            self._step_group(group)
+        if self._overlap():
+            in_flight = self._verifier.submit(self._verify, current)
+            # the next cohort's draft runs while the target verifies (disjoint rows)
+            self._prepared = self._prepare(exclude={s.seq_id for s in current.seqs})
+            verified = in_flight.result()
+            if self._prepared is not None:
+                self.stats.num_overlapped_steps += 1
+        else:
+            verified = self._verify(current)
+        with self._isolated("step", self._handles(current.seqs)):
+            self._finish(current, verified)
+
+    def _overlap(self) -> bool:
+        if self._overlapping is None:
+            self._overlapping = self.config.overlap == "on"
+            if self.config.overlap == "auto" and self.draft is not None:
+                devices = {self._device(self.target), self._device(self.draft)}
+                self._overlapping = bool(devices) and devices != {"cpu"} and None not in devices
+                log.info("drafting the next group while the target verifies: %s (devices %s)",
+                         "on" if self._overlapping else "off", sorted(map(str, devices)))
+        return self._overlapping and self._draft_up
+
+    @staticmethod
+    def _device(client) -> str | None:
+        """The device type a service runs on ("cpu", "cuda", ...), None when it cannot say."""
+        try:
+            return client.describe().device.split(":")[0] or None
+        except errors.BatchspecError:
+            return None
+
+    def _handles(self, seqs: list[Sequence]) -> list[RequestHandle]:
+        return [self._active[s.seq_id] for s in seqs if s.seq_id in self._active]
+
+    def _still_open(self, prepared: "Prepared | None") -> "Prepared | None":
+        """A group drafted last step, less the rows that ended since (None if none is left)."""
+        if prepared is None:
+            return None
+        seqs = [s for s in prepared.seqs if s.seq_id in self._active]
+        return dataclasses.replace(prepared, seqs=seqs) if seqs else None
 
     @contextlib.contextmanager
     def _isolated(self, what: str, handles: list[RequestHandle]):
@@ -364,36 +428,64 @@ class Engine:
         for s in seqs:
             s.draft_cache_len = s.draft_valid_len = s.committed_len - 1
 
-    def _step_group(self, group: scheduler.Group) -> None:
+    def _prepare(self, exclude: set[int]) -> "Prepared | None":
+        """Pick the next group (of rows not in `exclude`), choose each row's K and draft."""
+        active = [h.seq for h in self._active.values() if h.seq.seq_id not in exclude]
+        group = scheduler.pick_group(active, self.config.policy, self.stats.num_steps)
+        if group is None:
+            return None
         seqs = group.sequences
-        timeout = self._group_timeout([self._active[s.seq_id] for s in seqs])
-        plan = self._plan(seqs)
-        proposals, draft_timing, draft_s = self._propose(
-            [s for s, k in zip(seqs, plan) if k], max(plan), timeout)
+        with self._isolated("draft", self._handles(seqs)):
+            timeout = self._group_timeout(self._handles(seqs))
+            plan = self._plan(seqs)
+            proposals, draft_timing, draft_s = self._propose(
+                [s for s, k in zip(seqs, plan) if k], max(plan), timeout)
+            return Prepared(seqs, dict(zip((s.seq_id for s in seqs), plan)), proposals,
+                            draft_timing, draft_s)
+        return None
+
+    def _verify(self, prepared: "Prepared"):
+        """Verify a drafted group (possibly on the verifier thread): (specs, outcomes, timing,
+        seconds), or the exception it raised."""
+        seqs = prepared.seqs
         specs = []
-        for seq, k in zip(seqs, plan):
-            drafts, probs, _ = proposals.get(seq.seq_id, ([], [], 0))
+        for seq in seqs:
+            k = prepared.plan[seq.seq_id]
+            drafts, probs, _, _ = prepared.proposals.get(seq.seq_id, ([], [], 0, None))
             specs.append(VerifySpec(seq.seq_id, seq.target_cache_len,
                                     seq.token_ids[seq.target_cache_len:], drafts[:k], probs[:k],
                                     seq.sampling))
+        mixed = len({s.committed_len for s in seqs}) > 1
         started = time.perf_counter()
         try:
-            outcomes, timing = self.target.verify(group.mixed, specs, timeout=timeout)
-        except errors.Unavailable as error:
-            self._target_lost(error)
+            outcomes, timing = self.target.verify(
+                mixed, specs, timeout=self._group_timeout(self._handles(seqs)))
+        except Exception as error:  # answered on the engine thread, by _finish
+            return error
+        return specs, outcomes, timing, time.perf_counter() - started
+
+    def _finish(self, prepared: "Prepared", verified) -> None:
+        """Commit a verified group (on the engine thread)."""
+        if isinstance(verified, errors.Unavailable):
+            self._target_lost(verified)
             return
-        except errors.DeadlineExceeded:
+        if isinstance(verified, errors.DeadlineExceeded):
             return  # the rows' deadlines passed while queued: _reap ends them next step
-        verify_s = time.perf_counter() - started
+        if isinstance(verified, Exception):
+            raise verified  # _isolated ends this group's requests
+        specs, outcomes, timing, verify_s = verified
         width = max(len(spec.draft_token_ids) for spec in specs)
         if self._policy.calibrated:
             self._policy.target.observe([(len(specs), 1 + width)], timing.forward_seconds,
                                         verify_s)
-        self._count_step(group, not self._draft_up, max(plan) == 0, draft_timing, timing,
-                         draft_s, verify_s)
+        mixed = len({s.committed_len for s in prepared.seqs}) > 1
+        self._count_step(mixed, not self._draft_up, not prepared.proposals,
+                         prepared.draft_timing, timing, prepared.draft_s, verify_s)
         finished = []
-        for seq, spec, outcome in zip(seqs, specs, outcomes):
-            drafted = proposals.get(seq.seq_id, ([], [], 0))[2]
+        for seq, spec, outcome in zip(prepared.seqs, specs, outcomes):
+            _, _, drafted, cache_len = prepared.proposals.get(seq.seq_id, ([], [], 0, None))
+            if cache_len != seq.draft_cache_len:
+                drafted = 0  # the draft lost or re-prefilled it since: its drafts are not cached
             if self._commit(seq, outcome, len(spec.draft_token_ids), drafted):
                 finished.append(seq)
         self._release(finished)
@@ -437,10 +529,11 @@ class Engine:
         return max(0.001, max(deadlines) - time.monotonic())
 
     def _propose(self, seqs: list[Sequence], num_drafts: int, timeout: float | None):
-        """({seq_id: (draft_token_ids, draft_probs, drafted)}, timing, round-trip seconds) for
-        the rows that can draft together; ({}, None, 0) when none can or the draft service is
-        down (target-only decoding). `drafted` is what the service drafted (and cached, but
-        the last) for the row, which may be more than the row verifies."""
+        """({seq_id: (draft_token_ids, draft_probs, drafted, cache_len)}, timing, round-trip
+        seconds) for the rows that can draft together; ({}, None, 0) when none can or the
+        draft service is down (target-only decoding). `drafted` is what the service drafted
+        (and cached, but the last) for the row, which may be more than the row verifies;
+        cache_len its draft cache length after."""
         if not self._draft_up or not num_drafts:
             return {}, None, 0.0
         ready = [s for s in seqs if s.draft_cache_len is not None]
@@ -470,8 +563,8 @@ class Engine:
         if self._policy.calibrated:
             self._policy.draft.observe(goodput.draft_calls(len(rows), width, drafted),
                                        timing.forward_seconds, round_trip)
-        return ({p.seq_id: (p.draft_token_ids, p.draft_probs, drafted) for p in proposals},
-                timing, round_trip)
+        return ({p.seq_id: (p.draft_token_ids, p.draft_probs, drafted, p.cache_len)
+                 for p in proposals}, timing, round_trip)
 
     def _commit(self, seq: Sequence, outcome, num_drafts: int, drafted: int) -> bool:
         """Apply one verification to its sequence; True when the sequence finished.
@@ -514,13 +607,13 @@ class Engine:
             text += seq.text.flush()
         return text
 
-    def _count_step(self, group: scheduler.Group, fallback: bool, plain: bool, draft_timing,
+    def _count_step(self, mixed: bool, fallback: bool, plain: bool, draft_timing,
                     timing, draft_s: float, verify_s: float) -> None:
         stats = self.stats
         stats.num_steps += 1
         if plain and not fallback:
             stats.num_plain_steps += 1
-        if group.mixed:
+        if mixed:
             stats.num_realigned_steps += 1
         else:
             stats.num_grouped_steps += 1
@@ -532,7 +625,7 @@ class Engine:
         stats.verify_compute_seconds += timing.compute_seconds
         stats.draft_compute_seconds += draft_timing.compute_seconds if draft_timing else 0.0
         stats.realign_seconds += realign_s
-        self.telemetry.step(group.mixed, fallback, draft_s if draft_timing else None, verify_s,
+        self.telemetry.step(mixed, fallback, draft_s if draft_timing else None, verify_s,
                             realign_s)
 
     # ---- endings and releases -----------------------------------------------------------------
@@ -572,6 +665,7 @@ class Engine:
         self._schedule_retry()
 
     def _target_lost(self, error) -> None:
+        self._prepared = None
         self._target_up = False
         self.on_health(False)
         self.target.reset()

@@ -81,6 +81,9 @@ def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, me
     # every step drafts K unless a test asks for the goodput policy: these tests check the
     # mechanics of drafting, which the policy could turn off for tiny models
     engine_kwargs.setdefault("draft_policy", "fixed")
+    # the pipeline (drafting the next cohort while the target verifies) on, though the tiny
+    # services share a CPU: every test through the services exercises it
+    engine_kwargs.setdefault("overlap", "on")
     engine_config = EngineConfig(num_draft_tokens=num_draft_tokens,
                                  policy=scheduler.GroupPolicy(batch_size=batch_size),
                                  reconnect_backoff_s=(0.05, 0.5), **engine_kwargs)

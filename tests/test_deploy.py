@@ -181,8 +181,10 @@ def test_dockerfile_builds_protos_runs_as_non_root_and_asks_for_cuda_explicitly(
 
 def loopback_commands(model_dirs):
     """The scale-out compose command lines, rewritten for loopback: each service gets free
-    ports, the tiny models and the CPU; coordinator peers point at the mapped ports."""
-    compose = load_compose("compose.yaml", "compose.scale.yaml")
+    ports, the tiny models and the CPU; coordinator peers point at the mapped ports. Drafting
+    is fixed at K so that every draft replica is seen to work (the goodput policy may rightly
+    choose not to draft for tiny models on a CPU)."""
+    compose = load_compose("compose.yaml", "compose.scale.yaml", env={"DRAFT_POLICY": "fixed"})
     services = compose["services"]
     target_dir, draft_dir = model_dirs["llama"]
     ports, metrics, commands = {}, {}, {}

@@ -1,5 +1,6 @@
 """Draft length by goodput: the pure policy, and the engine switching K (0 included) per row
 with exact output and a draft that catches up after a stretch without drafting."""
+import dataclasses
 import random
 
 import pytest
@@ -152,7 +153,7 @@ def stretches(step, batch):
     return [3 if (i + step) % 2 else 0 for i in range(batch)]
 
 
-def engine_for(target_dir, draft_dir, script, batch_size):
+def engine_for(target_dir, draft_dir, script, batch_size, **config):
     from batchspec import models
 
     loaded = [models.load_causal_lm(d) for d in (target_dir, draft_dir)]
@@ -163,7 +164,7 @@ def engine_for(target_dir, draft_dir, script, batch_size):
     engine = Engine(InProcessTarget(runners[0], "target"), [InProcessDraft(runners[1], "draft")],
                     EngineConfig(num_draft_tokens=4,
                                  policy=GroupPolicy(batch_size=batch_size),
-                                 max_num_seqs=64, max_queue=64),
+                                 max_num_seqs=64, max_queue=64, **config),
                     eos)
     engine._policy = Scripted(script)
     return engine, runners
@@ -239,3 +240,48 @@ def test_a_row_turned_off_drifts_back_to_the_running_mean():
     for _ in range(20):
         p.observe(state, num_drafts=0, num_accepted=0)
     assert low < 0.4 < p.acceptance(state)
+
+
+# ---- the pipeline: drafting the next cohort while the target verifies --------------------------
+class FlakyDraft(InProcessDraft):
+    """Runs every proposal, but the answers of some never arrive (the service lost while the
+    proposal was in flight): its caches moved on while the coordinator's record did not."""
+
+    def __init__(self, runner, lose_at):
+        super().__init__(runner, "flaky draft")
+        self.calls, self.lose_at = 0, set(lose_at)
+
+    def propose(self, *args, **kwargs):
+        self.calls += 1
+        result = super().propose(*args, **kwargs)
+        if self.calls in self.lose_at:
+            from batchspec import errors
+            raise errors.Unavailable("stream broke")
+        return result
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_overlapped_pipeline_survives_a_draft_lost_mid_proposal(model_dirs, arch):
+    target_dir, draft_dir = model_dirs[arch]
+    engine, runners = engine_for(target_dir, draft_dir, lambda step, batch: [3] * batch,
+                                 batch_size=2, overlap="on", reconnect_backoff_s=(0.0, 0.0))
+    engine.drafts = [FlakyDraft(runners[1], lose_at={4, 9, 15})]
+    requests = random_requests(seed=23, count=10)
+    outputs, handles = run_all(engine, requests)
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    for (prompt, max_new), tokens in zip(requests, outputs):
+        assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
+    assert engine.drafts[0].calls > 15  # lost three times, back each time
+    assert engine.stats.num_overlapped_steps > 10
+    assert engine.stats.num_draft_fallback_steps > 0
+    assert not runners[0].caches and not runners[1].caches
+
+
+def test_overlap_auto_is_off_when_both_services_share_the_cpu(model_dirs):
+    target_dir, draft_dir = model_dirs["llama"]
+    engine, _ = engine_for(target_dir, draft_dir, lambda step, batch: [1] * batch, batch_size=1)
+    assert engine.config.overlap == "auto" and not engine._overlap()
+    gpu = dataclasses.replace(engine.target.describe(), device="cuda:0")
+    engine.target.describe = lambda timeout=0.0: gpu
+    engine._overlapping = None
+    assert engine._overlap()
