@@ -28,6 +28,9 @@ class GoodputConfig:
     prior_acceptance: float = 0.6  # before any row has been verified
     prior_weight: float = 2.0  # pseudo-observations of the running mean behind each row's estimate
     decay: float = 0.9  # weight kept by older evidence, per step a row drafts
+    # drafting must promise this much more than plain decoding (timings are noisy, and a
+    # wrong bet costs more than a missed one)
+    margin: float = 0.05
 
     def __post_init__(self):
         if not 1 <= self.max_k <= 32:
@@ -125,30 +128,41 @@ def _interpolate(xs: list[int], f, x: float) -> float:
 
 class ServiceCost:
     """One service's command time: ratio x calibrated forwards + overhead, both tracked live
-    (exponential moving averages of what the service and the round trip report)."""
+    (exponential moving averages of what the service and the round trip report). The ratio is
+    kept per command size (tokens fed, summed over the command's forwards) as well as overall,
+    since a calibration off in its slope (masks, copies, longer contexts than it measured)
+    would otherwise make more tokens look cheaper than they are; a size not seen yet uses the
+    overall ratio."""
 
     def __init__(self, forwards: ForwardCosts, smoothing: float = 0.1):
         self.forwards = forwards
-        self.ratio = 1.0  # measured forward time / calibrated forward time
+        self.ratio = 1.0  # measured forward time / calibrated forward time, all commands
+        self.ratios: dict[int, float] = {}  # the same, per command size
         self.overhead_s = 0.0  # round trip minus forward time
         self._smoothing = smoothing
         self._seen = False
 
+    @staticmethod
+    def size(calls: list[tuple[int, int]]) -> int:
+        return sum(tokens for _, tokens in calls)
+
     def predict(self, calls: list[tuple[int, int]]) -> float:
         """Seconds of one command running forwards of (rows, tokens)."""
-        return self.ratio * sum(self.forwards.predict(r, t) for r, t in calls) + self.overhead_s
+        ratio = self.ratios.get(self.size(calls), self.ratio)
+        return ratio * sum(self.forwards.predict(r, t) for r, t in calls) + self.overhead_s
 
     def observe(self, calls: list[tuple[int, int]], forward_s: float, round_trip_s: float) -> None:
         predicted = sum(self.forwards.predict(r, t) for r, t in calls)
         overhead = max(0.0, round_trip_s - forward_s)
         if predicted <= 0 or forward_s <= 0:
             return
+        measured, size, a = forward_s / predicted, self.size(calls), self._smoothing
         if not self._seen:
-            self.ratio, self.overhead_s, self._seen = forward_s / predicted, overhead, True
-            return
-        a = self._smoothing
-        self.ratio += a * (forward_s / predicted - self.ratio)
+            self.ratio, self.overhead_s, self._seen = measured, overhead, True
+        self.ratio += a * (measured - self.ratio)
         self.overhead_s += a * (overhead - self.overhead_s)
+        known = self.ratios.get(size)
+        self.ratios[size] = measured if known is None else known + a * (measured - known)
 
 
 def draft_calls(rows: int, width: int, k: int) -> list[tuple[int, int]]:
@@ -216,7 +230,12 @@ class GoodputPolicy:
             candidates = [max(forced)]
         else:
             candidates = list(range(1 if must else 0, self.config.max_k + 1))
-        return max((self._best_for(rows, k) for k in candidates), key=lambda p: p.tokens_per_s)
+        plans = [self._best_for(rows, k) for k in candidates]
+        best = max(plans, key=lambda p: p.tokens_per_s)
+        plain = plans[0] if candidates[0] == 0 else None
+        if plain is not None and best.tokens_per_s < plain.tokens_per_s * (1 + self.config.margin):
+            return plain
+        return best
 
     def _best_for(self, rows: list[Row], k: int) -> Plan:
         """With K = k, the best number of drafting rows: rows that must draft first, then the

@@ -109,15 +109,18 @@ def test_sampled_rows_always_draft_k_and_exploration_forces_a_draft():
     assert max(p.plan([row] * 16).k) >= 1
 
 
+def verified(p, state, steps: int, num_drafts: int, num_accepted: int) -> float:
+    """Feed `steps` identical verify outcomes; the acceptance estimate after them."""
+    for _ in range(steps):
+        p.observe(state, num_drafts=num_drafts, num_accepted=num_accepted)
+    return p.acceptance(state)
+
+
 def test_acceptance_estimate_follows_the_evidence():
     p = policy(verify_per_token=0.002)
     state = goodput.RowState()
-    for _ in range(30):
-        p.observe(state, num_drafts=4, num_accepted=4)
-    high = p.acceptance(state)
-    for _ in range(30):
-        p.observe(state, num_drafts=4, num_accepted=0)
-    assert high > 0.9 and p.acceptance(state) < 0.3
+    high = verified(p, state, 30, num_drafts=4, num_accepted=4)
+    assert high > 0.9 and verified(p, state, 30, num_drafts=4, num_accepted=0) < 0.3
     p.observe(state, num_drafts=0, num_accepted=0)
     assert state.idle_steps == 1
 
@@ -231,15 +234,10 @@ def test_goodput_policy_over_grpc_is_exact(model_dirs, arch):
 
 def test_a_row_turned_off_drifts_back_to_the_running_mean():
     p = policy(verify_per_token=0.002)
-    for _ in range(50):
-        p.observe(goodput.RowState(), num_drafts=4, num_accepted=3)  # other rows: ~0.75
+    verified(p, goodput.RowState(), 50, num_drafts=4, num_accepted=3)  # other rows: ~0.75
     state = goodput.RowState()
-    for _ in range(5):
-        p.observe(state, num_drafts=2, num_accepted=0)
-    low = p.acceptance(state)
-    for _ in range(20):
-        p.observe(state, num_drafts=0, num_accepted=0)
-    assert low < 0.4 < p.acceptance(state)
+    low = verified(p, state, 5, num_drafts=2, num_accepted=0)
+    assert low < 0.4 < verified(p, state, 20, num_drafts=0, num_accepted=0)
 
 
 # ---- the pipeline: drafting the next cohort while the target verifies --------------------------
@@ -285,3 +283,14 @@ def test_overlap_auto_is_off_when_both_services_share_the_cpu(model_dirs):
     engine.target.describe = lambda timeout=0.0: gpu
     engine._overlapping = None
     assert engine._overlap()
+
+
+def test_a_calibration_wrong_in_its_slope_is_corrected_per_command_size():
+    """Verifying 3 tokens turns out to cost twice what start-up measured, 1 token as measured:
+    after a few steps of each, K = 2 is no longer taken for cheap."""
+    cost = goodput.ServiceCost(goodput.ForwardCosts([(8, 1, 0.05), (8, 3, 0.06)]))
+    for _ in range(40):
+        cost.observe([(8, 1)], forward_s=0.05, round_trip_s=0.05)
+        cost.observe([(8, 3)], forward_s=0.12, round_trip_s=0.12)
+    assert cost.predict([(8, 1)]) == pytest.approx(0.05, rel=0.05)
+    assert cost.predict([(8, 3)]) == pytest.approx(0.12, rel=0.05)
