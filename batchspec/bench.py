@@ -73,6 +73,10 @@ class BenchConfig:
             raise ValueError(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
         if min(self.batch_sizes) < 1 or min(self.ks) < 1 or self.max_new_tokens < 1:
             raise ValueError("batch sizes, K and max_new_tokens must be >= 1")
+        if any(rate <= 0 for rate in self.arrival_rates) or self.load_batch_size < 1:
+            raise ValueError("arrival rates must be > 0 and --load-batch-size >= 1")
+        if self.prompts is not None and not pathlib.Path(self.prompts).is_file():
+            raise ValueError(f"--prompts {self.prompts}: no such file")
 
 
 @dataclasses.dataclass
@@ -160,8 +164,7 @@ def config_from_args(args) -> BenchConfig:
                            draft_policy=args.draft_policy,
                            arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",")
                                                if x),
-                           load_batch_size=args.load_batch_size, dtype=args.dtype,
-                       prompts=args.prompts)
+                           load_batch_size=args.load_batch_size, dtype=args.dtype)
     return BenchConfig(target=args.target, draft=args.draft, draft_layers=args.draft_layers,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                        batch_sizes=ints(args.batch_sizes), ks=ints(args.ks),

@@ -102,6 +102,14 @@ class Prepared:
     draft_timing: object  # the draft service's Timing, None without a draft call
     draft_s: float
 
+    @property
+    def mixed(self) -> bool:
+        """Rows of different lengths: the services must realign."""
+        return len({s.committed_len for s in self.seqs}) > 1
+
+
+NO_PROPOSAL = ([], [], 0, None)  # a row the draft did not propose for this step
+
 
 class RequestHandle:
     def __init__(self, seq: Sequence, deadline: float | None, events=None):
@@ -234,9 +242,7 @@ class Engine:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        # ask the services for their costs and devices now, not on the first request's path
-        self._policy = self._build_policy()
-        self._overlap()
+        self._configure()  # now, not on the first request's path
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -301,20 +307,38 @@ class Engine:
 
     def _overlap(self) -> bool:
         if self._overlapping is None:
-            self._overlapping = self.config.overlap == "on"
-            if self.config.overlap == "auto" and self.draft is not None:
-                devices = {self._device(self.target), self._device(self.draft)}
-                self._overlapping = bool(devices) and devices != {"cpu"} and None not in devices
-                log.info("drafting the next group while the target verifies: %s (devices %s)",
-                         "on" if self._overlapping else "off", sorted(map(str, devices)))
+            self._configure()
         return self._overlapping and self._draft_up
 
+    def _configure(self) -> None:
+        """Ask each service once what its forwards cost and what device it runs on: the
+        goodput policy starts from the costs (without them every row drafts K), and overlap
+        "auto" is on unless both services run on CPU."""
+        infos = {"target": self._describe(self.target),
+                 "draft": self._describe(self.draft) if self.draft is not None else None}
+        config = goodput.GoodputConfig(max_k=self.config.num_draft_tokens)
+        costs = {role: goodput.ServiceCost(goodput.ForwardCosts(info.step_costs))
+                 if info is not None else None for role, info in infos.items()}
+        if self.config.draft_policy == "fixed" or self.draft is None:
+            costs = {"target": None, "draft": None}
+        if self._policy is None:  # one set already (a test's scripted policy) is kept
+            self._policy = goodput.GoodputPolicy(config, costs["draft"], costs["target"])
+        self._overlapping = self.config.overlap == "on"
+        if self.config.overlap == "auto" and self.draft is not None:
+            devices = {info.device.split(":")[0] or None if info else None
+                       for info in infos.values()}
+            self._overlapping = devices != {"cpu"} and None not in devices
+            log.info("drafting the next group while the target verifies: %s (devices %s)",
+                     "on" if self._overlapping else "off", sorted(map(str, devices)))
+
     @staticmethod
-    def _device(client) -> str | None:
-        """The device type a service runs on ("cpu", "cuda", ...), None when it cannot say."""
+    def _describe(client):
+        """The service's ModelInfo, or None (logged) when it does not answer."""
         try:
-            return client.describe().device.split(":")[0] or None
-        except errors.BatchspecError:
+            return client.describe()
+        except errors.BatchspecError as error:
+            log.warning("%s did not describe itself (%s): drafting K every step, no overlap",
+                        client.address, error)
             return None
 
     def _handles(self, seqs: list[Sequence]) -> list[RequestHandle]:
@@ -451,15 +475,14 @@ class Engine:
         specs = []
         for seq in seqs:
             k = prepared.plan[seq.seq_id]
-            drafts, probs, _, _ = prepared.proposals.get(seq.seq_id, ([], [], 0, None))
+            drafts, probs, _, _ = prepared.proposals.get(seq.seq_id, NO_PROPOSAL)
             specs.append(VerifySpec(seq.seq_id, seq.target_cache_len,
                                     seq.token_ids[seq.target_cache_len:], drafts[:k], probs[:k],
                                     seq.sampling))
-        mixed = len({s.committed_len for s in seqs}) > 1
         started = time.perf_counter()
         try:
             outcomes, timing = self.target.verify(
-                mixed, specs, timeout=self._group_timeout(self._handles(seqs)))
+                prepared.mixed, specs, timeout=self._group_timeout(self._handles(seqs)))
         except Exception as error:  # answered on the engine thread, by _finish
             return error
         return specs, outcomes, timing, time.perf_counter() - started
@@ -478,12 +501,11 @@ class Engine:
         if self._policy.calibrated:
             self._policy.target.observe([(len(specs), 1 + width)], timing.forward_seconds,
                                         verify_s)
-        mixed = len({s.committed_len for s in prepared.seqs}) > 1
-        self._count_step(mixed, not self._draft_up, not prepared.proposals,
+        self._count_step(prepared.mixed, not self._draft_up, not prepared.proposals,
                          prepared.draft_timing, timing, prepared.draft_s, verify_s)
         finished = []
         for seq, spec, outcome in zip(prepared.seqs, specs, outcomes):
-            _, _, drafted, cache_len = prepared.proposals.get(seq.seq_id, ([], [], 0, None))
+            _, _, drafted, cache_len = prepared.proposals.get(seq.seq_id, NO_PROPOSAL)
             if cache_len != seq.draft_cache_len:
                 drafted = 0  # the draft lost or re-prefilled it since: its drafts are not cached
             if self._commit(seq, outcome, len(spec.draft_token_ids), drafted):
@@ -493,7 +515,7 @@ class Engine:
     def _plan(self, seqs: list[Sequence]) -> list[int]:
         """Tokens each row drafts this step (0: none), by the draft policy."""
         if self._policy is None:
-            self._policy = self._build_policy()
+            self._configure()
         max_k = self.config.num_draft_tokens
         if not self._draft_up:
             return [0] * len(seqs)
@@ -503,21 +525,6 @@ class Engine:
                                  else s.committed_len, None if s.sampling.greedy else max_k)
                 for s in seqs]
         return self._policy.plan(rows).k
-
-    def _build_policy(self) -> goodput.GoodputPolicy:
-        """The goodput policy, with the forward costs both services measured at start-up (none
-        when a service does not report them: then every row drafts K)."""
-        def costs(client):
-            try:
-                return goodput.ServiceCost(goodput.ForwardCosts(client.describe().step_costs))
-            except errors.BatchspecError as error:
-                log.warning("no forward costs from %s (%s): drafting K every step",
-                            client.address, error)
-                return None
-        config = goodput.GoodputConfig(max_k=self.config.num_draft_tokens)
-        if self.config.draft_policy == "fixed" or self.draft is None:
-            return goodput.GoodputPolicy(config, None, None)
-        return goodput.GoodputPolicy(config, costs(self.draft), costs(self.target))
 
     def _group_timeout(self, handles) -> float | None:
         """How long a group's commands may wait in a service: until the last row's deadline

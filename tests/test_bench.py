@@ -57,3 +57,14 @@ def test_poisson_arrivals_and_percentiles():
     values = list(range(1, 101))
     assert arrivals.percentile(values, 50) == 50 and arrivals.percentile(values, 99) == 99
     assert arrivals.percentile([], 50) is None
+
+
+def test_bench_refuses_bad_load_settings_and_missing_prompts():
+    import pytest
+
+    from batchspec.bench import BenchConfig
+
+    for bad in ({"arrival_rates": (0.0,)}, {"arrival_rates": (-1.0,)}, {"load_batch_size": 0},
+                {"prompts": "/no/such/prompts.jsonl"}):
+        with pytest.raises(ValueError):
+            BenchConfig(**bad)
