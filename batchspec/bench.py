@@ -36,15 +36,20 @@ METHODS = {
                       "longest-waiting rows, copied into a new left-padded batch each step)",
     "engine_grouped": "5. batchspec engine in-process, cohorts formed by equal length (EXSPEC), "
                       "kept together so each service reuses their batch",
-    "grpc": "6. batchspec over the three gRPC processes",
+    "grpc": "6. batchspec over gRPC processes, the model draft alone",
+    "grpc_ngram": "7. batchspec over gRPC, the n-gram draft alone (prompt lookup, no model)",
+    "grpc_router": "8. batchspec over gRPC, the model and n-gram drafts chosen per sequence "
+                   "(the default of `batchspec serve`)",
 }
-USES_BATCH = {"hf_stock_batched", "hf_batched", "engine_realign", "engine_grouped", "grpc"}
+# The drafts each gRPC method's coordinator uses.
+GRPC_DRAFTS = {"grpc": ("model",), "grpc_ngram": ("ngram",), "grpc_router": ("model", "ngram")}
+USES_BATCH = {"hf_stock_batched", "hf_batched", "engine_realign", "engine_grouped", *GRPC_DRAFTS}
 # Where a run's wall time went, in report order. prefill: admitting prompts into both caches;
 # draft, verify: the services' compute; realign: the services' time on unaligned rows, masks and
 # copies into a left-padded batch (taken out of draft and verify); rpc: round trips minus
 # compute; coordinator: the rest (scheduling, bookkeeping, streaming).
 BREAKDOWN = ("prefill", "draft", "verify", "realign", "rpc", "coordinator")
-USES_K = {"hf_assisted", "engine_realign", "engine_grouped", "grpc"}
+USES_K = {"hf_assisted", "engine_realign", "engine_grouped", *GRPC_DRAFTS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,7 @@ class BenchConfig:
     load_batch_size: int = 32  # the coordinator's --batch-size under that load
     dtype: str = "float32"  # of both models, in every method
     prompts: str | None = None  # a JSONL file of {"prompt": ...}; default: the packaged set
+    by_category: bool = False  # run the sweep once per prompt category, side by side
 
     def __post_init__(self):
         unknown = set(self.methods) - set(METHODS)
@@ -75,6 +81,9 @@ class BenchConfig:
             raise ValueError("batch sizes, K and max_new_tokens must be >= 1")
         if any(rate <= 0 for rate in self.arrival_rates) or self.load_batch_size < 1:
             raise ValueError("arrival rates must be > 0 and --load-batch-size >= 1")
+        if self.by_category and self.arrival_rates:
+            raise ValueError("--arrival-rates loads the whole prompt set: run it without "
+                             "--by-category")
         if self.prompts is not None and not pathlib.Path(self.prompts).is_file():
             raise ValueError(f"--prompts {self.prompts}: no such file")
 
@@ -90,6 +99,14 @@ class Workload:
     min_draft_confidence: float = 0.0  # adaptive draft length (methods 3 to 6 alike)
     draft_policy: str = EngineConfig.draft_policy  # methods 4-6
     dtype: str = "float32"
+    categories: list[str] = dataclasses.field(default_factory=list)  # one per prompt
+
+    def split(self) -> dict[str, "Workload"]:
+        """{category: the workload of its prompts}, in first-seen order."""
+        names = list(dict.fromkeys(self.categories))
+        return {name: dataclasses.replace(
+            self, prompts=[p for p, c in zip(self.prompts, self.categories) if c == name],
+            categories=[name] * self.categories.count(name)) for name in names}
 
 
 @dataclasses.dataclass
@@ -139,8 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "the same server decoding with the target alone; reports "
                              "throughput, TTFT and ITL p50/p99")
     parser.add_argument("--prompts", default=None,
-                        help="JSONL file of {\"prompt\": ...} chat prompts (default: the "
-                             "packaged benchmark prompts)")
+                        help="JSONL file of {\"prompt\": ..., \"category\": ...} chat prompts "
+                             "(default: the packaged benchmark prompts; the packaged "
+                             "copy-heavy set is batchspec/data/category_prompts.jsonl)")
+    parser.add_argument("--by-category", action="store_true",
+                        help="run every method once per prompt category and report each "
+                             "category's speed and acceptance apart")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="dtype of both models in every method; `exact` then compares with "
                              "the target alone at batch 1 in the same dtype")
@@ -159,7 +180,7 @@ def config_from_args(args) -> BenchConfig:
     ints = lambda text: tuple(int(x) for x in text.split(",") if x)  # noqa: E731
     if args.quick:
         return BenchConfig(target="tiny", num_prompts=8, max_new_tokens=12, batch_sizes=(1, 4),
-                           ks=(2, 4), out=args.out, quick=True,
+                           ks=(2, 4), out=args.out, quick=True, by_category=args.by_category,
                            methods=tuple(m for m in args.methods.split(",") if m),
                            draft_policy=args.draft_policy,
                            arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",")
@@ -173,7 +194,7 @@ def config_from_args(args) -> BenchConfig:
                        draft_policy=args.draft_policy,
                        arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",") if x),
                        load_batch_size=args.load_batch_size, dtype=args.dtype,
-                       prompts=args.prompts)
+                       prompts=args.prompts, by_category=args.by_category)
 
 
 # ---- the workload ------------------------------------------------------------------------------
@@ -189,20 +210,24 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
         rng = random.Random(0)
         prompts = [[rng.randrange(4, tiny.VOCAB) for _ in range(rng.randint(3, 20))]
                    for _ in range(config.num_prompts)]
+        # half of them repeat themselves, as copy-heavy prompts do
+        prompts = [p * 3 if i % 2 else p for i, p in enumerate(prompts)]
         eos = models.eos_token_ids(models.load_causal_lm(target))
         return Workload(target, draft, None, prompts, config.max_new_tokens, eos,
-                        config.min_draft_confidence, config.draft_policy)
+                        config.min_draft_confidence, config.draft_policy,
+                        categories=["repeating" if i % 2 else "random"
+                                    for i in range(len(prompts))])
     from batchspec.distill import chat_ids, load_tokenizer
     from batchspec.draft_eval import bench_prompts
 
     tokenizer = load_tokenizer(config.target)
-    prompts = [chat_ids(tokenizer, r["prompt"])
-               for r in bench_prompts(config.num_prompts, config.prompts)]
+    rows = bench_prompts(config.num_prompts, config.prompts)
+    prompts = [chat_ids(tokenizer, r["prompt"]) for r in rows]
     draft = config.draft or models.SMOLLM2_DRAFT
     target_model = models.load_causal_lm(config.target)
     return Workload(config.target, draft, config.draft_layers, prompts, config.max_new_tokens,
                     models.eos_token_ids(target_model), config.min_draft_confidence,
-                    config.draft_policy, config.dtype)
+                    config.draft_policy, config.dtype, [r["category"] for r in rows])
 
 
 def truncate_at_eos(tokens: list[int], eos: set[int], limit: int) -> list[int]:
@@ -273,7 +298,7 @@ def run_engine(runners, workload: Workload, batch_size: int, k: int, grouping: b
     for runner in runners.values():  # EQSPEC re-pads every step: no batch is reused
         runner.reuse_batches = grouping
     engine = Engine(InProcessTarget(runners["target"], "target"),
-                    [InProcessDraft(runners["draft"], "draft")],
+                    [[InProcessDraft(runners["draft"], "draft")]],
                     EngineConfig(num_draft_tokens=k, draft_policy=workload.draft_policy,
                                  overlap="off",  # both models in this one process
                                  min_draft_confidence=workload.min_draft_confidence,
@@ -325,31 +350,39 @@ def normalise(breakdown: dict, seconds: float) -> dict:
 
 # ---- method 6: three processes -----------------------------------------------------------------
 class GrpcStack:
-    """Target and draft services as processes (started once); a coordinator per setting."""
+    """Target, model draft and n-gram draft services as processes (started once); a
+    coordinator per setting."""
+
+    SERVICES = ("target", "model", "ngram")
 
     def __init__(self, workload: Workload):
         from batchspec.cli import free_port, wait_healthy
 
         self.procs = []
-        self.ports = {"target": free_port(), "draft": free_port()}
-        self.metrics = {"target": free_port(), "draft": free_port()}
-        draft_cmd = ["--model", workload.draft] + (
+        self.ports = {role: free_port() for role in self.SERVICES}
+        self.metrics = {role: free_port() for role in self.SERVICES}
+        model_cmd = ["--model", workload.draft, "--dtype", workload.dtype] + (
             ["--num-layers", str(workload.draft_layers)] if workload.draft_layers else [])
         # one after the other: each times its CPU kernels at start-up, best on a quiet CPU
-        for role, name, extra in (("target", "TargetService", ["--model", workload.target]),
-                                  ("draft", "DraftService", draft_cmd)):
-            extra = extra + ["--dtype", workload.dtype]
+        for role, module, extra in (
+                ("target", "target_service", ["--model", workload.target,
+                                              "--dtype", workload.dtype]),
+                ("model", "draft_service", model_cmd),
+                ("ngram", "draft_service", ["--model", "ngram"])):
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", f"{role}_service", "--port", str(self.ports[role]),
+                [sys.executable, "-m", module, "--port", str(self.ports[role]),
                  "--metrics-port", str(self.metrics[role])] + extra,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            name = "TargetService" if role == "target" else "DraftService"
             wait_healthy(f"127.0.0.1:{self.ports[role]}", f"batchspec.v1.{name}", 600,
                          self.procs)
 
     @contextlib.contextmanager
-    def coordinator(self, workload: Workload, batch_size: int, k: int, draft: bool = True):
+    def coordinator(self, workload: Workload, batch_size: int, k: int,
+                    drafts: tuple[str, ...] = ("model",)):
         """A coordinator process over the running services: yields (port, metrics port).
-        draft=False: the target alone (plain batched decoding, the same server otherwise)."""
+        drafts: "model" and/or "ngram"; none: the target alone (plain batched decoding, the
+        same server otherwise)."""
         from batchspec.cli import free_port, wait_healthy
 
         port, metrics_port = free_port(), free_port()
@@ -360,8 +393,8 @@ class GrpcStack:
                    "--min-draft-confidence", str(workload.min_draft_confidence),
                    "--draft-policy", workload.draft_policy,
                    "--metrics-port", str(metrics_port)]
-        if draft:
-            command += ["--draft", f"127.0.0.1:{self.ports['draft']}"]
+        for role in drafts:
+            command += ["--draft", f"127.0.0.1:{self.ports[role]}"]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_healthy(f"127.0.0.1:{port}", "batchspec.v1.Coordinator", 120, [process])
@@ -370,14 +403,15 @@ class GrpcStack:
             process.terminate()
             process.wait(timeout=30)
 
-    def run(self, workload: Workload, batch_size: int, k: int) -> Run:
+    def run(self, workload: Workload, batch_size: int, k: int,
+            drafts: tuple[str, ...] = ("model",)) -> Run:
         import grpc
 
         from batchspec.v1 import generate_pb2, generate_pb2_grpc
 
         count = len(workload.prompts)
-        with self.coordinator(workload, batch_size, k) as (port, metrics_port):
-            before = {r: scrape(self.metrics[r]) for r in ("target", "draft")}
+        with self.coordinator(workload, batch_size, k, drafts) as (port, metrics_port):
+            before = {r: scrape(self.metrics[r]) for r in self.SERVICES}
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = generate_pb2_grpc.CoordinatorStub(channel)
 
@@ -392,10 +426,11 @@ class GrpcStack:
                     results = list(pool.map(one, workload.prompts))
                 seconds = time.perf_counter() - started
             coord = scrape(metrics_port)
-            after = {r: scrape(self.metrics[r]) for r in ("target", "draft")}
-        compute = {r: after[r].get(f'command_seconds_sum{{command="{c}"}}', 0)
-                   - before[r].get(f'command_seconds_sum{{command="{c}"}}', 0)
-                   for r, c in (("target", "verify"), ("draft", "propose"))}
+            after = {r: scrape(self.metrics[r]) for r in self.SERVICES}
+        spent = {r: after[r].get(f'command_seconds_sum{{command="{c}"}}', 0)
+                 - before[r].get(f'command_seconds_sum{{command="{c}"}}', 0)
+                 for r, c in (("target", "verify"), ("model", "propose"), ("ngram", "propose"))}
+        compute = {"target": spent["target"], "draft": spent["model"] + spent["ngram"]}
         draft_rt, verify_rt = coord.get("draft_seconds_sum", 0), coord.get("verify_seconds_sum", 0)
         prefill_rt = coord.get("prefill_seconds_sum", 0)
         breakdown = {"prefill": prefill_rt, "draft": compute["draft"], "verify": compute["target"],
@@ -470,21 +505,27 @@ def run(config: BenchConfig) -> dict:
                 config.methods):
             for runner in runners.values():  # what a service measures at its start-up
                 runner.step_costs = runner_lib.measure_step_costs(runner)
-        wants_grpc = "grpc" in config.methods or config.arrival_rates
+        wants_grpc = set(GRPC_DRAFTS) & set(config.methods) or config.arrival_rates
         stack = GrpcStack(workload) if wants_grpc else None
-        rows, reference, load = [], None, []
+        parts = workload.split() if config.by_category else {None: workload}
+        rows, load = [], []
         try:
-            for method, batch_size, k in tqdm(plan, desc="bench", unit="run"):
-                result = run_one(method, batch_size, k, hf, runners, workload, stack)
-                reference = reference or result.outputs
-                rows.append(summarise(method, batch_size, k, result, reference))
-            for rate in tqdm(config.arrival_rates, desc="arrival load", unit="rate"):
-                load += arrival_load(stack, workload, rate, config, reference)
+            for category, part in parts.items():
+                reference, found = None, []
+                for method, batch_size, k in tqdm(plan, desc=f"bench {category or ''}".strip(),
+                                                  unit="run"):
+                    result = run_one(method, batch_size, k, hf, runners, part, stack)
+                    reference = reference or result.outputs
+                    found.append(summarise(method, batch_size, k, result, reference))
+                add_ratios(found)
+                rows += [dict(r, category=category) if category else r for r in found
+                         if r["method"] in config.methods]
+                if category is None:
+                    for rate in tqdm(config.arrival_rates, desc="arrival load", unit="rate"):
+                        load += arrival_load(stack, part, rate, config, reference)
         finally:
             if stack:
                 stack.close()
-    add_ratios(rows)
-    rows = [r for r in rows if r["method"] in config.methods]
     return {"config": dataclasses.asdict(config), "machine": machine(config.dtype),
             "num_prompts": len(workload.prompts), "target": workload.target,
             "draft": workload.draft, "rows": rows, "load": load,
@@ -503,14 +544,14 @@ def arrival_load(stack, workload: Workload, rate: float, config: BenchConfig,
     offsets = arrivals.poisson_offsets(rate, len(workload.prompts), seed=int(rate * 1000))
     k = config.ks[-1]
     rows = []
-    for method, draft in (("grpc", True), ("grpc_target_only", False)):
-        with stack.coordinator(workload, config.load_batch_size, k, draft=draft) as (port, _):
+    for method, drafts in (("grpc", ("model",)), ("grpc_target_only", ())):
+        with stack.coordinator(workload, config.load_batch_size, k, drafts) as (port, _):
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = generate_pb2_grpc.CoordinatorStub(channel)
                 traces, seconds = arrivals.run_load(stub, workload.prompts,
                                                     workload.max_new_tokens, offsets)
         row = {"method": method, "rate": rate, "batch_size": config.load_batch_size,
-               "k": k if draft else None, **arrivals.summarise(traces, seconds)}
+               "k": k if drafts else None, **arrivals.summarise(traces, seconds)}
         if reference:
             row["exact_match"] = round(sum(t.token_ids == r for t, r in zip(traces, reference))
                                        / len(reference), 4)
@@ -537,8 +578,8 @@ def warm_up(hf, runners, workload: Workload) -> None:
 def run_one(method, batch_size, k, hf, runners, workload, stack) -> Run:
     if method.startswith("hf_"):
         return run_hf(hf, workload, method, batch_size, k)
-    if method == "grpc":
-        return stack.run(workload, batch_size, k)
+    if method in GRPC_DRAFTS:
+        return stack.run(workload, batch_size, k, GRPC_DRAFTS[method])
     return run_engine(runners, workload, batch_size, k, grouping=method == "engine_grouped")
 
 
@@ -619,20 +660,21 @@ def markdown(report: dict) -> str:
              f"draft policy {report['config'].get('draft_policy', 'fixed')}, "
              f"min_draft_confidence {report['config']['min_draft_confidence']} "
              "(K is the most drafted per step)", "",
-             "| method | batch | K | tok/s | vs stock batched | vs stock batch 1 | vs batched "
-             "| vs batch 1 | accept rate | accept len "
+             "| category | method | batch | K | tok/s | vs stock batched | vs stock batch 1 "
+             "| vs batched | vs batch 1 | accept rate | accept len "
              "| target passes/tok | realigned steps "
              "| prefill / draft / verify / realign / rpc / coord "
              "| exact |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-             "| --- | ---: |"]
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| ---: | --- | ---: |"]
     fmt = lambda v, f="{:.2f}": "" if v is None else f.format(v)  # noqa: E731
     for r in report["rows"]:
         share = r.get("time_share")
         shares = " / ".join(f"{share[key]:.0%}" for key in
                             BREAKDOWN) if share else ""
         lines.append(
-            f"| {r['method']} | {r['batch_size']} | {fmt(r['k'], '{}')} | "
+            f"| {r.get('category', 'all')} | {r['method']} | {r['batch_size']} | "
+            f"{fmt(r['k'], '{}')} | "
             f"{r['tokens_per_s']:.1f} | {fmt(r.get('vs_stock_batched'))} | "
             f"{fmt(r.get('vs_stock_batch1'))} | {fmt(r.get('vs_batched'))} | "
             f"{fmt(r.get('vs_batch1'))} | "
@@ -664,25 +706,29 @@ def plot(report: dict, path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for method in dict.fromkeys(r["method"] for r in report["rows"]):
-        best = {}
-        for r in report["rows"]:
-            if r["method"] == method:
-                best[r["batch_size"]] = max(best.get(r["batch_size"], 0), r["tokens_per_s"])
-        sizes = sorted(best)
-        if method not in USES_BATCH:  # batch-1 methods: a flat reference line
-            ax.axhline(best[1], linestyle="--", linewidth=1, label=METHODS[method],
-                       color="grey" if method == "hf_batch1" else "tab:brown")
-        else:
-            ax.plot(sizes, [best[b] for b in sizes], marker="o", label=METHODS[method])
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("generated tokens / s (best K)")
-    ax.set_title(f"{report['target']} on {report['machine']['device']}, "
-                 f"{report['num_prompts']} prompts")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    categories = list(dict.fromkeys(r.get("category") for r in report["rows"]))
+    fig, axes = plt.subplots(1, len(categories), figsize=(8 * len(categories), 5),
+                             squeeze=False)
+    for ax, category in zip(axes[0], categories):
+        rows = [r for r in report["rows"] if r.get("category") == category]
+        for method in dict.fromkeys(r["method"] for r in rows):
+            best = {}
+            for r in rows:
+                if r["method"] == method:
+                    best[r["batch_size"]] = max(best.get(r["batch_size"], 0), r["tokens_per_s"])
+            sizes = sorted(best)
+            if method not in USES_BATCH:  # batch-1 methods: a flat reference line
+                ax.axhline(best[1], linestyle="--", linewidth=1, label=METHODS[method],
+                           color="grey" if method == "hf_batch1" else "tab:brown")
+            else:
+                ax.plot(sizes, [best[b] for b in sizes], marker="o", label=METHODS[method])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("generated tokens / s (best K)")
+        ax.set_title(f"{report['target']} on {report['machine']['device']}, "
+                     f"{category or 'all'} ({report['num_prompts']} prompts in all)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

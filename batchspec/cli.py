@@ -66,17 +66,21 @@ def serve_parser() -> argparse.ArgumentParser:
         "stopped (Ctrl-C or SIGTERM)."))
     parser.add_argument("--target-model", default="smollm2",
                         help="target model: HF dir, .gguf file, hub id, or 'smollm2' (default)")
-    parser.add_argument("--draft-model", default=None,
-                        help="draft model (default: the packaged distilled draft for smollm2, "
-                             f"else the target's first {DEFAULT_DRAFT_LAYERS} layers)")
+    parser.add_argument("--draft-model", default="auto,ngram",
+                        help="drafts, comma-separated, each served by its own draft service and "
+                             "chosen per sequence: a model (HF dir, .gguf file, hub id), 'auto' "
+                             "(the packaged distilled draft for smollm2, else the target's "
+                             f"first {DEFAULT_DRAFT_LAYERS} layers), 'ngram' (prompt lookup, no "
+                             "model), or 'none' (the target alone) (default %(default)s)")
     parser.add_argument("--draft-layers", type=int, default=None,
-                        help="keep only the draft model's first N layers")
+                        help="keep only the draft models' first N layers")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer.json or dir (default: the target's own, if it has one)")
     parser.add_argument("--port", type=int, default=50051, help="coordinator port")
     parser.add_argument("--device", default="cpu", help="device of both models")
     parser.add_argument("--target-device", default=None, help="overrides --device for the target")
-    parser.add_argument("--draft-device", default=None, help="overrides --device for the draft")
+    parser.add_argument("--draft-device", default=None,
+                        help="overrides --device for the draft models")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--num-draft-tokens", "-k", type=int,
                         default=EngineConfig.num_draft_tokens,
@@ -103,23 +107,26 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 def serve(argv) -> int:
-    args = serve_parser().parse_args(argv)
+    parser = serve_parser()
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.draft_model.split(",") if n.strip()]
+    if not names or ("none" in names and len(names) > 1) or len(set(names)) != len(names):
+        parser.error("--draft-model: one or more distinct drafts, or 'none' alone")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
-    draft_model, draft_layers = pick_draft(args.target_model, args.draft_model,
-                                           args.draft_layers)
     tokenizer = args.tokenizer or find_tokenizer(args.target_model)
-    target_port, draft_port = free_port(), free_port()
-    common = ["--dtype", args.dtype]
+    target_port = free_port()
     target_cmd = [sys.executable, "-m", "target_service", "--model", args.target_model,
-                  "--port", str(target_port), "--device", args.target_device or args.device]
-    draft_cmd = [sys.executable, "-m", "draft_service", "--model", draft_model,
-                 "--port", str(draft_port), "--device", args.draft_device or args.device]
-    if draft_layers:
-        draft_cmd += ["--num-layers", str(draft_layers)]
+                  "--port", str(target_port), "--device", args.target_device or args.device,
+                  "--dtype", args.dtype]
+    services = [(target_cmd, target_port, "batchspec.v1.TargetService")]
+    for name in names if names != ["none"] else []:
+        port = free_port()
+        services.append((draft_command(args, name, port), port, "batchspec.v1.DraftService"))
     coordinator_cmd = [sys.executable, "-m", "coordinator", "--target",
-                       f"127.0.0.1:{target_port}", "--draft", f"127.0.0.1:{draft_port}",
-                       "--port", str(args.port), "-k", str(args.num_draft_tokens),
-                       "--batch-size", str(args.batch_size)]
+                       f"127.0.0.1:{target_port}", "--port", str(args.port),
+                       "-k", str(args.num_draft_tokens), "--batch-size", str(args.batch_size)]
+    for _, port, _ in services[1:]:
+        coordinator_cmd += ["--draft", f"127.0.0.1:{port}"]
     if tokenizer:
         coordinator_cmd += ["--tokenizer", tokenizer]
     for flag in ("draft_policy", "min_draft_confidence", "max_num_seqs", "max_queue",
@@ -132,9 +139,8 @@ def serve(argv) -> int:
     try:
         # one after the other: on CPU each times its linear kernels at start-up, and two
         # doing so at once on a small machine would time each other
-        for cmd, port, name in ((target_cmd, target_port, "batchspec.v1.TargetService"),
-                                (draft_cmd, draft_port, "batchspec.v1.DraftService")):
-            children.append(subprocess.Popen(cmd + common))
+        for cmd, port, name in services:
+            children.append(subprocess.Popen(cmd))
             wait_healthy(f"127.0.0.1:{port}", name, args.startup_timeout, children)
         children.append(subprocess.Popen(coordinator_cmd))
         wait_healthy(f"127.0.0.1:{args.port}", "batchspec.v1.Coordinator", args.startup_timeout,
@@ -151,9 +157,20 @@ def serve(argv) -> int:
     return 1 if failed else 0
 
 
+def draft_command(args, name: str, port: int) -> list[str]:
+    """The command line of one draft service of `batchspec serve`."""
+    cmd = [sys.executable, "-m", "draft_service", "--port", str(port)]
+    if name == "ngram":
+        return cmd + ["--model", "ngram"]
+    model, layers = pick_draft(args.target_model, None if name == "auto" else name,
+                               args.draft_layers)
+    cmd += ["--model", model, "--device", args.draft_device or args.device, "--dtype", args.dtype]
+    return cmd + (["--num-layers", str(layers)] if layers else [])
+
+
 def pick_draft(target: str, draft: str | None, layers: int | None):
-    """(draft model, layers to keep): the packaged distilled draft for the default target,
-    else the target's first layers."""
+    """(draft model, layers to keep): `draft` as given, else the packaged distilled draft for
+    the default target, else the target's first layers."""
     from batchspec import models
 
     if draft is not None:

@@ -11,12 +11,12 @@ sequences, and rolls caches back. Invariants:
 - Position ids are always explicit (real-token counts), so left padding never shifts them.
 """
 import dataclasses
-import threading
 import time
 
 import torch
 
 from batchspec import errors, kvcache
+from batchspec.cachebook import CacheBook, StepCost
 
 
 @dataclasses.dataclass
@@ -52,56 +52,20 @@ class RowSpec:
     append_token_ids: list[int]
 
 
-class ModelRunner:
+class ModelRunner(CacheBook):
     def __init__(self, model: torch.nn.Module, *, name: str, device: torch.device,
                  eos_token_ids: list[int], max_context_len: int):
+        super().__init__(name=name, vocab_size=int(model.config.vocab_size),
+                         eos_token_ids=eos_token_ids, max_context_len=max_context_len,
+                         device=device)
         self.model = model.eval()
-        self.name = name
-        self.device = device
-        self.vocab_size = int(model.config.vocab_size)
-        self.eos_token_ids = eos_token_ids
-        self.max_context_len = max_context_len
         self.caches: dict[int, SeqCache] = {}
         # False: every group forward copies its rows into a new batch (the benchmark's EQSPEC).
         self.reuse_batches = True
-        # Held by the servicer around every command: several streams may drive one runner.
-        self.lock = threading.Lock()
-        # What forwards cost on this device (measure_step_costs at start-up; Describe reports it)
-        self.step_costs: list[StepCost] = []
-
-    # ---- bookkeeping -------------------------------------------------------------------------
-    def num_cached_tokens(self) -> int:
-        return sum(c.length for c in self.caches.values())
-
-    def lookup(self, seq_id: int, expected_len: int) -> SeqCache:
-        cache = self.caches.get(seq_id)
-        if cache is None:
-            raise errors.NotFound(f"sequence {seq_id} is not cached here (never prefilled, "
-                                  "or already released)")
-        if cache.length != expected_len:
-            raise errors.FailedPrecondition(
-                f"sequence {seq_id}: expected cache length {expected_len}, service holds "
-                f"{cache.length}")
-        return cache
-
-    def check_token_ids(self, token_ids, what: str) -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise errors.InvalidArgument(
-                f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-
-    def check_unique(self, seq_ids) -> None:
-        if len(set(seq_ids)) != len(seq_ids):
-            raise errors.InvalidArgument("a command names the same sequence twice")
 
     def prefill(self, entries: list[tuple[int, list[int]]]) -> list[int]:
         """Cache the given tokens of new sequences, batched in right-padded chunks."""
-        self.check_unique([s for s, _ in entries])
-        for seq_id, token_ids in entries:
-            if seq_id in self.caches:
-                raise errors.AlreadyExists(f"sequence {seq_id} is already cached; release it first")
-            self.check_token_ids(token_ids, f"prefill of sequence {seq_id}")
-            self.check_context(seq_id, len(token_ids))
+        self.check_prefill(entries)
         computed = {seq_id: SeqCache(None, 0) for seq_id, token_ids in entries if not token_ids}
         for chunk in prefill_chunks([e for e in entries if e[1]], PREFILL_CHUNK_TOKENS):
             computed.update(self._prefill_batch(chunk))
@@ -118,32 +82,12 @@ class ModelRunner:
         rows = group.rows_after([len(t) for _, t in chunk])
         return {seq_id: row for (seq_id, _), row in zip(chunk, rows)}
 
-    def check_context(self, seq_id: int, length: int) -> None:
-        if length > self.max_context_len:
-            raise errors.InvalidArgument(
-                f"sequence {seq_id} would reach {length} positions, past the model's context "
-                f"of {self.max_context_len}")
-
     def trim(self, entries: list[tuple[int, int, int]]) -> list[int]:
         """Roll caches back: (seq_id, expected_len, keep_len) each. Bookkeeping only."""
-        self.check_unique([s for s, _, _ in entries])
-        for seq_id, expected, keep in entries:
-            self.lookup(seq_id, expected)
-            if keep > expected:
-                raise errors.InvalidArgument(
-                    f"sequence {seq_id}: cannot trim to {keep} positions, only {expected} cached")
+        self.check_trim(entries)
         for seq_id, _, keep in entries:
             self.caches[seq_id] = truncate(self.caches[seq_id], keep)
         return [keep for _, _, keep in entries]
-
-    def release(self, seq_ids: list[int]) -> int:
-        self.check_unique(seq_ids)
-        missing = [s for s in seq_ids if s not in self.caches]
-        if missing:
-            raise errors.NotFound(f"sequences {missing[:5]} are not cached (already released?)")
-        for seq_id in seq_ids:
-            del self.caches[seq_id]
-        return len(self.caches)
 
     # ---- group forwards ----------------------------------------------------------------------
     def open_group(self, rows: list[RowSpec], *, realign: bool,
@@ -316,14 +260,6 @@ def resident_batch(caches: list[SeqCache]) -> list[kvcache.LayerKV] | None:
     if any(c.home is not home or c.row != i for i, c in enumerate(caches)):
         return None
     return home
-
-
-@dataclasses.dataclass(frozen=True)
-class StepCost:
-    rows: int
-    tokens: int  # fed per row
-    context: int  # cached positions per row before the forward
-    seconds: float  # the fastest of a few runs
 
 
 # The grid measured at start-up: batch sizes a step may take and tokens a verify feeds

@@ -1,22 +1,28 @@
 """What both model services share: the command loop over a bidirectional stream and the
 cache commands (prefill, trim, release) of `batchspec.v1.cache.proto`."""
+from __future__ import annotations
+
 import argparse
 import dataclasses
 import logging
 import random
 import time
+from typing import TYPE_CHECKING
 
 from batchspec import compute, errors, models, security
-from batchspec import runner as runner_lib
 from batchspec import server as server_lib
 from batchspec.metrics import ServiceMetrics, serve_metrics
 from batchspec.params import SamplingParams
 from batchspec.v1 import cache_pb2
 
+if TYPE_CHECKING:  # the n-gram draft serves without torch
+    from batchspec import runner as runner_lib
+    from batchspec.cachebook import CacheBook
+
 log = logging.getLogger(__name__)
 
 
-def serve_commands(commands, runner: runner_lib.ModelRunner, handle, result_type, context,
+def serve_commands(commands, runner: CacheBook, handle, result_type, context,
                    metrics=None):
     """Run a stream of commands in order, one result each; a refused command answers with a
     CommandError and the stream stays open. `handle(kind, command)` returns (field, message)."""
@@ -59,7 +65,7 @@ class ModelServicer:
 
     result_type = None
 
-    def __init__(self, runner: runner_lib.ModelRunner, dtype: str = "float32", metrics=None):
+    def __init__(self, runner: CacheBook, dtype: str = "float32", metrics=None):
         self.runner = runner
         self.dtype = dtype
         self.metrics = metrics
@@ -84,7 +90,7 @@ def command_error(error: BaseException) -> cache_pb2.CommandError:
     return cache_pb2.CommandError(code=errors.code_number(code), message=str(error))
 
 
-def handle_cache_command(runner: runner_lib.ModelRunner, kind: str, command):
+def handle_cache_command(runner: CacheBook, kind: str, command):
     """The commands both services obey, or None for a kind that is the service's own."""
     if kind == "prefill":
         lens = runner.prefill([(e.seq_id, list(e.token_ids)) for e in command.entries])
@@ -98,7 +104,7 @@ def handle_cache_command(runner: runner_lib.ModelRunner, kind: str, command):
     return None
 
 
-def describe(runner: runner_lib.ModelRunner, dtype: str) -> cache_pb2.ModelInfo:
+def describe(runner: CacheBook, dtype: str) -> cache_pb2.ModelInfo:
     return cache_pb2.ModelInfo(model=runner.name, vocab_size=runner.vocab_size,
                                eos_token_ids=runner.eos_token_ids,
                                max_context_len=runner.max_context_len,
@@ -150,6 +156,8 @@ class ServiceConfig:
 def build_runner(config: ServiceConfig) -> runner_lib.ModelRunner:
     import torch
 
+    from batchspec import runner as runner_lib
+
     model = models.load_causal_lm(config.model, dtype=config.dtype, device=config.device,
                                   num_layers=config.num_layers)
     return runner_lib.ModelRunner(model, name=config.model, device=torch.device(config.device),
@@ -160,7 +168,8 @@ def build_runner(config: ServiceConfig) -> runner_lib.ModelRunner:
 def add_service_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--model", default=models.SMOLLM2,
                         help="local Hugging Face model dir, .gguf file, hub id, or 'smollm2' "
-                             "(the packaged SmolLM2-135M-Instruct; default)")
+                             "(the packaged SmolLM2-135M-Instruct; default); for the draft "
+                             "also 'ngram': prompt lookup, no model")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=default_port, help="port; 0 picks a free one")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
@@ -184,12 +193,14 @@ def config_from_args(args) -> ServiceConfig:
                          tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_ca))
 
 
-def start_model_service(config: ServiceConfig, make_servicer, add_to_server, service_name):
+def start_model_service(config: ServiceConfig, make_servicer, add_to_server, service_name, *,
+                        build=None, warm=None):
     """Load the model, start serving; returns (server, port, health, runner). Health turns
     SERVING only after the model is loaded and has run one warm-up forward. The model is
-    loaded, tuned and run on the compute thread only (see batchspec.compute)."""
-    runner = compute.run(build_runner, config)
-    compute.run(warm_up, runner)
+    loaded, tuned and run on the compute thread only (see batchspec.compute).
+    build(config) -> runner and warm(runner) default to a model runner's."""
+    runner = compute.run(build or build_runner, config)
+    compute.run(warm or warm_up, runner)
     role = service_name.rsplit(".", 1)[-1]
     metrics = ServiceMetrics(role)
     if config.metrics_port is not None:
@@ -213,6 +224,7 @@ def warm_up(runner: runner_lib.ModelRunner) -> None:
     time on a machine), run one forward, and measure what forwards cost (for the
     coordinator's choice of draft lengths; a few seconds)."""
     from batchspec import fastlinear
+    from batchspec import runner as runner_lib
 
     started = time.perf_counter()
     store = models.kernel_plans_file()
@@ -231,13 +243,20 @@ def warm_up(runner: runner_lib.ModelRunner) -> None:
                           if largest and c.rows == largest.rows and c.tokens == 1), 0.0))
 
 
-def main(role: str, default_port: int, make_servicer, add_to_server, service_name, argv=None):
+def model_hosting(make_servicer):
+    """A `hosting` for main: serve a model runner with make_servicer."""
+    return lambda config: (make_servicer, build_runner, warm_up)
+
+
+def main(role: str, default_port: int, hosting, add_to_server, service_name, argv=None):
+    """hosting(config) -> (make_servicer, build, warm): what serves the configured model."""
     parser = argparse.ArgumentParser(prog=f"batchspec {role}",
                                      description=f"Serve the {role} model over gRPC.")
     add_service_arguments(parser, default_port)
     config = server_lib.parse_config(parser, argv, config_from_args)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    make_servicer, build, warm = hosting(config)
     server, port, health, _ = start_model_service(config, make_servicer, add_to_server,
-                                                  service_name)
+                                                  service_name, build=build, warm=warm)
     print(f"{role} listening on {config.host}:{port}", flush=True)
     server_lib.run_until_signalled(server, health, [service_name], grace_s=config.grace_s)

@@ -9,6 +9,7 @@ from batchspec import server as server_lib
 from batchspec.metrics import CoordinatorMetrics, serve_metrics
 from coordinator import scheduler
 from coordinator.clients import DraftClient, TargetClient
+from coordinator.drafts import group_by_model
 from coordinator.engine import Engine, EngineConfig
 from coordinator.router import Router
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer, Limits, add_to_server
@@ -60,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", action="append", required=True,
                         help="target service HOST:PORT; repeat or comma-separate for replicas")
     parser.add_argument("--draft", action="append", default=[],
-                        help="draft service HOST:PORT; repeat or comma-separate for replicas "
+                        help="draft service HOST:PORT; repeat or comma-separate. Services of "
+                             "one model are replicas of one draft; different models (say the "
+                             "model draft and the n-gram draft) are drafts chosen per sequence "
                              "(omit for target-only decoding)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
@@ -168,19 +171,19 @@ def connect(client, timeout_s: float):
         client.close()
 
 
-def build_router(config: CoordinatorConfig, eos_token_ids, telemetry) -> Router:
-    """One engine per target replica; engine i uses draft replica i first and fails over to
-    the others in turn. Each engine has its own connections (its own command streams)."""
+def build_router(config: CoordinatorConfig, eos_token_ids, telemetry,
+                 kinds: list[list[str]]) -> Router:
+    """One engine per target replica. kinds: draft addresses grouped by the model they
+    serve; engine i uses replica i of each kind first and fails over to the others in turn.
+    Each engine has its own connections (its own command streams)."""
     seq_ids = itertools.count(1)
     engines = []
+    credentials = config.peer_credentials()
     for i, address in enumerate(config.targets):
-        n = len(config.drafts)
-        order = [config.drafts[(i + j) % n] for j in range(n)]
-        credentials = config.peer_credentials()
+        drafts = [[DraftClient(kind[(i + j) % len(kind)], config.stall_timeout_s, credentials)
+                   for j in range(len(kind))] for kind in kinds]
         engines.append(Engine(TargetClient(address, config.stall_timeout_s, credentials),
-                              [DraftClient(a, config.stall_timeout_s, credentials)
-                               for a in order],
-                              config.engine, eos_token_ids, telemetry, seq_ids=seq_ids))
+                              drafts, config.engine, eos_token_ids, telemetry, seq_ids=seq_ids))
     router = Router(engines, config.engine.max_queue)
     telemetry.source = router
     return router
@@ -199,13 +202,17 @@ def start(config: CoordinatorConfig) -> Running:
     info = infos[0]
     if len({(i.vocab_size, tuple(i.eos_token_ids)) for i in infos}) != 1:
         raise errors.FailedPrecondition("target replicas host different models")
+    draft_models = []
     for address in config.drafts:
         draft_info = connect(DraftClient(address, credentials=credentials),
                              config.connect_timeout_s)
         if draft_info.vocab_size > info.vocab_size:
             raise errors.FailedPrecondition(
-                f"the draft's vocabulary ({draft_info.vocab_size}) is larger than the "
-                f"target's ({info.vocab_size}): they do not share a tokenizer")
+                f"the draft at {address} ({draft_info.model}) has a vocabulary of "
+                f"{draft_info.vocab_size} tokens, larger than the target's "
+                f"({info.vocab_size}): they do not share a tokenizer")
+        draft_models.append(draft_info.model)
+    kinds = group_by_model(list(config.drafts), draft_models)
     codec = TextCodec(config.tokenizer) if config.tokenizer else None
     metrics = CoordinatorMetrics(info.model, config.engine.num_draft_tokens)
     metrics_port = None
@@ -213,7 +220,7 @@ def start(config: CoordinatorConfig) -> Running:
         metrics_port = serve_metrics(metrics.registry, config.metrics_port,
                                      config.host).server_port
         log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)
-    engine = build_router(config, info.eos_token_ids, Telemetry(metrics))
+    engine = build_router(config, info.eos_token_ids, Telemetry(metrics), kinds)
     limits = Limits(info.vocab_size, info.max_context_len, config.max_new_tokens)
     servicer = CoordinatorServicer(engine, limits, codec)
     interceptors = ([security.ApiKeyInterceptor(security.read_api_key(config.api_key_file))]
@@ -232,7 +239,8 @@ def start(config: CoordinatorConfig) -> Running:
     log.info("coordinator on %s:%d (%s%s): targets %s (%s), drafts %s, K=%d, batch %d, "
              "pool %d, queue %d", config.host, port, "TLS" if config.tls else "plaintext",
              ", API key" if interceptors else "", ",".join(config.targets), info.model,
-             ",".join(config.drafts) or "none", config.engine.num_draft_tokens,
+             "; ".join(f"{m}: {','.join(k)}" for m, k in zip(dict.fromkeys(draft_models), kinds))
+             or "none", config.engine.num_draft_tokens,
              config.engine.policy.batch_size, config.engine.max_num_seqs,
              config.engine.max_queue)
     return Running(server, port, health, engine, metrics, metrics_port)

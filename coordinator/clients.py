@@ -65,6 +65,12 @@ class Timing:
     realign_seconds: float = 0.0
     forward_seconds: float = 0.0
 
+    def __add__(self, other: "Timing") -> "Timing":
+        """Two commands' times added up (a step that called two drafts)."""
+        return Timing(self.compute_seconds + other.compute_seconds,
+                      self.realign_seconds + other.realign_seconds,
+                      self.forward_seconds + other.forward_seconds)
+
 
 def _timing(message) -> Timing:
     return Timing(message.compute_seconds, message.realign_seconds, message.forward_seconds)

@@ -2,8 +2,10 @@
 
 One engine thread owns every Sequence; request threads talk to it only through `submit`,
 `cancel` and each request's event queue. The engine keeps every committed token, so a lost
-service is re-prefilled from this record: a draft outage degrades to target-only decoding,
-a target outage makes requests wait (bounded by their deadlines).
+service is re-prefilled from this record: a draft outage leaves the other draft kinds, then
+target-only decoding; a target outage makes requests wait (bounded by their deadlines).
+Several draft kinds (a model, the n-gram lookup) may serve one engine: each step chooses,
+per row, the kind and the number of tokens to draft.
 """
 import concurrent.futures
 import contextlib
@@ -18,7 +20,8 @@ from batchspec import errors
 from batchspec.params import SamplingParams
 from coordinator import goodput, scheduler
 from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
-from coordinator.sequence import Finish, Sequence
+from coordinator.drafts import DraftKind
+from coordinator.sequence import DraftState, Finish, Sequence
 from coordinator.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -98,8 +101,9 @@ class Prepared:
 
     seqs: list[Sequence]
     plan: dict[int, int]  # seq_id -> drafts it verifies (0: none)
+    kinds: dict[int, int | None]  # seq_id -> the draft kind it drafts with (None: none)
     proposals: dict  # seq_id -> (draft_token_ids, draft_probs, drafted, draft cache_len)
-    draft_timing: object  # the draft service's Timing, None without a draft call
+    draft_timing: object  # the draft services' Timing, added up; None without a draft call
     draft_s: float
 
     @property
@@ -144,13 +148,12 @@ class Probe:
 
 
 class Engine:
-    def __init__(self, target: TargetClient, drafts: list[DraftClient], config: EngineConfig,
-                 eos_token_ids: list[int], telemetry: Telemetry | None = None,
-                 on_health=None, seq_ids=None):
+    def __init__(self, target: TargetClient, drafts: list[list[DraftClient]],
+                 config: EngineConfig, eos_token_ids: list[int],
+                 telemetry: Telemetry | None = None, on_health=None, seq_ids=None):
         self.target = target
-        # Draft replicas this engine may use, one at a time; on a loss it fails over in order.
-        self.drafts = list(drafts)
-        self._draft_index = 0
+        # Draft kinds, each a list of replicas used one at a time (failing over in order).
+        self.kinds = [DraftKind(i, replicas) for i, replicas in enumerate(drafts)]
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stats = EngineStats()
@@ -169,7 +172,6 @@ class Engine:
         self._stopping = False
         self._thread_exit = False
         self._thread: threading.Thread | None = None
-        self._draft_up = bool(self.drafts)
         self._target_up = True
         # service address -> ids of sequences that may still hold caches there although we
         # lost the stream (a release that failed, or a loss while they were cached); released
@@ -209,16 +211,13 @@ class Engine:
             self._lock.notify_all()
 
     @property
-    def draft(self) -> DraftClient | None:
-        return self.drafts[self._draft_index] if self.drafts else None
-
-    @property
     def target_up(self) -> bool:
         return self._target_up
 
     @property
     def draft_up(self) -> bool:
-        return self._draft_up
+        """Some draft kind is reachable."""
+        return any(kind.up for kind in self.kinds)
 
     def num_running(self) -> int:
         return len(self._active)
@@ -234,8 +233,8 @@ class Engine:
         committed tokens at the next admission, ahead of new arrivals."""
         for handle in handles:
             handle.seq.target_cache_len = 0
-            handle.seq.draft_cache_len = None
-            handle.seq.draft_valid_len = 0
+            for state in handle.seq.drafts:
+                state.forget()
         with self._lock:
             self._waiting = list(handles) + self._waiting
             self._lock.notify_all()
@@ -308,25 +307,31 @@ class Engine:
     def _overlap(self) -> bool:
         if self._overlapping is None:
             self._configure()
-        return self._overlapping and self._draft_up
+        return self._overlapping and self.draft_up
 
     def _configure(self) -> None:
         """Ask each service once what its forwards cost and what device it runs on: the
         goodput policy starts from the costs (without them every row drafts K), and overlap
-        "auto" is on unless both services run on CPU."""
-        infos = {"target": self._describe(self.target),
-                 "draft": self._describe(self.draft) if self.draft is not None else None}
-        config = goodput.GoodputConfig(max_k=self.config.num_draft_tokens)
-        costs = {role: goodput.ServiceCost(goodput.ForwardCosts(info.step_costs))
-                 if info is not None else None for role, info in infos.items()}
-        if self.config.draft_policy == "fixed" or self.draft is None:
-            costs = {"target": None, "draft": None}
+        "auto" is on unless every service runs on CPU."""
+        target = self._describe(self.target)
+        infos = [self._describe(kind.client) for kind in self.kinds]
+        fixed = self.config.draft_policy == "fixed"
+
+        def cost(info):
+            return None if fixed or info is None else \
+                goodput.ServiceCost(goodput.ForwardCosts(info.step_costs))
+
+        for kind, info in zip(self.kinds, infos):
+            kind.name = info.model if info is not None else kind.name
+            kind.cost = cost(info)
         if self._policy is None:  # one set already (a test's scripted policy) is kept
-            self._policy = goodput.GoodputPolicy(config, costs["draft"], costs["target"])
+            self._policy = goodput.GoodputPolicy(
+                goodput.GoodputConfig(max_k=self.config.num_draft_tokens),
+                [kind.cost for kind in self.kinds], cost(target))
         self._overlapping = self.config.overlap == "on"
-        if self.config.overlap == "auto" and self.draft is not None:
+        if self.config.overlap == "auto" and self.kinds:
             devices = {info.device.split(":")[0] or None if info else None
-                       for info in infos.values()}
+                       for info in [target] + infos}
             self._overlapping = devices != {"cpu"} and None not in devices
             log.info("drafting the next group while the target verifies: %s (devices %s)",
                      "on" if self._overlapping else "off", sorted(map(str, devices)))
@@ -423,7 +428,7 @@ class Engine:
             return
         for h in new:
             h.seq.target_cache_len = h.seq.committed_len - 1
-            h.seq.draft_cache_len = None
+            h.seq.drafts = [DraftState() for _ in self.kinds]
             h.seq.last_step = self.stats.num_steps
             self._active[h.seq.seq_id] = h
             self.telemetry.admitted(h.seq.committed_len)
@@ -440,17 +445,19 @@ class Engine:
             self.telemetry.prefilled(seconds)
 
     def _prefill_draft(self, seqs: list[Sequence]) -> None:
-        """Start (or restart) the draft's caches from the committed record."""
-        if not self._draft_up or not seqs:
-            return
-        try:
-            with self._timed_prefill():
-                self.draft.prefill([s.prefill_entry() for s in seqs])
-        except errors.Unavailable as error:
-            self._draft_lost(error)
-            return
-        for s in seqs:
-            s.draft_cache_len = s.draft_valid_len = s.committed_len - 1
+        """Start the caches of every reachable draft kind from the committed record."""
+        for kind in self.kinds:
+            if not kind.up or not seqs:
+                continue
+            try:
+                with self._timed_prefill():
+                    kind.client.prefill([s.prefill_entry() for s in seqs])
+            except errors.Unavailable as error:
+                self._draft_lost(kind, error)
+                continue
+            for s in seqs:
+                s.drafts[kind.index] = DraftState(s.committed_len - 1, s.committed_len - 1,
+                                                  s.drafts[kind.index].spec)
 
     def _prepare(self, exclude: set[int]) -> "Prepared | None":
         """Pick the next group (of rows not in `exclude`), choose each row's K and draft."""
@@ -462,9 +469,20 @@ class Engine:
         with self._isolated("draft", self._handles(seqs)):
             timeout = self._group_timeout(self._handles(seqs))
             plan = self._plan(seqs)
-            proposals, draft_timing, draft_s = self._propose(
-                [s for s, k in zip(seqs, plan) if k], max(plan), timeout)
-            return Prepared(seqs, dict(zip((s.seq_id for s in seqs), plan)), proposals,
+            kinds = [plan.kind(i) for i in range(len(seqs))]
+            proposals, draft_timing, draft_s = {}, None, 0.0
+            for kind in self.kinds:
+                rows = [i for i, d in enumerate(kinds) if d == kind.index]
+                if not rows:
+                    continue
+                got, timing, seconds = self._propose(
+                    kind, [seqs[i] for i in rows], max(plan.k[i] for i in rows), timeout)
+                proposals.update(got)
+                if timing is not None:
+                    draft_timing = timing if draft_timing is None else draft_timing + timing
+                    draft_s += seconds
+            ids = [s.seq_id for s in seqs]
+            return Prepared(seqs, dict(zip(ids, plan.k)), dict(zip(ids, kinds)), proposals,
                             draft_timing, draft_s)
         return None
 
@@ -501,30 +519,44 @@ class Engine:
         if self._policy.calibrated:
             self._policy.target.observe([(len(specs), 1 + width)], timing.forward_seconds,
                                         verify_s)
-        self._count_step(prepared.mixed, not self._draft_up, not prepared.proposals,
+        self._count_step(prepared.mixed, not self.draft_up, not prepared.proposals,
                          prepared.draft_timing, timing, prepared.draft_s, verify_s)
         finished = []
         for seq, spec, outcome in zip(prepared.seqs, specs, outcomes):
-            _, _, drafted, cache_len = prepared.proposals.get(seq.seq_id, NO_PROPOSAL)
-            if cache_len != seq.draft_cache_len:
-                drafted = 0  # the draft lost or re-prefilled it since: its drafts are not cached
-            if self._commit(seq, outcome, len(spec.draft_token_ids), drafted):
+            kind = prepared.kinds[seq.seq_id]
+            proposal = prepared.proposals.get(seq.seq_id, NO_PROPOSAL)
+            if self._commit(seq, outcome, len(spec.draft_token_ids), kind, proposal):
                 finished.append(seq)
         self._release(finished)
 
-    def _plan(self, seqs: list[Sequence]) -> list[int]:
-        """Tokens each row drafts this step (0: none), by the draft policy."""
+    def _plan(self, seqs: list[Sequence]) -> goodput.Plan:
+        """Each row's draft kind and tokens to draft this step (0: none), by the policy.
+        A sampled row always drafts K with the first reachable kind, so a seeded request's
+        tokens depend on nothing but the request (while its draft stays up)."""
         if self._policy is None:
             self._configure()
         max_k = self.config.num_draft_tokens
-        if not self._draft_up:
-            return [0] * len(seqs)
-        if self.config.draft_policy == "fixed":
-            return [max_k] * len(seqs)
-        rows = [self._policy.row(s.spec, s.draft_append_need() if s.draft_cache_len is not None
-                                 else s.committed_len, None if s.sampling.greedy else max_k)
-                for s in seqs]
-        return self._policy.plan(rows).k
+        up = [kind for kind in self.kinds if kind.up]
+        if not up:
+            return goodput.Plan([0] * len(seqs), 0.0, [None] * len(seqs))
+        rows = []
+        for s in seqs:
+            choices = [None] * len(self.kinds)
+            for kind in up:
+                state = s.drafts[kind.index]
+                if state.cache_len is not None:
+                    choices[kind.index] = self._policy.choice(
+                        state.spec, s.draft_append_need(kind.index), kind.index)
+            rows.append(goodput.Row(choices=tuple(choices),
+                                    forced_k=None if s.sampling.greedy else max_k,
+                                    forced_kind=up[0].index))
+        plan = self._policy.plan(rows)
+        kinds = [plan.kind(i) for i in range(len(seqs))]
+        # a kind with no cache for the row (lost, not prefilled yet) cannot draft for it
+        kinds = [d if d is not None and rows[i].choices[d] is not None else None
+                 for i, d in enumerate(kinds)]
+        return goodput.Plan([n if d is not None else 0 for n, d in zip(plan.k, kinds)],
+                            plan.tokens_per_s, kinds)
 
     def _group_timeout(self, handles) -> float | None:
         """How long a group's commands may wait in a service: until the last row's deadline
@@ -535,59 +567,69 @@ class Engine:
             return None
         return max(0.001, max(deadlines) - time.monotonic())
 
-    def _propose(self, seqs: list[Sequence], num_drafts: int, timeout: float | None):
+    def _propose(self, kind: DraftKind, seqs: list[Sequence], num_drafts: int,
+                 timeout: float | None):
         """({seq_id: (draft_token_ids, draft_probs, drafted, cache_len)}, timing, round-trip
-        seconds) for the rows that can draft together; ({}, None, 0) when none can or the
-        draft service is down (target-only decoding). `drafted` is what the service drafted
-        (and cached, but the last) for the row, which may be more than the row verifies;
-        cache_len its draft cache length after."""
-        if not self._draft_up or not num_drafts:
+        seconds) for the rows that can draft together with `kind`; ({}, None, 0) when none
+        can or its service is down. `drafted` is what the service drafted (and cached, but
+        the last) for the row, which may be more than the row verifies (or fewer: the n-gram
+        draft proposes only what it finds); cache_len its draft cache length after."""
+        if not kind.up or not num_drafts:
             return {}, None, 0.0
-        ready = [s for s in seqs if s.draft_cache_len is not None]
-        rows, width = scheduler.draft_plan(ready) if ready else ([], 0)
+        ready = [s for s in seqs if s.drafts[kind.index].cache_len is not None]
+        rows, width = scheduler.draft_plan(ready, kind.index) if ready else ([], 0)
         if not rows:
             return {}, None, 0.0
-        specs = [ProposeSpec(s.seq_id, s.draft_cache_len, s.committed_len - width,
+        specs = [ProposeSpec(s.seq_id, s.drafts[kind.index].cache_len, s.committed_len - width,
                              s.token_ids[s.committed_len - width:], s.sampling) for s in rows]
         mixed = len({s.committed_len for s in rows}) > 1
         started = time.perf_counter()
         try:
-            proposals, timing = self.draft.propose(
+            proposals, timing = kind.client.propose(
                 num_drafts, mixed, specs, timeout=timeout,
                 min_confidence=self.config.min_draft_confidence)
         except errors.Unavailable as error:
-            self._draft_lost(error)
+            self._draft_lost(kind, error)
             return {}, None, 0.0
         except errors.DeadlineExceeded:
             return {}, None, 0.0
         round_trip = time.perf_counter() - started
         for seq, proposal in zip(rows, proposals):
-            seq.draft_cache_len = proposal.cache_len
+            seq.drafts[kind.index].cache_len = proposal.cache_len
             if proposal.probs_bytes:
                 self.stats.num_sampled_rows += 1
                 self.stats.num_draft_probs_bytes += proposal.probs_bytes
-        drafted = len(proposals[0].draft_token_ids)
-        if self._policy.calibrated:
-            self._policy.draft.observe(goodput.draft_calls(len(rows), width, drafted),
-                                       timing.forward_seconds, round_trip)
-        return ({p.seq_id: (p.draft_token_ids, p.draft_probs, drafted, p.cache_len)
-                 for p in proposals}, timing, round_trip)
+        if kind.cost is not None and self._policy.calibrated:
+            drafted = max(len(p.draft_token_ids) for p in proposals)
+            kind.cost.observe(goodput.draft_calls(len(rows), width, drafted),
+                              timing.forward_seconds, round_trip)
+        return ({p.seq_id: (p.draft_token_ids, p.draft_probs, len(p.draft_token_ids),
+                            p.cache_len) for p in proposals}, timing, round_trip)
 
-    def _commit(self, seq: Sequence, outcome, num_drafts: int, drafted: int) -> bool:
+    def _commit(self, seq: Sequence, outcome, num_drafts: int, kind: int | None,
+                proposal) -> bool:
         """Apply one verification to its sequence; True when the sequence finished.
-        num_drafts: drafts the row verified; drafted: what the draft service drafted for it
-        this step (0: it was not in the proposal)."""
+        num_drafts: drafts the row verified; kind: the draft kind planned for it (None: none);
+        proposal: what that kind answered (NO_PROPOSAL: nothing arrived)."""
         before = seq.committed_len
         if outcome.seq_id != seq.seq_id or outcome.cache_len != before + outcome.num_accepted:
             raise errors.FailedPrecondition(
                 f"target answered seq {outcome.seq_id} with cache {outcome.cache_len}; expected "
                 f"seq {seq.seq_id} with {before + outcome.num_accepted}")
         seq.target_cache_len = outcome.cache_len
-        if drafted:
+        _, _, drafted, cache_len = proposal
+        answered = kind is not None and cache_len is not None
+        if answered and cache_len == seq.drafts[kind].cache_len and drafted:
             # The draft cached committed[:before] and drafts 1..D-1 (D = drafted); those up to
-            # the first rejection are now committed (a row verifies at most D of them).
-            seq.draft_valid_len = before + min(outcome.num_accepted, drafted - 1)
-        self._policy.observe(seq.spec, num_drafts, outcome.num_accepted)
+            # the first rejection are now committed (a row verifies at most D of them). A
+            # draft lost or re-prefilled since holds none of them (its cache_len moved on).
+            seq.drafts[kind].valid_len = before + min(outcome.num_accepted, drafted - 1)
+        for d, state in enumerate(seq.drafts):
+            if d != kind:
+                self._policy.observe(state.spec, 0, 0, d)  # not asked: its evidence fades
+            elif answered:
+                # a kind that found nothing to propose is as good as one rejected at once
+                self._policy.observe(state.spec, max(num_drafts, 1), outcome.num_accepted, d)
         seq.stats.num_drafted_tokens += num_drafts
         seq.stats.num_accepted_tokens += outcome.num_accepted
         seq.stats.num_target_forward_passes += 1
@@ -643,8 +685,13 @@ class Engine:
             self._active.pop(seq.seq_id, None)
         if self._target_up:
             self._release_in(self.target, [s for s in seqs if s.target_cache_len is not None])
-        if self._draft_up:
-            self._release_in(self.draft, [s for s in seqs if s.draft_cache_len is not None])
+        self._release_drafts(seqs)
+
+    def _release_drafts(self, seqs: list[Sequence]) -> None:
+        for kind in self.kinds:
+            if kind.up:
+                self._release_in(kind.client, [s for s in seqs
+                                               if s.drafts[kind.index].cache_len is not None])
 
     def _release_in(self, client, seqs: list[Sequence]) -> None:
         if not seqs:
@@ -660,15 +707,16 @@ class Engine:
         self._stale.setdefault(client.address, set()).update(s.seq_id for s in seqs)
 
     # ---- lost services ------------------------------------------------------------------------
-    def _draft_lost(self, error) -> None:
-        log.warning("draft service lost (%s): decoding with the target alone", error)
-        self._draft_up = False
+    def _draft_lost(self, kind: DraftKind, error) -> None:
+        log.warning("draft %s (%s) lost (%s): decoding %s", kind.client.address, kind.name,
+                    error, "with the other drafts" if self.draft_up else "with the target alone")
+        kind.up = False
         self.on_health(self._target_up)
-        self.draft.reset()
-        self._mark_stale(self.draft, [h.seq for h in self._active.values()
-                                      if h.seq.draft_cache_len is not None])
+        kind.client.reset()
+        self._mark_stale(kind.client, [h.seq for h in self._active.values()
+                                       if h.seq.drafts[kind.index].cache_len is not None])
         for handle in self._active.values():
-            handle.seq.draft_cache_len = None
+            handle.seq.drafts[kind.index].forget()
         self._schedule_retry()
 
     def _target_lost(self, error) -> None:
@@ -691,11 +739,18 @@ class Engine:
         """Give every request to other engines, if there are any to take them."""
         with self._lock:
             handles = list(self._active.values()) + self._waiting
-        if not handles or self.handoff is None or not self.handoff(self, handles):
+        if not handles or self.handoff is None:
             return False
-        if self._draft_up:
-            self._release_in(self.draft, [h.seq for h in self._active.values()
-                                          if h.seq.draft_cache_len is not None])
+        # Drafts may be shared with the adopting engines (one n-gram draft for every target
+        # replica): release ours before another engine can prefill the same ids there.
+        active = [h.seq for h in self._active.values()]
+        self._release_drafts(active)
+        for seq in active:
+            for state in seq.drafts:
+                state.forget()
+        if not self.handoff(self, handles):
+            self._prefill_draft(active)  # nobody took them: they wait here, drafts ready
+            return False
         with self._lock:
             self._active.clear()
             self._waiting = [h for h in self._waiting if h not in handles]
@@ -705,29 +760,32 @@ class Engine:
         self._next_retry = time.monotonic() + self._retry_delay
         self._retry_delay = min(self._retry_delay * 2, self.config.reconnect_backoff_s[1])
 
+    def _all_up(self) -> bool:
+        return self._target_up and all(kind.up for kind in self.kinds)
+
     def _ensure_services(self) -> bool:
         """Reconnect lost services when their retry is due; True when the target is usable."""
-        if (self._target_up and (self._draft_up or self.draft is None)) or \
-                time.monotonic() < self._next_retry:
+        if self._all_up() or time.monotonic() < self._next_retry:
             return self._target_up
         if not self._target_up:
             self._target_up = self._reconnect(self.target, self._resync_target)
             if self._target_up:
                 self.on_health(True)
-        if self.drafts and not self._draft_up:
-            self._draft_up = self._reconnect_draft()
-        if self._target_up and (self._draft_up or self.draft is None):
+        for kind in self.kinds:
+            if not kind.up:
+                kind.up = self._reconnect_draft(kind)
+        if self._all_up():
             self._retry_delay = self.config.reconnect_backoff_s[0]
         else:
             self._schedule_retry()
         return self._target_up
 
-    def _reconnect_draft(self) -> bool:
-        """Try the draft replicas in turn, starting with the current one."""
-        for _ in range(len(self.drafts)):
-            if self._reconnect(self.draft, self._resync_draft):
+    def _reconnect_draft(self, kind: DraftKind) -> bool:
+        """Try the kind's replicas in turn, starting with the current one."""
+        for _ in range(len(kind.replicas)):
+            if self._reconnect(kind.client, lambda: self._resync_draft(kind)):
                 return True
-            self._draft_index = (self._draft_index + 1) % len(self.drafts)
+            kind.next_replica()
         return False
 
     def _reconnect(self, client, resync) -> bool:
@@ -783,11 +841,12 @@ class Engine:
         for s in seqs:
             s.target_cache_len = s.committed_len - 1
 
-    def _resync_draft(self) -> None:
+    def _resync_draft(self, kind: DraftKind) -> None:
         seqs = [h.seq for h in self._active.values()]
-        self._prefill_in_runs(self.draft, seqs)
+        self._prefill_in_runs(kind.client, seqs)
         for s in seqs:
-            s.draft_cache_len = s.draft_valid_len = s.committed_len - 1
+            state = s.drafts[kind.index]
+            state.cache_len = state.valid_len = s.committed_len - 1
 
     def _prefill_in_runs(self, client, seqs: list[Sequence]) -> None:
         """Re-prefill from the committed record, one bounded command per run. If a run fails,

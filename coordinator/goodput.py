@@ -25,6 +25,9 @@ import math
 class GoodputConfig:
     max_k: int = 4  # the most a step may draft (the coordinator's -k)
     explore_every: int = 32  # a row not drafting for this many of its steps drafts once
+    # a draft kind with fewer verified drafts than this over all rows is tried by every row
+    # that can (a new kind is never starved of evidence by one that looked good first)
+    min_evidence: float = 8.0
     prior_acceptance: float = 0.6  # before any row has been verified
     prior_weight: float = 2.0  # pseudo-observations of the running mean behind each row's estimate
     decay: float = 0.9  # weight kept by older evidence, per step a row drafts
@@ -171,90 +174,176 @@ def draft_calls(rows: int, width: int, k: int) -> list[tuple[int, int]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Row:
-    """One row of a group as the planner sees it."""
+class Choice:
+    """One draft kind as it stands for one row."""
 
     acceptance: float
-    catch_up: int = 1  # tokens the draft must be fed before proposing (>= 1)
+    catch_up: int = 1  # tokens that draft must be fed before proposing (>= 1)
+    explore: bool = False  # not tried on this row for long: must draft this step
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row of a group as the planner sees it. With one draft kind, `acceptance`,
+    `catch_up` and `explore` describe it; with several, `choices` has one entry per kind
+    (None: that kind cannot draft for this row now)."""
+
+    acceptance: float = 0.0
+    catch_up: int = 1
     forced_k: int | None = None  # must draft exactly this many (seeded sampling: repeatable)
-    explore: bool = False  # must draft at least one token this step
+    explore: bool = False
+    choices: tuple[Choice | None, ...] = ()
+    forced_kind: int = 0  # the kind a forced row drafts with
+
+    def options(self) -> tuple[Choice | None, ...]:
+        return self.choices or (Choice(self.acceptance, self.catch_up, self.explore),)
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     k: list[int]  # per row, in the group's order
     tokens_per_s: float  # the expected goodput of this plan
+    kinds: list[int | None] | None = None  # per row, the draft kind (None: all kind 0)
+
+    def kind(self, i: int) -> int | None:
+        if not self.k[i]:
+            return None
+        return self.kinds[i] if self.kinds is not None else 0
 
 
 class GoodputPolicy:
-    def __init__(self, config: GoodputConfig, draft: ServiceCost | None,
+    """drafts: one ServiceCost per draft kind (None: not calibrated); target: the target's."""
+
+    def __init__(self, config: GoodputConfig, drafts: list[ServiceCost | None],
                  target: ServiceCost | None):
         self.config = config
-        self.draft = draft
+        self.drafts = list(drafts)
         self.target = target
-        self._mean = config.prior_acceptance  # running acceptance over every row
-        self._mean_weight = 0.0
+        # running acceptance over every row, per draft kind: (mean, weight)
+        self._means: dict[int, tuple[float, float]] = {}
+
+    def usable(self, kind: int) -> bool:
+        cost = self.drafts[kind] if kind < len(self.drafts) else None
+        return bool(cost and cost.forwards)
 
     @property
     def calibrated(self) -> bool:
-        return bool(self.draft and self.draft.forwards and self.target and self.target.forwards)
+        return bool(self.target and self.target.forwards) and any(
+            self.usable(d) for d in range(len(self.drafts)))
 
-    def acceptance(self, state: RowState) -> float:
-        """A row's per-token acceptance: its own decayed evidence, behind a prior of
-        prior_weight observations at the running mean over all rows."""
+    def acceptance(self, state: RowState, kind: int = 0) -> float:
+        """A row's per-token acceptance with one draft kind: its own decayed evidence, behind a
+        prior of prior_weight observations at that kind's running mean over all rows."""
         w = self.config.prior_weight
-        estimate = (state.accepted + w * self._mean) / (state.accepted + state.rejected + w)
+        mean = self._means.get(kind, (self.config.prior_acceptance, 0.0))[0]
+        estimate = (state.accepted + w * mean) / (state.accepted + state.rejected + w)
         return min(0.99, max(0.01, estimate))
 
-    def observe(self, state: RowState, num_drafts: int, num_accepted: int) -> None:
+    def observe(self, state: RowState, num_drafts: int, num_accepted: int,
+                kind: int = 0) -> None:
         state.observe(num_drafts, num_accepted, self.config.decay)
         if num_drafts:
             trials = num_accepted + (1 if num_accepted < num_drafts else 0)
-            self._mean_weight = min(self._mean_weight + trials, 1000.0)
-            rate = num_accepted / trials
-            self._mean += (rate - self._mean) * trials / self._mean_weight
+            mean, weight = self._means.get(kind, (self.config.prior_acceptance, 0.0))
+            weight = min(weight + trials, 1000.0)
+            mean += (num_accepted / trials - mean) * trials / weight
+            self._means[kind] = (mean, weight)
 
     def row(self, state: RowState, catch_up: int, forced_k: int | None = None) -> Row:
         return Row(self.acceptance(state), catch_up, forced_k,
                    explore=state.idle_steps >= self.config.explore_every)
 
+    def choice(self, state: RowState, catch_up: int, kind: int) -> Choice:
+        evidence = self._means.get(kind, (0.0, 0.0))[1]
+        return Choice(self.acceptance(state, kind), catch_up,
+                      explore=state.idle_steps >= self.config.explore_every
+                      or evidence < self.config.min_evidence)
+
     def plan(self, rows: list[Row]) -> Plan:
         """The plan with the most expected tokens per second. Without calibrated costs every
-        row drafts max_k (the fixed-K behaviour)."""
+        row drafts max_k, with the kind it accepts best (the fixed-K behaviour)."""
         if not self.calibrated:
-            k = [r.forced_k if r.forced_k is not None else self.config.max_k for r in rows]
-            return Plan(k, math.nan)
+            return self._fixed(rows)
         forced = {r.forced_k for r in rows if r.forced_k is not None}
-        must = any(r.explore for r in rows)
+        must = {kind for r in rows for kind, c in enumerate(r.options()) if c and c.explore
+                and self.usable(kind)}
+        must |= {r.forced_kind for r in rows if r.forced_k is not None}
         if forced:
             candidates = [max(forced)]
         else:
             candidates = list(range(1 if must else 0, self.config.max_k + 1))
-        plans = [self._best_for(rows, k) for k in candidates]
+        plans = []
+        for k in candidates:
+            plans += [self._best_for(rows, k, kinds) for kinds in self._kind_sets(rows, must)] \
+                if k else [self._best_for(rows, 0, ())]
         best = max(plans, key=lambda p: p.tokens_per_s)
         plain = plans[0] if candidates[0] == 0 else None
         if plain is not None and best.tokens_per_s < plain.tokens_per_s * (1 + self.config.margin):
             return plain
         return best
 
-    def _best_for(self, rows: list[Row], k: int) -> Plan:
-        """With K = k, the best number of drafting rows: rows that must draft first, then the
-        rest by acceptance, as many as pay."""
+    def _kind_sets(self, rows: list[Row], must: set[int]) -> list[tuple[int, ...]]:
+        """The sets of draft kinds a step may call: every non-empty set of usable kinds that
+        some row can use, holding the kinds that must draft."""
+        usable = [d for d in range(len(self.drafts)) if self.usable(d)
+                  and any(d < len(r.options()) and r.options()[d] for r in rows)]
+        sets = [tuple(d for j, d in enumerate(usable) if mask >> j & 1)
+                for mask in range(1, 1 << len(usable))]
+        return [s for s in sets if must <= set(s)] or [tuple(usable)]
+
+    def _best_for(self, rows: list[Row], k: int, kinds: tuple[int, ...] = (0,)) -> Plan:
+        """With K = k and the given draft kinds, the best set of drafting rows and each one's
+        kind: rows that must draft first, then (row, kind) pairs by expected gain, as many
+        as pay."""
         batch = len(rows)
         verify_s = self.target.predict([(batch, 1 + k)])
-        if k == 0:
-            return Plan([0] * batch, batch / verify_s)
-        order = sorted(range(batch), key=lambda i: (
-            not (rows[i].forced_k is not None or rows[i].explore), -rows[i].acceptance))
-        required = sum(1 for r in rows if r.forced_k is not None or r.explore)
-        best, tokens, width = None, float(batch), 1
-        for count, i in enumerate(order, start=1):
-            row = rows[i]
-            tokens += expected_tokens(row.acceptance, k) - 1.0
-            width = max(width, row.catch_up)
-            seconds = verify_s + self.draft.predict(draft_calls(count, width, k))
-            rate = tokens / seconds
-            if count >= required and (best is None or rate > best[1]):
-                best = (count, rate)
-        chosen = set(order[:best[0]])
-        return Plan([k if i in chosen else 0 for i in range(batch)], best[1])
+        if k == 0 or not kinds:
+            return Plan([0] * batch, batch / verify_s, [None] * batch)
+        pairs = []  # (required, gain, row, kind, catch_up)
+        for i, row in enumerate(rows):
+            options = row.options()
+            for d in kinds:
+                c = options[d] if d < len(options) else None
+                if c is None or (row.forced_k is not None and d != row.forced_kind):
+                    continue
+                required = row.forced_k is not None or c.explore
+                pairs.append((required, expected_tokens(c.acceptance, k) - 1.0, i, d,
+                              c.catch_up))
+        pairs.sort(key=lambda p: (not p[0], -p[1]))
+        required = len({p[2] for p in pairs if p[0]})
+        counts, widths, draft_s = {}, {}, {}
+        chosen, tokens, best = [], float(batch), None
+        for _, gain, i, d, catch_up in pairs:
+            if any(i == j for j, _ in chosen):
+                continue
+            chosen.append((i, d))
+            tokens += gain
+            counts[d] = counts.get(d, 0) + 1
+            widths[d] = max(widths.get(d, 1), catch_up)
+            draft_s[d] = self.drafts[d].predict(draft_calls(counts[d], widths[d], k))
+            rate = tokens / (verify_s + sum(draft_s.values()))
+            if len(chosen) >= required and (best is None or rate > best[1]):
+                best = (len(chosen), rate)
+        if best is None:  # no row can draft with these kinds
+            return Plan([0] * batch, batch / self.target.predict([(batch, 1)]), [None] * batch)
+        picked = dict(chosen[:best[0]])
+        return Plan([k if i in picked else 0 for i in range(batch)], best[1],
+                    [picked.get(i) for i in range(batch)])
+
+    def _fixed(self, rows: list[Row]) -> Plan:
+        """Every row drafts max_k (a forced row its own K and kind), with the kind it must
+        explore, else the one it accepts best; a row no kind can draft for drafts nothing."""
+        k, kinds = [], []
+        for row in rows:
+            options = [(d, c) for d, c in enumerate(row.options()) if c is not None]
+            if row.forced_k is not None:
+                k.append(row.forced_k)
+                kinds.append(row.forced_kind)
+            elif options:
+                kind = max(options, key=lambda o: (o[1].explore, o[1].acceptance))[0]
+                k.append(self.config.max_k)
+                kinds.append(kind)
+            else:
+                k.append(0)
+                kinds.append(None)
+        return Plan(k, math.nan, kinds)

@@ -103,10 +103,10 @@ def split_by_tokens(sequences: list[Sequence], budget: int) -> list[list[Sequenc
     return runs
 
 
-def draft_plan(sequences: list[Sequence]) -> tuple[list[Sequence], int]:
-    """Rows that can share one proposal, and how many tokens each appends.
+def draft_plan(sequences: list[Sequence], kind: int = 0) -> tuple[list[Sequence], int]:
+    """Rows that can share one proposal of draft `kind`, and how many tokens each appends.
 
     Every row appends the same count T (the largest need), rolling its cache back further if
     its own need is smaller; rows shorter than T cannot and are left for a later step."""
-    width = max(s.draft_append_need() for s in sequences)
+    width = max(s.draft_append_need(kind) for s in sequences)
     return [s for s in sequences if s.committed_len >= width], width

@@ -4,9 +4,10 @@ Invariants between steps, for an active sequence with committed length L
 (prompt + generated tokens):
 - target_cache_len == L - 1: the target holds every committed token but the last, which is
   fed first in the next verification.
-- draft_valid_len <= draft_cache_len and draft_valid_len <= L - 1: the first draft_valid_len
-  positions of the draft cache are committed tokens; what follows them (rejected proposals)
-  is rolled back before the next proposal.
+- for each draft kind d, with D = drafts[d]: D.valid_len <= D.cache_len and
+  D.valid_len <= L - 1: the first valid_len positions of that draft's cache are committed
+  tokens; what follows them (rejected proposals) is rolled back before its next proposal. A
+  draft not used for a while falls behind; it is fed the tokens it missed when used again.
 Lengths are explicit integers; nothing is derived from token values (pad and EOS may share ids).
 """
 import dataclasses
@@ -31,6 +32,19 @@ class Stats:
 
 
 @dataclasses.dataclass
+class DraftState:
+    """What one draft kind has cached for a sequence, and how well it drafts for it."""
+
+    cache_len: int | None = None  # None: not cached in that draft service (must prefill)
+    valid_len: int = 0
+    spec: RowState = dataclasses.field(default_factory=RowState)  # its acceptance, for K
+
+    def forget(self) -> None:
+        """The service lost or never had the sequence: prefill it again before use."""
+        self.cache_len, self.valid_len = None, 0
+
+
+@dataclasses.dataclass
 class Sequence:
     seq_id: int
     prompt_token_ids: list[int]
@@ -39,14 +53,12 @@ class Sequence:
     sampling: SamplingParams = SamplingParams()
     token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
     target_cache_len: int = 0
-    draft_cache_len: int | None = 0  # None: not cached in the draft service (must prefill)
-    draft_valid_len: int = 0
+    drafts: list[DraftState] = dataclasses.field(default_factory=list)  # one per draft kind
     finish: Finish | None = None
     stats: Stats = dataclasses.field(default_factory=Stats)
     last_step: int = 0  # engine step at which the sequence last advanced (for fairness)
     cohort: int | None = None  # the group it is stepped with (scheduler); None: not yet placed
     created: float = dataclasses.field(default_factory=time.monotonic)
-    spec: RowState = dataclasses.field(default_factory=RowState)  # its acceptance, for K
     # Optional coordinator.text.TextStream: the generated text and its stop strings.
     text: object = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -86,6 +98,6 @@ class Sequence:
                 self.finish = Finish.LENGTH
         return committed
 
-    def draft_append_need(self) -> int:
-        """Committed tokens the draft must be fed before proposing (>= 1: the last one)."""
-        return self.committed_len - min(self.draft_valid_len, self.committed_len - 1)
+    def draft_append_need(self, kind: int = 0) -> int:
+        """Committed tokens draft `kind` must be fed before proposing (>= 1: the last one)."""
+        return self.committed_len - min(self.drafts[kind].valid_len, self.committed_len - 1)

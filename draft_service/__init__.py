@@ -1,1 +1,3 @@
-"""The draft service: hosts the draft model and proposes tokens."""
+"""The draft service: hosts a draft (a model, or the model-free n-gram lookup) and proposes
+tokens."""
+SERVICE_NAME = "batchspec.v1.DraftService"

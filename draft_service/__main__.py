@@ -1,14 +1,25 @@
-"""python -m draft_service --model M --port P [--device D --dtype T --num-layers N]"""
+"""python -m draft_service --model M --port P [--device D --dtype T --num-layers N]
+(--model ngram: the model-free prompt-lookup draft, which never imports torch)"""
 from batchspec import service
 from batchspec.v1 import draft_pb2_grpc
-from draft_service.servicer import SERVICE_NAME, DraftServicer
+from draft_service import SERVICE_NAME
+from draft_service.ngram import NGRAM_MODEL
 
 DEFAULT_PORT = 50053
 
 
+def hosting(config: service.ServiceConfig):
+    """(servicer class, build, warm) for the configured draft."""
+    if config.model == NGRAM_MODEL:
+        from draft_service import ngram_servicer
+        return ngram_servicer.NgramServicer, ngram_servicer.build_store, ngram_servicer.warm_up
+    from draft_service.servicer import DraftServicer
+    return service.model_hosting(DraftServicer)(config)
+
+
 def main(argv=None):
-    service.main("draft", DEFAULT_PORT, DraftServicer,
-                 draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME, argv)
+    service.main("draft", DEFAULT_PORT, hosting, draft_pb2_grpc.add_DraftServiceServicer_to_server,
+                 SERVICE_NAME, argv)
 
 
 if __name__ == "__main__":

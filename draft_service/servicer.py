@@ -3,9 +3,7 @@ import time
 
 from batchspec import errors, service
 from batchspec.v1 import draft_pb2, draft_pb2_grpc
-from draft_service import proposer
-
-SERVICE_NAME = "batchspec.v1.DraftService"
+from draft_service import SERVICE_NAME, proposer  # noqa: F401 (SERVICE_NAME re-exported)
 
 
 class DraftServicer(service.ModelServicer, draft_pb2_grpc.DraftServiceServicer):

@@ -7,7 +7,7 @@ DEFAULT_PORT = 50052
 
 
 def main(argv=None):
-    service.main("target", DEFAULT_PORT, TargetServicer,
+    service.main("target", DEFAULT_PORT, service.model_hosting(TargetServicer),
                  target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, argv)
 
 

@@ -40,6 +40,7 @@ class Stack:
     target_server: object
     draft_server: object
     metrics_port: int | None
+    drafts: list = dataclasses.field(default_factory=list)  # (server, port, runner) per draft
 
     def stub(self):
         channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
@@ -60,6 +61,17 @@ def start_draft(model_dir, port=0):
                                        DRAFT_NAME)
 
 
+def start_ngram(port=0):
+    """The model-free n-gram draft service, as `python -m draft_service --model ngram`."""
+    from draft_service.__main__ import hosting
+
+    config = service.ServiceConfig(model="ngram", port=port)
+    make_servicer, build, warm = hosting(config)
+    return service.start_model_service(config, make_servicer,
+                                       draft_pb2_grpc.add_DraftServiceServicer_to_server,
+                                       DRAFT_NAME, build=build, warm=warm)
+
+
 def wait_for(predicate, timeout=10.0):
     """Poll until predicate() is true; False if it never was within timeout seconds."""
     end = time.monotonic() + timeout
@@ -72,10 +84,12 @@ def wait_for(predicate, timeout=10.0):
 
 @contextlib.contextmanager
 def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, metrics_port=None,
-                  stall_timeout_s=120.0, **engine_kwargs):
-    """Target, draft and coordinator servers in this process, on free loopback ports."""
+                  stall_timeout_s=120.0, drafts=("model",), **engine_kwargs):
+    """Target, drafts and coordinator servers in this process, on free loopback ports.
+    drafts: the draft services, in order: "model" (the draft_dir model) or "ngram"."""
     target_server, target_port, _, target_runner = start_target(target_dir)
-    draft_server, draft_port, _, draft_runner = start_draft(draft_dir)
+    started = [start_ngram() if kind == "ngram" else start_draft(draft_dir) for kind in drafts]
+    draft_server, draft_port, _, draft_runner = started[0]
     # fixed K unless a test asks for adaptive draft length: tiny drafts are rarely confident
     engine_kwargs.setdefault("min_draft_confidence", 0.0)
     # every step drafts K unless a test asks for the goodput policy: these tests check the
@@ -88,14 +102,17 @@ def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, me
                                  policy=scheduler.GroupPolicy(batch_size=batch_size),
                                  reconnect_backoff_s=(0.05, 0.5), **engine_kwargs)
     config = coordinator_main.CoordinatorConfig(
-        targets=(f"127.0.0.1:{target_port}",), drafts=(f"127.0.0.1:{draft_port}",), port=0,
+        targets=(f"127.0.0.1:{target_port}",),
+        drafts=tuple(f"127.0.0.1:{port}" for _, port, _, _ in started), port=0,
         engine=engine_config, connect_timeout_s=10, metrics_port=metrics_port,
         stall_timeout_s=stall_timeout_s)
     running = coordinator_main.start(config)
     try:
         yield Stack(target_port, draft_port, running.port, running.engine, target_runner,
-                    draft_runner, target_server, draft_server, running.metrics_port)
+                    draft_runner, target_server, draft_server, running.metrics_port,
+                    [(server, port, runner) for server, port, _, runner in started])
     finally:
         running.stop(0)
         target_server.stop(0)
-        draft_server.stop(0)
+        for server, _, _, _ in started:
+            server.stop(0)

@@ -3,7 +3,7 @@ import json
 import subprocess
 import sys
 
-from batchspec.bench import METHODS, USES_BATCH, USES_K
+from batchspec.bench import GRPC_DRAFTS, METHODS, USES_BATCH, USES_K
 
 
 def test_quick_bench_writes_a_complete_exact_report(tmp_path):
@@ -23,7 +23,7 @@ def test_quick_bench_writes_a_complete_exact_report(tmp_path):
     for row in rows:
         assert row["tokens_per_s"] > 0 and row["num_tokens"] > 0
         assert "vs_batch1" in row and "target_passes_per_token" in row
-        if row["method"] in ("engine_realign", "engine_grouped", "grpc"):
+        if row["method"] in ("engine_realign", "engine_grouped", *GRPC_DRAFTS):
             assert row["exact_match"] == 1.0, row
             if "acceptance_rate" in row:  # the goodput policy may choose K = 0 throughout
                 assert 0 <= row["acceptance_rate"] <= 1 and row["mean_acceptance_length"] >= 1
@@ -47,6 +47,31 @@ def test_quick_bench_writes_a_complete_exact_report(tmp_path):
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_by_category_reports_each_draft_and_the_router_per_category(tmp_path):
+    out = tmp_path / "report"
+    methods = "hf_batch1,hf_batched,grpc,grpc_ngram,grpc_router"
+    done = subprocess.run([sys.executable, "-m", "batchspec", "bench", "--quick", "--out",
+                           str(out), "--by-category", "--methods", methods,
+                           "--draft-policy", "fixed"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert {r["category"] for r in rows} == {"random", "repeating"}
+    for category in ("random", "repeating"):
+        mine = [r for r in rows if r["category"] == category]
+        assert {r["method"] for r in mine} == set(methods.split(","))
+        for row in mine:
+            assert row["exact_match"] == 1.0 and "vs_batch1" in row, row
+            if row["method"] in GRPC_DRAFTS:
+                assert "vs_batched" in row and 0 <= row.get("acceptance_rate", 0) <= 1
+    # prompts that repeat themselves: the lookup finds something to propose (a tiny random
+    # model's answers rarely copy them, so acceptance may be nil)
+    ngram = [r for r in rows if r["category"] == "repeating" and r["method"] == "grpc_ngram"]
+    assert ngram and all("acceptance_rate" in r for r in ngram)
+    markdown = (out / "results.md").read_text()
+    assert "| repeating | grpc_ngram |" in markdown and "| random | grpc_router |" in markdown
+
+
 def test_poisson_arrivals_and_percentiles():
     from batchspec import arrivals
 
@@ -65,6 +90,7 @@ def test_bench_refuses_bad_load_settings_and_missing_prompts():
     from batchspec.bench import BenchConfig
 
     for bad in ({"arrival_rates": (0.0,)}, {"arrival_rates": (-1.0,)}, {"load_batch_size": 0},
-                {"prompts": "/no/such/prompts.jsonl"}):
+                {"prompts": "/no/such/prompts.jsonl"},
+                {"by_category": True, "arrival_rates": (1.0,)}):
         with pytest.raises(ValueError):
             BenchConfig(**bad)

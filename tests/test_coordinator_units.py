@@ -10,14 +10,14 @@ from coordinator import scheduler
 from coordinator.clients import ModelInfo
 from coordinator.engine import Engine, EngineConfig
 from coordinator.router import Router
-from coordinator.sequence import Finish, Sequence
+from coordinator.sequence import DraftState, Finish, Sequence
 
 
 def seq(seq_id, length, generated=0, last_step=0, max_new=100, stop=(3,)):
     s = Sequence(seq_id, list(range(10, 10 + length)), max_new, frozenset(stop))
     s.token_ids += [50] * generated
     s.last_step = last_step
-    s.draft_valid_len = s.committed_len - 1
+    s.drafts = [DraftState(s.committed_len - 1, s.committed_len - 1)]
     return s
 
 
@@ -42,7 +42,7 @@ def test_eos_equal_to_pad_like_ids_is_found_by_position_not_by_value():
 def test_draft_append_need_follows_the_valid_prefix():
     s = seq(1, 5)
     assert s.draft_append_need() == 1  # only the last committed token
-    s.draft_valid_len = s.committed_len - 2  # the previous step accepted all drafts
+    s.drafts[0].valid_len = s.committed_len - 2  # the previous step accepted all drafts
     assert s.draft_append_need() == 2
 
 
@@ -118,7 +118,7 @@ def test_without_grouping_the_longest_waiting_go_first():
 
 def test_draft_plan_widens_appends_and_drops_rows_too_short_for_them():
     a, b, c = seq(1, 6), seq(2, 6), seq(3, 1)
-    b.draft_valid_len = b.committed_len - 2
+    b.drafts[0].valid_len = b.committed_len - 2
     rows, width = scheduler.draft_plan([a, b, c])
     assert width == 2 and [s.seq_id for s in rows] == [1, 2]
 
@@ -149,9 +149,9 @@ def test_a_hung_service_is_probed_off_the_engine_thread():
     target, draft = FakeService("target"), FakeService("draft")
     target.answering.set()
     health = []
-    engine = Engine(target, [draft], EngineConfig(reconnect_backoff_s=(0.0, 0.0)), [3])
+    engine = Engine(target, [[draft]], EngineConfig(reconnect_backoff_s=(0.0, 0.0)), [3])
     router = Router([engine], max_queue=4, on_health=health.append)
-    engine._draft_lost("the draft stopped answering")
+    engine._draft_lost(engine.kinds[0], "the draft stopped answering")
     assert health == [True] and router.healthy()  # still serving, with the target alone
     started = time.monotonic()
     for _ in range(5):
@@ -204,7 +204,7 @@ def test_split_by_tokens_bounds_each_run_and_keeps_order():
 
 def test_admission_and_resync_prefill_in_bounded_commands():
     target, draft = FakeService("target"), FakeService("draft")
-    engine = Engine(target, [draft], EngineConfig(max_prefill_tokens=10), [3])
+    engine = Engine(target, [[draft]], EngineConfig(max_prefill_tokens=10), [3])
     for length in (5, 5, 5, 30):  # prefixes of 4 tokens, and one of 29
         engine.submit(list(range(10, 10 + length)), 4)
     engine._admit()

@@ -97,11 +97,14 @@ def test_compose_services_gpus_health_and_wiring(files):
     gpus = []
     for name in model_services:
         svc = services[name]
-        [device] = svc["deploy"]["resources"]["reservations"]["devices"]
-        assert "gpu" in device["capabilities"] and len(device["device_ids"]) == 1
-        gpus.append(device["device_ids"][0])
-        assert any(v.startswith("models:") for v in svc["volumes"])
         args = parse_service_command(svc["command"])
+        assert any(v.startswith("models:") for v in svc["volumes"])
+        if args.model == "ngram":  # no model: no GPU
+            assert "deploy" not in svc
+        else:
+            [device] = svc["deploy"]["resources"]["reservations"]["devices"]
+            assert "gpu" in device["capabilities"] and len(device["device_ids"]) == 1
+            gpus.append(device["device_ids"][0])
         assert svc["command"][:2] == ["batchspec", "draft" if "draft" in name else "target"]
         check_healthcheck(svc, args.port, SERVICE_NAMES[svc["command"][1]])
     assert len(set(gpus)) == len(gpus), "each model service reserves its own GPU"
@@ -156,11 +159,11 @@ def test_tls_override_turns_on_tls_mutual_tls_and_the_api_key_everywhere():
     from batchspec.cli import add_client_tls_arguments
 
     services = load_compose("compose.yaml", "compose.tls.yaml")["services"]
-    for name in ("target", "draft"):
+    for name in ("target", "draft", "draft-ngram"):
         args = parse_service_command(services[name]["command"])
         assert args.tls_cert == f"/tls/{name}.pem" and args.tls_ca == "/tls/ca.pem"
         assert "models:/models" in services[name]["volumes"]
-        check_healthcheck(services[name], args.port, SERVICE_NAMES[name])
+        check_healthcheck(services[name], args.port, SERVICE_NAMES[name.split("-")[0]])
     coordinator = services["coordinator"]
     args = coordinator_main.build_parser().parse_args(coordinator["command"][2:])
     assert args.tls_cert and args.tls_key and args.tls_ca and args.api_key_file
@@ -194,7 +197,7 @@ def loopback_commands(model_dirs):
         for key, value in (("--host", "127.0.0.1"), ("--port", str(ports[name])),
                            ("--metrics-port", str(metrics[name])), ("--device", "cpu"),
                            ("--model", draft_dir if "draft" in name else target_dir)):
-            if key in command:
+            if key in command and command[command.index(key) + 1] != "ngram":
                 command[command.index(key) + 1] = value
         commands[name] = command
     coordinator = commands["coordinator"]
@@ -238,7 +241,7 @@ def test_compose_command_lines_scale_out_exactly_on_loopback(model_dirs):
                 assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
             for name in ("target", "target-2"):
                 assert command_count(metrics[name], "verify") > 0, f"{name} did no work"
-            for name in ("draft", "draft-2"):
+            for name in ("draft", "draft-2", "draft-ngram"):
                 assert command_count(metrics[name], "propose") > 0, f"{name} did no work"
 
             # a target replica goes away mid-run: its sequences move to the other one

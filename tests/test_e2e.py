@@ -21,11 +21,13 @@ def batchspec_command() -> list[str]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_serve_three_processes_exact_on_32_concurrent_requests(model_dirs, arch):
+def test_serve_four_processes_exact_on_32_concurrent_requests(model_dirs, arch):
+    """Target, model draft, n-gram draft and coordinator, as `batchspec serve` starts them."""
     target_dir, draft_dir = model_dirs[arch]
     port = free_port()
     server = subprocess.Popen(batchspec_command() + [
-        "serve", "--target-model", target_dir, "--draft-model", draft_dir, "--port", str(port),
+        "serve", "--target-model", target_dir, "--draft-model", f"{draft_dir},ngram",
+        "--port", str(port),
         "--batch-size", "8", "-k", "4", "--startup-timeout", "120"])
     try:
         wait_healthy(f"127.0.0.1:{port}", "batchspec.v1.Coordinator", 120, [server])

@@ -31,7 +31,8 @@ def cpu_like(verify_per_token: float, verify_per_row_token: float = 0.0,
 
 
 def policy(max_k=4, **costs) -> goodput.GoodputPolicy:
-    return goodput.GoodputPolicy(goodput.GoodputConfig(max_k=max_k), *cpu_like(**costs))
+    draft, target = cpu_like(**costs)
+    return goodput.GoodputPolicy(goodput.GoodputConfig(max_k=max_k), [draft], target)
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -126,7 +127,7 @@ def test_acceptance_estimate_follows_the_evidence():
 
 
 def test_without_calibration_every_row_drafts_k():
-    p = goodput.GoodputPolicy(goodput.GoodputConfig(max_k=3), None, None)
+    p = goodput.GoodputPolicy(goodput.GoodputConfig(max_k=3), [], None)
     assert p.plan([goodput.Row(0.1)] * 3).k == [3, 3, 3]
 
 
@@ -136,7 +137,7 @@ class Scripted(goodput.GoodputPolicy):
     alternating per row), to drive the engine through every kind of switch."""
 
     def __init__(self, script):
-        super().__init__(goodput.GoodputConfig(max_k=4), None, None)
+        super().__init__(goodput.GoodputConfig(max_k=4), [], None)
         self.script = script
         self.calls = 0
 
@@ -164,7 +165,7 @@ def engine_for(target_dir, draft_dir, script, batch_size, **config):
     runners = [runner_lib.ModelRunner(m, name=d, device=torch.device("cpu"), eos_token_ids=eos,
                                       max_context_len=256)
                for m, d in zip(loaded, (target_dir, draft_dir))]
-    engine = Engine(InProcessTarget(runners[0], "target"), [InProcessDraft(runners[1], "draft")],
+    engine = Engine(InProcessTarget(runners[0], "target"), [[InProcessDraft(runners[1], "draft")]],
                     EngineConfig(num_draft_tokens=4,
                                  policy=GroupPolicy(batch_size=batch_size),
                                  max_num_seqs=64, max_queue=64, **config),
@@ -263,13 +264,13 @@ def test_overlapped_pipeline_survives_a_draft_lost_mid_proposal(model_dirs, arch
     target_dir, draft_dir = model_dirs[arch]
     engine, runners = engine_for(target_dir, draft_dir, lambda step, batch: [3] * batch,
                                  batch_size=2, overlap="on", reconnect_backoff_s=(0.0, 0.0))
-    engine.drafts = [FlakyDraft(runners[1], lose_at={4, 9, 15})]
+    engine.kinds[0].replicas = [FlakyDraft(runners[1], lose_at={4, 9, 15})]
     requests = random_requests(seed=23, count=10)
     outputs, handles = run_all(engine, requests)
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     for (prompt, max_new), tokens in zip(requests, outputs):
         assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
-    assert engine.drafts[0].calls > 15  # lost three times, back each time
+    assert engine.kinds[0].client.calls > 15  # lost three times, back each time
     assert engine.stats.num_overlapped_steps > 10
     assert engine.stats.num_draft_fallback_steps > 0
     assert not runners[0].caches and not runners[1].caches

@@ -31,16 +31,20 @@ def sample_service(stub, seeds, prompt=PROMPT, **fields):
         return list(pool.map(one, seeds))
 
 
-def sample_target_alone(model_dir, count):
-    """Target-only sampling with Hugging Face generate (temperature 1, the same top_k)."""
+def sample_target_alone(model_dir, count, prompt=PROMPT):
+    """Target-only sampling (temperature 1, the same top_k), written out: a forward per
+    position over the whole batch. End-of-sequence tokens are sampled like any other, as the
+    service does with ignore_eos (generate's min_new_tokens would mask them instead)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.tensor([prompt] * count)
     with torch.no_grad():
-        out = model.generate(torch.tensor([PROMPT] * count), do_sample=True, temperature=1.0,
-                             top_k=TOP_K, top_p=1.0, max_new_tokens=NUM_POSITIONS,
-                             min_new_tokens=NUM_POSITIONS, pad_token_id=0,
-                             attention_mask=torch.ones(count, len(PROMPT), dtype=torch.long))
-    return [tuple(row) for row in out[:, len(PROMPT):].tolist()]
+        for _ in range(NUM_POSITIONS):
+            logits = model(tokens).logits[:, -1].float()
+            top = logits.topk(TOP_K, dim=-1)
+            picked = torch.multinomial(torch.softmax(top.values, -1), 1, generator=generator)
+            tokens = torch.cat([tokens, top.indices.gather(-1, picked)], dim=1)
+    return [tuple(row) for row in tokens[:, len(prompt):].tolist()]
 
 
 def chi_square_p_value(a: Counter, b: Counter) -> float:

@@ -1,0 +1,166 @@
+"""A model-free draft: prompt lookup over each sequence's own tokens. No torch.
+
+To propose for a sequence, take its last n tokens (n from max_n down to min_n), find the most
+recent earlier place they occurred in the sequence (prompt and output alike), and propose the
+tokens that followed there. A continuation that runs into the end of the sequence continues
+with its own proposals, so a sequence repeating a loop is proposed the whole loop.
+
+It keeps the draft service's cache contract exactly as the model draft does: a sequence's
+"cache" is its committed tokens but the last after a prefill, and after a proposal of D >= 1
+tokens it holds keep_len + appended + D - 1 tokens (the committed ones, then its own drafts but
+the last). A row with no match drafts nothing and holds keep_len + appended.
+
+For sampled requests a proposal is a point mass (q = 1 on the proposed token). Rejection
+sampling then accepts it with probability min(1, p / q) = p(token) and on rejection samples
+from max(0, p - q) renormalised, which is p with that token removed: the output distribution
+is p exactly, whatever the proposal.
+"""
+import dataclasses
+import struct
+import time
+
+from batchspec import errors
+from batchspec.cachebook import CacheBook, StepCost
+
+NGRAM_MODEL = "ngram"
+POINT_MASS_F16 = struct.pack("<e", 1.0)  # probability 1 in the wire's float16
+
+
+class NgramIndex:
+    """One sequence's tokens and, for every n-gram of them (min_n <= n <= max_n), the
+    positions right after each occurrence, in increasing order.
+
+    Invariant: table[key] lists exactly the ends p (p <= len(tokens)) with
+    tuple(tokens[p - n:p]) == key, ascending; so truncation pops from the back."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.table: dict[tuple[int, ...], list[int]] = {}
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, token_ids) -> None:
+        for token in token_ids:
+            self.tokens.append(token)
+            end = len(self.tokens)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.table.setdefault(tuple(self.tokens[end - n:end]), []).append(end)
+
+    def truncate(self, keep: int) -> None:
+        while len(self.tokens) > keep:
+            end = len(self.tokens)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                key = tuple(self.tokens[end - n:end])
+                ends = self.table[key]
+                ends.pop()  # == end, by the invariant
+                if not ends:
+                    del self.table[key]
+            self.tokens.pop()
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix
+        that occurred before; [] when none did."""
+        end = len(self.tokens)
+        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            ends = self.table.get(tuple(self.tokens[end - n:]))
+            start = next((p for p in reversed(ends or ()) if p < end), None)
+            if start is None:
+                continue
+            proposal: list[int] = []
+            for j in range(k):  # past the end, the continuation reads its own proposals
+                src = start + j
+                proposal.append(self.tokens[src] if src < end else proposal[src - end])
+            return proposal
+        return []
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramConfig:
+    min_n: int = 2  # shorter suffixes match too often to be worth a verification slot
+    max_n: int = 4
+
+    def __post_init__(self):
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError("n-gram sizes: need 1 <= min_n <= max_n")
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramProposal:
+    seq_id: int
+    draft_token_ids: list[int]
+    cache_len: int
+
+
+class NgramStore(CacheBook):
+    """The n-gram draft's caches (one NgramIndex per sequence) and its commands."""
+
+    def __init__(self, config: NgramConfig = NgramConfig(), *, max_context_len: int = 1 << 20):
+        super().__init__(name=NGRAM_MODEL, vocab_size=0, eos_token_ids=[],
+                         max_context_len=max_context_len)
+        self.config = config
+        self.caches: dict[int, NgramIndex] = {}
+
+    def prefill(self, entries: list[tuple[int, list[int]]]) -> list[int]:
+        self.check_prefill(entries)
+        for seq_id, token_ids in entries:
+            index = NgramIndex(self.config.min_n, self.config.max_n)
+            index.extend(token_ids)
+            self.caches[seq_id] = index
+        return [len(token_ids) for _, token_ids in entries]
+
+    def trim(self, entries: list[tuple[int, int, int]]) -> list[int]:
+        self.check_trim(entries)
+        for seq_id, _, keep in entries:
+            self.caches[seq_id].truncate(keep)
+        return [keep for _, _, keep in entries]
+
+    def propose(self, rows, num_drafts: int) -> list[NgramProposal]:
+        """rows: (seq_id, expected_cache_len, keep_len, append_token_ids) each; every row
+        proposes up to num_drafts tokens (rows may append different numbers of tokens)."""
+        if num_drafts < 1:
+            raise errors.InvalidArgument("num_draft_tokens must be >= 1")
+        self.check_unique([r[0] for r in rows])
+        for seq_id, expected, keep, append in rows:
+            self.lookup(seq_id, expected)
+            if keep > expected:
+                raise errors.InvalidArgument(
+                    f"sequence {seq_id}: keep_len {keep} exceeds the cached {expected}")
+            if not append:
+                raise errors.InvalidArgument(
+                    f"sequence {seq_id}: append_token_ids must end with the last committed token")
+            self.check_token_ids(append, f"sequence {seq_id}")
+            self.check_context(seq_id, keep + len(append) + num_drafts)
+        proposals = []
+        for seq_id, _, keep, append in rows:
+            index = self.caches[seq_id]
+            index.truncate(keep)
+            index.extend(append)
+            drafts = index.propose(num_drafts)
+            index.extend(drafts[:-1])  # the last draft is never "fed", as in the model draft
+            proposals.append(NgramProposal(seq_id, drafts, index.length))
+        return proposals
+
+
+def measure_costs(store: NgramStore, rows=(1, 8, 64), tokens=(1, 8),
+                  context: int = 512) -> list[StepCost]:
+    """Time proposals the way the coordinator sends them, on a synthetic repeating
+    sequence (so every lookup matches). Microseconds: the round trip dominates."""
+    costs = []
+    pattern = [i % 97 for i in range(context)]
+    for num_rows in rows:
+        ids = [-(i + 2) for i in range(num_rows)]
+        store.prefill([(seq_id, pattern) for seq_id in ids])
+        try:
+            for num_tokens in tokens:
+                specs = [(s, context, context - 1, [pattern[-1]]) for s in ids]
+                started = time.perf_counter()
+                proposals = store.propose(specs, num_tokens)
+                seconds = time.perf_counter() - started
+                store.trim([(p.seq_id, p.cache_len, context) for p in proposals])
+                costs.append(StepCost(num_rows, num_tokens, context, seconds))
+        finally:
+            store.release(ids)
+    return costs

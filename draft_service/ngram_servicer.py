@@ -1,0 +1,45 @@
+"""gRPC edge of the n-gram draft: the DraftService protocol over an NgramStore, no torch."""
+import logging
+import time
+
+from batchspec import errors, service
+from batchspec.v1 import cache_pb2, draft_pb2, draft_pb2_grpc
+from draft_service import ngram
+
+log = logging.getLogger(__name__)
+
+
+class NgramServicer(service.ModelServicer, draft_pb2_grpc.DraftServiceServicer):
+    result_type = draft_pb2.DraftResult
+
+    def handle_own(self, kind, command):
+        started = time.perf_counter()
+        if not command.entries:
+            raise errors.InvalidArgument("propose names no sequence")
+        sampled = {e.seq_id: service.to_sampling(e.sampling).temperature > 0
+                   for e in command.entries}
+        proposals = self.runner.propose(
+            [(e.seq_id, e.expected_cache_len, e.keep_len, list(e.append_token_ids))
+             for e in command.entries], command.num_draft_tokens)
+        seconds = time.perf_counter() - started
+        return "propose", draft_pb2.ProposeResult(
+            timing=cache_pb2.CommandTiming(compute_seconds=seconds, forward_seconds=seconds),
+            entries=[draft_pb2.ProposeResultEntry(
+                seq_id=p.seq_id, draft_token_ids=p.draft_token_ids, cache_len=p.cache_len,
+                draft_probs=[point_mass(t) for t in p.draft_token_ids] if sampled[p.seq_id]
+                else []) for p in proposals])
+
+
+def point_mass(token_id: int) -> draft_pb2.SparseProbs:
+    """The distribution an n-gram proposal was drawn from: all mass on the proposed token."""
+    return draft_pb2.SparseProbs(token_ids=[token_id], probs_f16=ngram.POINT_MASS_F16)
+
+
+def build_store(config: service.ServiceConfig) -> ngram.NgramStore:
+    return ngram.NgramStore()
+
+
+def warm_up(store: ngram.NgramStore) -> None:
+    store.step_costs = ngram.measure_costs(store)
+    log.info("n-gram draft: a proposal for 64 rows takes %.2f ms",
+             1000 * max(c.seconds for c in store.step_costs))

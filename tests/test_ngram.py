@@ -1,0 +1,218 @@
+"""The model-free n-gram draft: its lookup, its cache contract, its service without torch,
+and the coordinator choosing per sequence between it and the model draft."""
+import random
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from test_sampling_e2e import (
+    ALPHA,
+    NUM_POSITIONS,
+    NUM_SAMPLES,
+    chi_square_p_value,
+    sample_service,
+    sample_target_alone,
+)
+from transformers import AutoModelForCausalLM
+
+from batchspec import errors
+from batchspec.v1 import generate_pb2
+from coordinator import goodput
+from draft_service.ngram import NgramIndex, NgramStore
+
+import tiny_models
+from conftest import running_stack, wait_for
+from test_exactness import generate_all, random_requests
+
+
+# ---- the lookup ---------------------------------------------------------------------------------
+def index_of(tokens, min_n=2, max_n=4):
+    index = NgramIndex(min_n, max_n)
+    index.extend(tokens)
+    return index
+
+
+def test_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix():
+    #        0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [5, 6, 7, 1, 2, 9, 6, 7, 3, 4, 6, 7]
+    assert index_of(tokens).propose(3) == [3, 4, 6]  # "6 7" last seen at 6-7, then 3 4 6
+    longer = [1, 6, 7, 8, 8, 2, 6, 7, 9, 9, 1, 6, 7]
+    assert index_of(longer).propose(2) == [8, 8]  # "1 6 7" (3 tokens) beats the later "6 7"
+
+
+def test_a_continuation_that_reaches_the_end_repeats_the_loop():
+    assert index_of([1, 2, 3, 1, 2, 3, 1, 2]).propose(5) == [3, 1, 2, 3, 1]
+
+
+def test_no_earlier_occurrence_proposes_nothing():
+    assert index_of([1, 2, 3, 4, 5]).propose(4) == []
+    assert index_of([7]).propose(2) == []
+
+
+def test_truncation_leaves_the_index_as_if_built_from_the_kept_tokens():
+    rng = random.Random(3)
+    index = NgramIndex(1, 3)
+    for _ in range(300):
+        if index.length and rng.random() < 0.3:
+            index.truncate(rng.randrange(index.length))
+        else:
+            index.extend([rng.randrange(4) for _ in range(rng.randint(1, 5))])
+        fresh = index_of(index.tokens, 1, 3)
+        assert index.table == fresh.table
+        assert index.propose(4) == fresh.propose(4)
+
+
+# ---- the cache contract -------------------------------------------------------------------------
+def test_store_keeps_the_model_drafts_cache_lengths():
+    store = NgramStore()
+    assert store.prefill([(1, [4, 5, 6, 4, 5]), (2, [9])]) == [5, 1]
+    # seq 1 appends its last committed token (6): "5 6" occurred, 4 5 6 ... follows
+    [p1, p2] = store.propose([(1, 5, 5, [6]), (2, 1, 1, [8])], 3)
+    assert p1.draft_token_ids == [4, 5, 6] and p1.cache_len == 5 + 1 + 3 - 1
+    assert p2.draft_token_ids == [] and p2.cache_len == 2  # nothing found: nothing drafted
+    # the coordinator rolls back to what it verified and appends the new committed tokens
+    [again] = store.propose([(1, 8, 7, [4, 9])], 2)
+    assert store.caches[1].tokens[:9] == [4, 5, 6, 4, 5, 6, 4, 4, 9]
+
+
+def test_store_refuses_what_the_model_runner_refuses():
+    store = NgramStore()
+    store.prefill([(1, [1, 2, 3])])
+    with pytest.raises(errors.AlreadyExists):
+        store.prefill([(1, [1])])
+    with pytest.raises(errors.FailedPrecondition):
+        store.propose([(1, 2, 2, [3])], 2)  # the service holds 3, not 2
+    with pytest.raises(errors.NotFound):
+        store.propose([(7, 0, 0, [3])], 2)
+    with pytest.raises(errors.InvalidArgument):
+        store.propose([(1, 3, 4, [3])], 2)  # keep past the cache
+    with pytest.raises(errors.InvalidArgument):
+        store.propose([(1, 3, 3, [-1])], 2)
+    with pytest.raises(errors.InvalidArgument):
+        store.trim([(1, 3, 5)])
+    assert store.caches[1].tokens == [1, 2, 3]  # nothing refused changed anything
+    assert store.release([1]) == 0
+    with pytest.raises(errors.NotFound):
+        store.release([1])
+
+
+def test_the_ngram_service_never_imports_torch():
+    code = ("import sys; from draft_service import __main__ as m, ngram_servicer; "
+            "from batchspec import service; "
+            "config = service.ServiceConfig(model='ngram'); "
+            "make, build, warm = m.hosting(config); store = build(config); warm(store); "
+            "assert store.step_costs; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ---- the policy choosing a draft per row --------------------------------------------------------
+def two_kind_policy():
+    grid = [(r, t) for r in (1, 8, 32) for t in (1, 2, 5, 8)]
+    target = goodput.ServiceCost(goodput.ForwardCosts([(r, t, 0.03 + 0.004 * t + 0.0003 * r * t)
+                                                       for r, t in grid]))
+    model = goodput.ServiceCost(goodput.ForwardCosts([(r, t, 0.002 + 0.0001 * r * t)
+                                                      for r, t in grid]))
+    ngram = goodput.ServiceCost(goodput.ForwardCosts([(r, t, 0.0001) for r, t in grid]))
+    return goodput.GoodputPolicy(goodput.GoodputConfig(max_k=4), [model, ngram], target)
+
+
+def test_each_row_gets_the_draft_it_accepts_best_per_cost():
+    p = two_kind_policy()
+    copying = goodput.Row(choices=(goodput.Choice(0.3), goodput.Choice(0.95)))
+    chatting = goodput.Row(choices=(goodput.Choice(0.8), goodput.Choice(0.05)))
+    plan = p.plan([copying, chatting])
+    assert plan.kinds == [1, 0] and min(plan.k) > 0
+    # nearly free and well accepted: the n-gram drafts even where the model would not pay
+    alone = p.plan([goodput.Row(choices=(goodput.Choice(0.1), goodput.Choice(0.9)))] * 32)
+    assert set(alone.kinds) == {1}
+
+
+def test_a_draft_left_unused_for_long_is_explored():
+    p = two_kind_policy()
+    stale = goodput.Choice(0.01, explore=True)
+    plan = p.plan([goodput.Row(choices=(goodput.Choice(0.9), stale))] * 4)
+    assert 1 in plan.kinds
+
+
+# ---- through the services -----------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("drafts", [("ngram",), ("model", "ngram")])
+def test_greedy_output_is_exact_with_the_ngram_draft_and_the_router(model_dirs, arch, drafts):
+    target_dir, draft_dir = model_dirs[arch]
+    requests = random_requests(seed=29, count=16)
+    # prompts that repeat themselves, so the lookup finds something to propose
+    requests += [(p * 3, 40) for p, _ in random_requests(seed=30, count=6)]
+    # every row drafts K, with the kind it accepts best (or one it must explore): the
+    # mechanics of switching kinds, which the goodput policy could turn off for tiny models
+    with running_stack(target_dir, draft_dir, batch_size=6, drafts=drafts) as stack:
+        results = generate_all(stack.stub(), requests)
+        ngram_store = stack.drafts[-1][2]
+        assert wait_for(lambda: not ngram_store.caches)  # every sequence released
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    for (prompt, max_new), (tokens, _) in zip(requests, results):
+        assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
+    accepted = sum(last.stats.num_accepted_tokens for _, last in results)
+    assert accepted > 0
+
+
+def test_the_router_uses_both_drafts_and_survives_losing_one(model_dirs):
+    target_dir, draft_dir = model_dirs["llama"]
+    rng = random.Random(8)
+    requests = [([rng.randrange(4, tiny_models.VOCAB) for _ in range(6)] * 4, 30)
+                for _ in range(8)] + random_requests(seed=31, count=8)
+    with running_stack(target_dir, draft_dir, batch_size=8, drafts=("model", "ngram")) as stack:
+        engine = stack.engine.engines[0]
+        counts = Counter()
+        original = engine._propose
+
+        def counting(kind, seqs, *args):
+            counts[kind.index] += len(seqs)
+            return original(kind, seqs, *args)
+        engine._propose = counting
+        generate_all(stack.stub(), requests)
+        # the n-gram draft does poorly on a tiny random model, but it was tried
+        assert counts[0] > 0 and counts[1] >= engine._policy.config.min_evidence
+        stack.drafts[1][0].stop(0)  # the n-gram service goes away
+        results = generate_all(stack.stub(), requests)
+        assert not engine.kinds[1].up and engine.kinds[0].up
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    for (prompt, max_new), (tokens, _) in zip(requests, results):
+        assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
+
+
+@pytest.mark.parametrize("drafts", [("ngram",), ("model", "ngram")])
+def test_sampling_with_point_mass_proposals_follows_the_target(model_dirs, drafts):
+    target_dir, draft_dir = model_dirs["llama"]
+    prompt = [11, 12, 13, 11, 12, 13, 11, 12]  # the lookup proposes 13 11 12 ...
+    with running_stack(target_dir, draft_dir, batch_size=16, num_draft_tokens=3,
+                       drafts=drafts) as stack:
+        ours = sample_service(stack.stub(), range(NUM_SAMPLES), prompt=prompt)
+        drafted = stack.engine.stats.num_sampled_rows
+    assert drafted > 0  # point-mass distributions were sent and verified
+    reference = sample_target_alone(target_dir, NUM_SAMPLES, prompt=prompt)
+    for position in range(NUM_POSITIONS):
+        p_value = chi_square_p_value(Counter(s[:position + 1] for s in ours),
+                                     Counter(s[:position + 1] for s in reference))
+        assert p_value > ALPHA, f"position {position}: p = {p_value:.2e}"
+
+
+def test_a_seeded_request_repeats_with_the_router(model_dirs):
+    target_dir, draft_dir = model_dirs["llama"]
+    prompt = [11, 12, 13, 11, 12, 13, 11, 12]
+    with running_stack(target_dir, draft_dir, batch_size=1, drafts=("model", "ngram")) as stack:
+        alone = sample_service(stack.stub(), [7, 8], prompt=prompt)
+    with running_stack(target_dir, draft_dir, batch_size=16, drafts=("model", "ngram")) as stack:
+        crowd = sample_service(stack.stub(), [7, 8] + list(range(100, 120)), prompt=prompt)[:2]
+    assert alone == crowd
+
+
+def test_generate_over_the_ngram_draft_alone_reports_drafts(model_dirs):
+    target_dir, draft_dir = model_dirs["gpt2"]
+    with running_stack(target_dir, draft_dir, drafts=("ngram",)) as stack:
+        responses = list(stack.stub().Generate(generate_pb2.GenerateRequest(
+            prompt_token_ids=[5, 6, 7, 8] * 5, max_new_tokens=30, ignore_eos=True), timeout=60))
+    stats = responses[-1].stats
+    assert stats.num_generated_tokens == 30 and stats.num_drafted_tokens > 0
