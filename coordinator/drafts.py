@@ -16,6 +16,8 @@ class DraftKind:
         self.current = 0
         self.up = True
         self.cost = None  # its goodput.ServiceCost, once calibrated
+        # seconds of its cheapest measured command (the order drafts are asked in a step)
+        self.unit_cost = float("inf")
         self.name = self.replicas[0].address
 
     @property

@@ -324,6 +324,8 @@ class Engine:
         for kind, info in zip(self.kinds, infos):
             kind.name = info.model if info is not None else kind.name
             kind.cost = cost(info)
+            if info is not None and info.step_costs:
+                kind.unit_cost = min(seconds for _, _, seconds in info.step_costs)
         if self._policy is None:  # one set already (a test's scripted policy) is kept
             self._policy = goodput.GoodputPolicy(
                 goodput.GoodputConfig(max_k=self.config.num_draft_tokens),
@@ -467,24 +469,47 @@ class Engine:
             return None
         seqs = group.sequences
         with self._isolated("draft", self._handles(seqs)):
-            timeout = self._group_timeout(self._handles(seqs))
-            plan = self._plan(seqs)
-            kinds = [plan.kind(i) for i in range(len(seqs))]
-            proposals, draft_timing, draft_s = {}, None, 0.0
-            for kind in self.kinds:
-                rows = [i for i, d in enumerate(kinds) if d == kind.index]
-                if not rows:
-                    continue
-                got, timing, seconds = self._propose(
-                    kind, [seqs[i] for i in rows], max(plan.k[i] for i in rows), timeout)
-                proposals.update(got)
-                if timing is not None:
-                    draft_timing = timing if draft_timing is None else draft_timing + timing
-                    draft_s += seconds
-            ids = [s.seq_id for s in seqs]
-            return Prepared(seqs, dict(zip(ids, plan.k)), dict(zip(ids, kinds)), proposals,
-                            draft_timing, draft_s)
+            return self._draft(seqs, self._group_timeout(self._handles(seqs)))
         return None
+
+    def _draft(self, seqs: list[Sequence], timeout: float | None) -> Prepared:
+        """Plan the group and call the drafts, the cheapest first. Rows a draft proposed
+        nothing for (the n-gram draft found no match) are planned again, among the drafts not
+        called yet, before those are called: a lookup that misses costs a round trip. A miss
+        counts as a draft rejected at once."""
+        plan = self._plan(seqs)
+        drafted: dict[int, tuple[int, int]] = {}  # row -> (kind, k) it verifies
+        asked: dict[int, int] = {}  # row -> the last kind asked for it
+        proposals, draft_timing, draft_s, called, missed = {}, None, 0.0, set(), False
+        for kind in sorted(self.kinds, key=lambda kind: kind.unit_cost):
+            if missed:  # what was proposed is kept; the rest may now go elsewhere
+                plan, missed = self._plan(seqs, drafted, called), False
+            rows = [i for i in range(len(seqs)) if i not in drafted and plan.kind(i) == kind.index]
+            if not rows:
+                continue
+            called.add(kind.index)
+            got, timing, seconds = self._propose(
+                kind, [seqs[i] for i in rows], max(plan.k[i] for i in rows), timeout)
+            proposals.update(got)
+            for i in rows:
+                if got.get(seqs[i].seq_id, NO_PROPOSAL)[0]:
+                    drafted[i] = (kind.index, plan.k[i])
+                else:
+                    if i in asked:  # its earlier miss, now superseded
+                        self._policy.observe(seqs[i].drafts[asked[i]].spec, 1, 0, asked[i])
+                    asked[i], missed = kind.index, True
+            if timing is not None:
+                draft_timing = timing if draft_timing is None else draft_timing + timing
+                draft_s += seconds
+        for i, (kind_index, _) in drafted.items():
+            if asked.get(i, kind_index) != kind_index:  # missed elsewhere first
+                self._policy.observe(seqs[i].drafts[asked[i]].spec, 1, 0, asked[i])
+            asked[i] = kind_index
+        ids = [s.seq_id for s in seqs]
+        return Prepared(seqs, {ids[i]: drafted[i][1] if i in drafted else 0
+                               for i in range(len(seqs))},
+                        {ids[i]: asked.get(i) for i in range(len(seqs))}, proposals,
+                        draft_timing, draft_s)
 
     def _verify(self, prepared: "Prepared"):
         """Verify a drafted group (possibly on the verifier thread): (specs, outcomes, timing,
@@ -529,27 +554,32 @@ class Engine:
                 finished.append(seq)
         self._release(finished)
 
-    def _plan(self, seqs: list[Sequence]) -> goodput.Plan:
+    def _plan(self, seqs: list[Sequence], drafted=None, called=()) -> goodput.Plan:
         """Each row's draft kind and tokens to draft this step (0: none), by the policy.
         A sampled row always drafts K with the first reachable kind, so a seeded request's
-        tokens depend on nothing but the request (while its draft stays up)."""
+        tokens depend on nothing but the request (while its draft stays up).
+        drafted: {row: (kind, k)} already proposed this step (kept as they are); called: the
+        kinds already asked this step (not asked again)."""
         if self._policy is None:
             self._configure()
         max_k = self.config.num_draft_tokens
         up = [kind for kind in self.kinds if kind.up]
         if not up:
             return goodput.Plan([0] * len(seqs), 0.0, [None] * len(seqs))
+        drafted = drafted or {}
         rows = []
-        for s in seqs:
+        for i, s in enumerate(seqs):
             choices = [None] * len(self.kinds)
             for kind in up:
                 state = s.drafts[kind.index]
-                if state.cache_len is not None:
+                if state.cache_len is not None and (i in drafted or kind.index not in called):
                     choices[kind.index] = self._policy.choice(
                         state.spec, s.draft_append_need(kind.index), kind.index)
-            rows.append(goodput.Row(choices=tuple(choices),
-                                    forced_k=None if s.sampling.greedy else max_k,
-                                    forced_kind=up[0].index))
+            forced_k, forced_kind = (None if s.sampling.greedy else max_k), up[0].index
+            if i in drafted:
+                forced_kind, forced_k = drafted[i]
+            rows.append(goodput.Row(choices=tuple(choices), forced_k=forced_k,
+                                    forced_kind=forced_kind))
         plan = self._policy.plan(rows)
         kinds = [plan.kind(i) for i in range(len(seqs))]
         # a kind with no cache for the row (lost, not prefilled yet) cannot draft for it
