@@ -19,8 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
+from batchspec import cliargs
 from coordinator.engine import EngineConfig
 
 log = logging.getLogger("batchspec.bench")
@@ -135,15 +135,19 @@ def main(argv=None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="batchspec bench", description=__doc__.split("\n")[0])
+    parser = cliargs.parser("batchspec bench", __doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="a small subset on tiny random models, well under a minute")
-    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--target", default="smollm2", help="target model")
     parser.add_argument("--draft", default=None, help="default: the packaged distilled draft")
-    parser.add_argument("--draft-layers", type=int, default=None)
-    parser.add_argument("--num-prompts", type=int, default=82)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--batch-sizes", default="1,2,4,8,16,32")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="keep only the draft's first N layers")
+    parser.add_argument("--num-prompts", type=int, default=82,
+                        help="prompts to run (categories taken in turn)")
+    parser.add_argument("--max-new-tokens", type=int, default=64,
+                        help="most tokens generated per prompt")
+    parser.add_argument("--batch-sizes", default="1,2,4,8,16,32",
+                        help="batch sizes to sweep, comma-separated")
     parser.add_argument("--ks", default=str(EngineConfig.num_draft_tokens),
                         help="K values (with the goodput policy: the most a step drafts)")
     parser.add_argument("--draft-policy", choices=("goodput", "fixed"),
@@ -167,7 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "the target alone at batch 1 in the same dtype")
     parser.add_argument("--load-batch-size", type=int, default=32,
                         help="the coordinator's --batch-size under the arrival-driven load")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="methods to run, comma-separated (default: all of them; the "
+                             "report lists them)")
     parser.add_argument("--out", default="bench-out", help="report directory")
     parser.add_argument("--min-draft-confidence", type=float,
                         default=EngineConfig.min_draft_confidence,
@@ -453,18 +459,16 @@ class GrpcStack:
 
 
 def scrape(port: int) -> dict:
-    """Prometheus text -> {name-without-prefix{labels}: value}, model_name/role labels dropped."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    """A service's metrics as {name-without-prefix{labels}: value}, model_name/role labels
+    dropped and samples that then share a key added up."""
+    from batchspec.metrics import scrape as read
+
     values = {}
-    for line in body.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, value = line.rsplit(" ", 1)
-        base, _, labels = name.partition("{")
-        kept = ",".join(label for label in labels.rstrip("}").split(",")
-                        if label and not label.startswith(("model_name=", "role=")))
-        key = base.split(":", 1)[-1] + (f"{{{kept}}}" if kept else "")
-        values[key] = values.get(key, 0.0) + float(value)
+    for name, labels, value in read(f"http://127.0.0.1:{port}/metrics"):
+        kept = ",".join(f'{k}="{v}"' for k, v in labels.items()
+                        if k not in ("model_name", "role"))
+        key = name.split(":", 1)[-1] + (f"{{{kept}}}" if kept else "")
+        values[key] = values.get(key, 0.0) + value
     return values
 
 

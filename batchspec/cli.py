@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from batchspec import cliargs
+
 log = logging.getLogger("batchspec")
 DEFAULT_DRAFT_LAYERS = 4  # without a distilled draft for the target: its first layers
 
@@ -21,9 +23,16 @@ def main(argv=None) -> int:
                 "loadtest": _module_main("batchspec.loadtest"),
                 "target": _service("target_service"), "draft": _service("draft_service"),
                 "coordinator": _service("coordinator")}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"batchspec {version()}")
+        return 0
+    if argv and argv[0] not in commands and argv[0] not in ("-h", "--help"):
+        print(f"batchspec: unknown command {argv[0]!r}; `batchspec --help` lists the commands",
+              file=sys.stderr)
+        return 2
+    if not argv or argv[0] in ("-h", "--help"):
         print("usage: batchspec {serve,generate,health,distill,evaluate-draft,bench,loadtest,"
-              "target,draft,coordinator} [options]\n\n"
+              "target,draft,coordinator} [options]\n       batchspec --version\n\n"
               "  serve        start target, draft and coordinator on loopback and serve\n"
               "  generate     stream a completion from a running coordinator\n"
               "  health       exit 0 when a server's grpc.health.v1 says SERVING\n"
@@ -35,9 +44,18 @@ def main(argv=None) -> int:
               "  draft        run the draft service    (python -m draft_service)\n"
               "  coordinator  run the coordinator      (python -m coordinator)\n\n"
               "`batchspec COMMAND --help` for each command's options.",
-              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+              file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
     return commands[argv[0]](argv[1:]) or 0
+
+
+def version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("batchspec")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _module_main(module: str):
@@ -61,7 +79,7 @@ def serve_parser() -> argparse.ArgumentParser:
     from coordinator.engine import EngineConfig
     from coordinator.scheduler import GroupPolicy
 
-    parser = argparse.ArgumentParser(prog="batchspec serve", description=(
+    parser = cliargs.parser("batchspec serve", (
         "Start the target and draft services and the coordinator on loopback; serve until "
         "stopped (Ctrl-C or SIGTERM)."))
     parser.add_argument("--target-model", default="smollm2",
@@ -76,12 +94,16 @@ def serve_parser() -> argparse.ArgumentParser:
                         help="keep only the draft models' first N layers")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer.json or dir (default: the target's own, if it has one)")
-    parser.add_argument("--port", type=int, default=50051, help="coordinator port")
+    parser.add_argument("--port", type=int, default=50051, help="coordinator port (0: a free one)")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="also serve the OpenAI-compatible HTTP API and the chat page on "
+                             "this port")
     parser.add_argument("--device", default="cpu", help="device of both models")
     parser.add_argument("--target-device", default=None, help="overrides --device for the target")
     parser.add_argument("--draft-device", default=None,
                         help="overrides --device for the draft models")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="parameter dtype of the models")
     parser.add_argument("--num-draft-tokens", "-k", type=int,
                         default=EngineConfig.num_draft_tokens,
                         help="most tokens a step drafts per sequence (K; default %(default)s)")
@@ -113,6 +135,10 @@ def serve(argv) -> int:
     if not names or ("none" in names and len(names) > 1) or len(set(names)) != len(names):
         parser.error("--draft-model: one or more distinct drafts, or 'none' alone")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
+    # port 0 means a free one: pick it here, so that what is announced is what is served
+    args.port = args.port or free_port()
+    if args.http_port == 0:
+        args.http_port = free_port()
     tokenizer = args.tokenizer or find_tokenizer(args.target_model)
     target_port = free_port()
     target_cmd = [sys.executable, "-m", "target_service", "--model", args.target_model,
@@ -130,7 +156,7 @@ def serve(argv) -> int:
     if tokenizer:
         coordinator_cmd += ["--tokenizer", tokenizer]
     for flag in ("draft_policy", "min_draft_confidence", "max_num_seqs", "max_queue",
-                 "api_key_file"):
+                 "api_key_file", "http_port"):
         if getattr(args, flag) is not None:
             coordinator_cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     children = []
@@ -145,7 +171,9 @@ def serve(argv) -> int:
         children.append(subprocess.Popen(coordinator_cmd))
         wait_healthy(f"127.0.0.1:{args.port}", "batchspec.v1.Coordinator", args.startup_timeout,
                      children)
-        log.info("batchspec is serving on 127.0.0.1:%d; try: batchspec generate \"Hello\"",
+        log.info("batchspec is serving gRPC on 127.0.0.1:%d%s; try: batchspec generate "
+                 "--address 127.0.0.1:%d \"Hello\"", args.port,
+                 f" and HTTP on http://127.0.0.1:{args.http_port}/" if args.http_port else "",
                  args.port)
         while not stopping and all(c.poll() is None for c in children):
             time.sleep(0.2)
@@ -263,10 +291,11 @@ def client_credentials(parser: argparse.ArgumentParser, args):
 # ---- health -------------------------------------------------------------------------------------
 def health(argv) -> int:
     """A container healthcheck over the standard gRPC health protocol."""
-    parser = argparse.ArgumentParser(prog="batchspec health", description=health.__doc__)
+    parser = cliargs.parser("batchspec health", health.__doc__)
     parser.add_argument("address", help="HOST:PORT")
     parser.add_argument("service", nargs="?", default="", help="service name ('' = server)")
-    parser.add_argument("--timeout", type=float, default=3.0)
+    parser.add_argument("--timeout", type=float, default=3.0,
+                        help="seconds to wait for SERVING")
     add_client_tls_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -280,17 +309,26 @@ def health(argv) -> int:
 
 # ---- generate -----------------------------------------------------------------------------------
 def generate_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="batchspec generate",
-                                     description="Stream a completion to the terminal.")
-    parser.add_argument("prompt", nargs="?", default=None, help="prompt text")
-    parser.add_argument("--token-ids", default=None,
+    parser = cliargs.parser("batchspec generate", "Stream an answer to the terminal.")
+    parser.add_argument("prompt", nargs="?", default=None,
+                        help="what to ask (sent as a chat message when the model has a chat "
+                             "template)")
+    parser.add_argument("--raw", action="store_true",
+                        help="send the prompt as plain text to continue, not as a chat message")
+    parser.add_argument("--token-ids", default=None, type=token_ids,
                         help="comma-separated prompt token ids instead of text")
     parser.add_argument("--address", default="127.0.0.1:50051", help="coordinator HOST:PORT")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=bounded(int, 1), default=128,
+                        help="most tokens to generate")
+    parser.add_argument("--temperature", type=bounded(float, 0.0), default=None,
+                        help="sampling temperature (default: greedy)")
+    parser.add_argument("--top-k", type=bounded(int, 0), default=None,
+                        help="sample from the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="sample from the smallest set of tokens holding this much "
+                             "probability, in (0, 1]")
+    parser.add_argument("--seed", type=bounded(int, 0), default=None,
+                        help="seed for sampling: the same seed gives the same answer")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--stats", action="store_true", help="print speculation stats at the end")
@@ -298,6 +336,32 @@ def generate_parser() -> argparse.ArgumentParser:
                         help="send the API key in this file as 'authorization: Bearer <key>'")
     add_client_tls_arguments(parser)
     return parser
+
+
+def bounded(kind, minimum):
+    """An argparse type: `kind` at least `minimum`, else a usage error."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a{'n integer' if kind is int else ' number'}:"
+                                             f" {text!r}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, not {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def token_ids(text: str) -> list[int]:
+    """An argparse type: comma-separated non-negative token ids."""
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token ids are comma-separated integers: {text!r}")
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"token ids are non-negative integers: {text!r}")
+    return ids
 
 
 def generate(argv) -> int:
@@ -317,11 +381,15 @@ def generate(argv) -> int:
             metadata = (("authorization", f"Bearer {security.read_api_key(args.api_key_file)}"),)
         except ValueError as error:
             parser.error(str(error))
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        parser.error(f"argument --top-p: must be in (0, 1], not {args.top_p}")
+    if (args.prompt is None) == (args.token_ids is None):
+        parser.error("give a prompt, or --token-ids (not both)")
     request = generate_pb2.GenerateRequest(max_new_tokens=args.max_new_tokens, stop=args.stop)
     if args.token_ids:
-        request.prompt_token_ids.extend(int(t) for t in args.token_ids.split(","))
-    elif args.prompt is not None:
-        request.prompt = args.prompt
+        request.prompt_token_ids.extend(args.token_ids)
+    else:
+        request.prompt, request.chat = args.prompt, not args.raw
     for field in ("temperature", "top_k", "top_p", "seed"):
         if getattr(args, field) is not None:
             setattr(request, field, getattr(args, field))
@@ -337,7 +405,11 @@ def generate(argv) -> int:
                 if response.finish_reason:
                     last = response
         except grpc.RpcError as error:
-            print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                print(f"no batchspec coordinator answers at {args.address}: start one with "
+                      "`batchspec serve` (or pass --address HOST:PORT)", file=sys.stderr)
+            else:
+                print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)
             return 1
     print()
     if args.stats:

@@ -24,6 +24,7 @@ import sys
 import time
 from collections import Counter
 
+from batchspec import cliargs
 from batchspec.data import read_jsonl
 
 log = logging.getLogger("batchspec.distill")
@@ -76,7 +77,7 @@ class DistillConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="batchspec distill", description=__doc__.split("\n")[0])
+    parser = cliargs.parser("batchspec distill", __doc__.split("\n")[0])
     defaults = DistillConfig()
     for field in dataclasses.fields(DistillConfig):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(getattr(defaults,

@@ -7,7 +7,6 @@
   draft over that of the target, measured the same way in the same process, both with the CPU
   kernel plans the services use (batchspec.fastlinear.tune).
 """
-import argparse
 import itertools
 import json
 import logging
@@ -18,6 +17,7 @@ import statistics
 import sys
 import time
 
+from batchspec import cliargs
 from batchspec.data import read_jsonl
 
 log = logging.getLogger("batchspec.evaluate")
@@ -120,19 +120,25 @@ def evaluate(target_spec: str, draft_spec: str, *, num_layers: int | None = None
             "draft_cost_ratio": round(draft_s / target_s, 4)}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="batchspec evaluate-draft", description=__doc__)
-    parser.add_argument("--target", default="smollm2")
+def build_parser():
+    parser = cliargs.parser("batchspec evaluate-draft", __doc__)
+    parser.add_argument("--target", default="smollm2", help="target model")
     parser.add_argument("--draft", required=True, help="draft model dir (or any --model value)")
     parser.add_argument("--num-layers", type=int, default=None,
                         help="keep only the draft's first N layers (plain models only)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64,
+                        help="most tokens of each target answer")
     parser.add_argument("--num-prompts", type=int, default=None, help="default: all")
     parser.add_argument("--training-data", default=None, metavar="DIR",
                         help="measure agreement on every 14th sequence a distill directory "
                              "trained on, instead of the held-out benchmark prompts")
     parser.add_argument("--record", action="store_true",
                         help="store the result in the draft directory's manifest")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     argv_list = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv_list)
     from batchspec import draft_model, models

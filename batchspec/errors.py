@@ -57,6 +57,18 @@ def to_status_code(error: BaseException) -> grpc.StatusCode:
     return error.code if isinstance(error, BatchspecError) else grpc.StatusCode.INTERNAL
 
 
+# The HTTP status of each gRPC status, for the OpenAI-compatible edge (anything else: 500).
+_HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+                grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+                grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNAVAILABLE: 503,
+                grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+
+
+def to_http_status(error: BaseException) -> int:
+    """The HTTP status for an exception, by its gRPC status; anything untyped is 500."""
+    return _HTTP_STATUS.get(to_status_code(error), 500)
+
+
 def code_number(code: grpc.StatusCode) -> int:
     """google.rpc.Code number of a grpc.StatusCode, as carried in CommandError."""
     return code.value[0]

@@ -18,6 +18,8 @@ import tempfile
 import time
 import urllib.request
 
+from batchspec import cliargs
+
 HEALTH_EVERY_S = 0.02
 COORDINATOR = "batchspec.v1.Coordinator"
 
@@ -60,17 +62,18 @@ def prompts(count: int) -> list[list[int]]:
 
 def build_parser() -> argparse.ArgumentParser:
     d = LoadConfig()
-    parser = argparse.ArgumentParser(
-        prog="batchspec loadtest", description=__doc__.split("\n\n")[1],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cliargs.parser("batchspec loadtest", __doc__.split("\n\n")[1])
     parser.add_argument("--streams", type=int, default=d.streams, help="concurrent streams")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                         help="the coordinator's pool")
     parser.add_argument("--max-queue", type=int, default=d.max_queue,
                         help="the coordinator's queue")
-    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    parser.add_argument("--batch-size", type=int, default=d.batch_size)
-    parser.add_argument("-k", "--num-draft-tokens", type=int, default=d.num_draft_tokens)
+    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                        help="tokens per stream")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size,
+                        help="the coordinator's batch size")
+    parser.add_argument("-k", "--num-draft-tokens", type=int, default=d.num_draft_tokens,
+                        help="the most a step drafts")
     parser.add_argument("--arch", default=d.arch, choices=("llama", "gpt2"),
                         help="tiny model family")
     parser.add_argument("--channels", type=int, default=d.channels,

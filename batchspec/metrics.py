@@ -86,3 +86,15 @@ def serve_metrics(registry, port: int, host: str = "127.0.0.1"):
     a free port: read server.server_port)."""
     server, _thread = prom.start_http_server(port, addr=host, registry=registry)
     return server
+
+
+def scrape(url: str, timeout: float = 10.0) -> list[tuple[str, dict, float]]:
+    """(sample name, labels, value) of every sample a /metrics endpoint serves, parsed by
+    prometheus_client's own parser."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(url, timeout=timeout).read().decode()
+    return [(sample.name, sample.labels, sample.value)
+            for family in text_string_to_metric_families(body) for sample in family.samples]

@@ -31,6 +31,14 @@ class ServerTls:
             if path is not None:
                 _read(path)
 
+    def ssl_context(self):
+        """The same certificate for an HTTPS server (clients are not asked for theirs)."""
+        import ssl
+
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert, self.key)
+        return context
+
     def credentials(self) -> grpc.ServerCredentials:
         ca = _read(self.client_ca) if self.client_ca else None
         return grpc.ssl_server_credentials([(_read(self.key), _read(self.cert))],
@@ -106,8 +114,14 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     def _authorised(self, metadata) -> bool:
         given = next((value for key, value in metadata or () if key == "authorization"), "")
-        given = given.encode() if isinstance(given, str) else given
-        return hmac.compare_digest(given, self._expected)
+        return bearer_matches(given, self._expected)
+
+
+def bearer_matches(given, expected: bytes) -> bool:
+    """An authorization value (str or bytes) equals the expected 'Bearer <key>', compared in
+    constant time."""
+    given = given.encode() if isinstance(given, str) else given
+    return hmac.compare_digest(given, expected)
 
 
 def _refusing(handler):

@@ -85,10 +85,12 @@ class LoopServer:
                                         name="grpc.aio loop")
         self._thread.start()
         self._stopped: threading.Event | None = None
-        self.server, self.port, self.health = self._call(
+        self.server, self.port, self.health = self.call(
             self._build(address, services, credentials, list(interceptors)))
 
-    def _call(self, coro):
+    def call(self, coro):
+        """Run a coroutine on the server's loop and return its result (from any other
+        thread): the HTTP edge is started and stopped this way."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     async def _build(self, address, services, credentials, interceptors):
@@ -100,7 +102,7 @@ class LoopServer:
         return server, port, LoopHealth(servicer, self.loop)
 
     def start(self) -> None:
-        self._call(self.server.start())
+        self.call(self.server.start())
 
     def stop(self, grace_s: float | None) -> threading.Event:
         """Stop serving (in-flight RPCs get grace_s seconds), then the loop; the event is set

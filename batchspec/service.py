@@ -9,7 +9,7 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from batchspec import compute, errors, models, security
+from batchspec import cliargs, compute, errors, models, security
 from batchspec import server as server_lib
 from batchspec.metrics import ServiceMetrics, serve_metrics
 from batchspec.params import SamplingParams
@@ -173,7 +173,8 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int) ->
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=default_port, help="port; 0 picks a free one")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    parser.add_argument("--dtype", default="float32", choices=models.DTYPES)
+    parser.add_argument("--dtype", default="float32", choices=models.DTYPES,
+                        help="parameter dtype")
     parser.add_argument("--num-layers", type=int, default=None,
                         help="keep only the model's first N layers (a cheap draft)")
     parser.add_argument("--grace", type=float, default=10.0,
@@ -250,8 +251,7 @@ def model_hosting(make_servicer):
 
 def main(role: str, default_port: int, hosting, add_to_server, service_name, argv=None):
     """hosting(config) -> (make_servicer, build, warm): what serves the configured model."""
-    parser = argparse.ArgumentParser(prog=f"batchspec {role}",
-                                     description=f"Serve the {role} model over gRPC.")
+    parser = cliargs.parser(f"batchspec {role}", f"Serve the {role} over gRPC.")
     add_service_arguments(parser, default_port)
     config = server_lib.parse_config(parser, argv, config_from_args)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")

@@ -4,10 +4,10 @@ import dataclasses
 import itertools
 import logging
 
-from batchspec import errors, security
+from batchspec import cliargs, errors, security
 from batchspec import server as server_lib
 from batchspec.metrics import CoordinatorMetrics, serve_metrics
-from coordinator import scheduler
+from coordinator import http, scheduler
 from coordinator.clients import DraftClient, TargetClient
 from coordinator.drafts import group_by_model
 from coordinator.engine import Engine, EngineConfig
@@ -38,12 +38,15 @@ class CoordinatorConfig:
     tls: security.ServerTls | None = None  # TLS on the public API
     peer_tls: security.ClientTls | None = None  # (mutual) TLS to the model services
     api_key_file: str | None = None  # clients must send `authorization: Bearer <key>`
+    # the OpenAI-compatible HTTP edge and its chat page; None: off, 0: a free port
+    http_port: int | None = None
 
     def __post_init__(self):
         if not self.targets:
             raise ValueError("at least one --target is needed")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], not {self.port}")
+        for name, port in (("port", self.port), ("http_port", self.http_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], not {port}")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         if self.stall_timeout_s <= 0:
@@ -56,8 +59,7 @@ class CoordinatorConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="batchspec coordinator",
-                                     description="Serve the public Generate API.")
+    parser = cliargs.parser("batchspec coordinator", "Serve the public Generate API.")
     parser.add_argument("--target", action="append", required=True,
                         help="target service HOST:PORT; repeat or comma-separate for replicas")
     parser.add_argument("--draft", action="append", default=[],
@@ -65,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "one model are replicas of one draft; different models (say the "
                              "model draft and the n-gram draft) are drafts chosen per sequence "
                              "(omit for target-only decoding)")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer.json or a directory holding it (enables text prompts)")
@@ -102,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to finish in-flight requests on SIGTERM")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port (0: a free one)")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
+                             "/v1/completions, /v1/models) and a chat page (/) on this port "
+                             "(0: a free one; HTTPS with --tls-cert, the same API key)")
     security_flags = parser.add_argument_group("security (all off by default)")
     security_flags.add_argument("--tls-cert", default=None,
                                 help="serve the public API over TLS with this certificate (PEM)")
@@ -140,7 +146,7 @@ def config_from_args(args) -> CoordinatorConfig:
                              max_new_tokens=args.max_new_tokens,
                              connect_timeout_s=args.connect_timeout,
                              stall_timeout_s=args.stall_timeout, grace_s=args.grace,
-                             metrics_port=args.metrics_port,
+                             metrics_port=args.metrics_port, http_port=args.http_port,
                              tls=security.server_tls(args.tls_cert, args.tls_key),
                              peer_tls=peer_tls_from_args(args), api_key_file=args.api_key_file)
 
@@ -155,10 +161,14 @@ class Running:
     engine: Router
     metrics: CoordinatorMetrics
     metrics_port: int | None
+    http_port: int | None = None
+    http_runner: object = None
 
     def stop(self, grace_s: float = 0.0) -> None:
         server_lib.set_serving(self.health, [SERVICE_NAME], serving=False)
         self.engine.stop(grace_s)
+        if self.http_runner is not None:
+            self.server.call(self.http_runner.cleanup())
         self.server.stop(grace_s).wait()
 
 
@@ -235,6 +245,16 @@ def start(config: CoordinatorConfig) -> Running:
     engine.on_health = lambda serving: server_lib.set_serving(health, [SERVICE_NAME], serving)
     engine.start()
     server.start()
+    http_runner, http_port = None, None
+    if config.http_port is not None:
+        edge = http.HttpEdge(engine, limits, codec, http.ServedModels(
+            info.model, info.model, tuple(dict.fromkeys(draft_models))),
+            security.read_api_key(config.api_key_file) if config.api_key_file else None)
+        http_runner, http_port = server.call(http.start(
+            edge, config.host, config.http_port,
+            ssl=config.tls.ssl_context() if config.tls else None))
+        log.info("OpenAI-compatible HTTP API and chat page on %s://%s:%d/",
+                 "https" if config.tls else "http", config.host, http_port)
     server_lib.set_serving(health, [SERVICE_NAME])
     log.info("coordinator on %s:%d (%s%s): targets %s (%s), drafts %s, K=%d, batch %d, "
              "pool %d, queue %d", config.host, port, "TLS" if config.tls else "plaintext",
@@ -243,7 +263,7 @@ def start(config: CoordinatorConfig) -> Running:
              or "none", config.engine.num_draft_tokens,
              config.engine.policy.batch_size, config.engine.max_num_seqs,
              config.engine.max_queue)
-    return Running(server, port, health, engine, metrics, metrics_port)
+    return Running(server, port, health, engine, metrics, metrics_port, http_port, http_runner)
 
 
 def main(argv=None):

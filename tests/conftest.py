@@ -41,6 +41,7 @@ class Stack:
     draft_server: object
     metrics_port: int | None
     drafts: list = dataclasses.field(default_factory=list)  # (server, port, runner) per draft
+    http_port: int | None = None
 
     def stub(self):
         channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
@@ -84,7 +85,8 @@ def wait_for(predicate, timeout=10.0):
 
 @contextlib.contextmanager
 def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, metrics_port=None,
-                  stall_timeout_s=120.0, drafts=("model",), **engine_kwargs):
+                  stall_timeout_s=120.0, drafts=("model",), tokenizer=None, http_port=None,
+                  api_key_file=None, **engine_kwargs):
     """Target, drafts and coordinator servers in this process, on free loopback ports.
     drafts: the draft services, in order: "model" (the draft_dir model) or "ngram"."""
     target_server, target_port, _, target_runner = start_target(target_dir)
@@ -105,12 +107,14 @@ def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, me
         targets=(f"127.0.0.1:{target_port}",),
         drafts=tuple(f"127.0.0.1:{port}" for _, port, _, _ in started), port=0,
         engine=engine_config, connect_timeout_s=10, metrics_port=metrics_port,
-        stall_timeout_s=stall_timeout_s)
+        stall_timeout_s=stall_timeout_s, tokenizer=tokenizer, http_port=http_port,
+        api_key_file=api_key_file)
     running = coordinator_main.start(config)
     try:
         yield Stack(target_port, draft_port, running.port, running.engine, target_runner,
                     draft_runner, target_server, draft_server, running.metrics_port,
-                    [(server, port, runner) for server, port, _, runner in started])
+                    [(server, port, runner) for server, port, _, runner in started],
+                    running.http_port)
     finally:
         running.stop(0)
         target_server.stop(0)

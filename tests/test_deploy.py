@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -16,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from batchspec import service
 from batchspec.cli import free_port, wait_healthy
+from batchspec.metrics import scrape
 from batchspec.v1 import generate_pb2_grpc
 from coordinator import __main__ as coordinator_main
 
@@ -211,12 +211,8 @@ def loopback_commands(model_dirs):
 
 
 def command_count(metrics_port, command):
-    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
-    total = 0.0
-    for line in body.decode().splitlines():
-        if line.startswith("batchspec:command_seconds_count") and f'command="{command}"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(value for name, labels, value in scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+               if name == "batchspec:command_seconds_count" and labels.get("command") == command)
 
 
 def test_compose_command_lines_scale_out_exactly_on_loopback(model_dirs):

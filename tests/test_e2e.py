@@ -41,3 +41,29 @@ def test_serve_four_processes_exact_on_32_concurrent_requests(model_dirs, arch):
     for (prompt, max_new), (tokens, _) in zip(requests, results):
         assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
     assert code == 0
+
+
+def test_serve_with_http_answers_an_openai_client(model_dirs, tmp_path):
+    """`batchspec serve --http-port P`: the official client streams a chat completion with no
+    other set-up than the base URL."""
+    import openai
+    from test_http import make_chat_tokenizer
+
+    target_dir, draft_dir = model_dirs["llama"]
+    tokenizer = make_chat_tokenizer(tmp_path)
+    port, http_port = free_port(), free_port()
+    server = subprocess.Popen(batchspec_command() + [
+        "serve", "--target-model", target_dir, "--draft-model", f"{draft_dir},ngram",
+        "--tokenizer", tokenizer, "--port", str(port), "--http-port", str(http_port),
+        "--startup-timeout", "120"])
+    try:
+        wait_healthy(f"127.0.0.1:{port}", "batchspec.v1.Coordinator", 120, [server])
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused")
+        chunks = list(client.chat.completions.create(
+            model="batchspec", messages=[{"role": "user", "content": "hello robot"}],
+            max_tokens=16, temperature=0, stream=True))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(timeout=60)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].usage.completion_tokens >= 1 and code == 0

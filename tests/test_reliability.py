@@ -2,13 +2,13 @@
 import concurrent.futures
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
 from transformers import AutoModelForCausalLM
 
 from batchspec import errors
+from batchspec.metrics import scrape
 from batchspec.v1 import generate_pb2
 
 import tiny_models
@@ -236,13 +236,10 @@ def test_metrics_use_vllm_names_and_count_work(model_dirs):
     with running_stack(target_dir, draft_dir, batch_size=4, metrics_port=0) as stack:
         for p in prompts(4):
             stream(stack.stub(), p, 20)
-        body = urllib.request.urlopen(
-            f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5).read().decode()
+        samples = scrape(f"http://127.0.0.1:{stack.metrics_port}/metrics")
     values = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name.split("{")[0]] = values.get(name.split("{")[0], 0) + float(value)
+    for name, _, value in samples:
+        values[name] = values.get(name, 0) + value
     assert values["vllm:spec_decode_num_draft_tokens_total"] > 0
     assert values["vllm:generation_tokens_total"] == 80
     assert values["vllm:time_to_first_token_seconds_count"] == 4

@@ -78,7 +78,12 @@ def test_sampled_tokens_follow_the_target_distribution(model_dirs, arch):
         ours = sample_service(stack.stub(), range(NUM_SAMPLES))
         drafted = stack.engine.stats.num_steps
     assert drafted > 0
-    reference = sample_target_alone(target_dir, NUM_SAMPLES)
+    assert_follows_the_target(ours, target_dir)
+
+
+def assert_follows_the_target(ours, target_dir, prompt=PROMPT):
+    """The service's samples against as many target-only samples, position by position."""
+    reference = sample_target_alone(target_dir, len(ours), prompt=prompt)
     for position in range(NUM_POSITIONS):
         # the prefix up to this position, so later positions compare conditionals jointly
         p_value = chi_square_p_value(Counter(s[:position + 1] for s in ours),

@@ -1,0 +1,320 @@
+"""The OpenAI-compatible HTTP edge of the coordinator, on the public server's event loop: the
+same engine as gRPC, no extra hop.
+
+- POST /v1/chat/completions and /v1/completions, streamed as server-sent events (`data:`
+  chunks, then `data: [DONE]`) or answered whole; `usage` and the request's speculative
+  decoding statistics come with the last chunk (or the whole answer).
+- GET /v1/models; GET / is a chat page that streams answers and shows which text came from
+  accepted drafts.
+- Errors in OpenAI's shape ({"error": {"message", "type", "param", "code"}}) with the HTTP
+  status of their kind: 400 bad input, 401 missing API key, 404 unknown model or path, 429
+  queue full, 503 no target reachable.
+
+Requests are converted into a GenerateRequest and checked by the gRPC edge's `validate`, so
+both edges accept and refuse exactly the same things.
+"""
+import dataclasses
+import json
+import logging
+import pathlib
+import socket
+import time
+import uuid
+
+from aiohttp import web
+
+from batchspec import errors, security
+from batchspec.v1 import generate_pb2
+from coordinator.sequence import Finish
+from coordinator.servicer import Limits, stream_events, validate
+from coordinator.text import TextCodec
+
+log = logging.getLogger(__name__)
+PAGE = pathlib.Path(__file__).parent / "web" / "index.html"
+# max_tokens when a request gives none: this many, or what the context leaves if less
+# (OpenAI's own default for completions is 16).
+DEFAULT_MAX_TOKENS = 256
+_FINISH = {Finish.STOP: "stop", Finish.STOP_STRING: "stop", Finish.LENGTH: "length"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                404: "not_found_error", 429: "rate_limit_error"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModels:
+    """What the page and /v1/models show: the model id clients name, and the pair."""
+
+    model_id: str
+    target: str
+    drafts: tuple[str, ...]
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
+                      "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, param), status=status)
+
+
+class HttpEdge:
+    def __init__(self, engine, limits: Limits, codec: TextCodec | None, models: ServedModels,
+                 api_key: str | None = None):
+        self.engine = engine
+        self.limits = limits
+        self.codec = codec
+        self.models = models
+        self._expected = f"Bearer {api_key}".encode() if api_key else None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors])
+        app.router.add_get("/", self.page)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        """Every refusal in OpenAI's shape; the API key checked on /v1/ paths."""
+        if request.path.startswith("/v1/") and self._expected is not None and \
+                not security.bearer_matches(request.headers.get("Authorization", ""),
+                                            self._expected):
+            return error_response(401, "missing or wrong API key: send 'Authorization: "
+                                       "Bearer <key>'")
+        try:
+            return await handler(request)
+        except HttpError as error:
+            return error_response(error.status, str(error), error.param)
+        except errors.BatchspecError as error:
+            return error_response(errors.to_http_status(error), str(error))
+        except web.HTTPException as error:
+            return error_response(error.status, error.reason or "not found")
+
+    async def page(self, request: web.Request) -> web.Response:
+        return web.Response(text=PAGE.read_text(), content_type="text/html")
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.models.model_id, "object": "model", "created": 0,
+            "owned_by": "batchspec",
+            "batchspec": {"target": self.models.target, "drafts": list(self.models.drafts)}}]})
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request)
+        grpc_request = self._request(body)
+        grpc_request.messages.extend(chat_messages(body.get("messages")))
+        return await self._answer(request, body, grpc_request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request)
+        grpc_request = self._request(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            grpc_request.prompt = prompt
+        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            grpc_request.prompt_token_ids.extend(prompt)
+        else:
+            raise HttpError(400, "prompt must be a string, or a list of token ids", "prompt")
+        return await self._answer(request, body, grpc_request, chat=False)
+
+    def _request(self, body: dict) -> generate_pb2.GenerateRequest:
+        """The sampling and length fields of an OpenAI request as a GenerateRequest."""
+        model = body.get("model")
+        if model not in (None, self.models.model_id, "batchspec"):
+            raise HttpError(404, f"the model {model!r} is not served here; this server serves "
+                                 f"{self.models.model_id!r}", "model")
+        if body.get("n", 1) != 1:
+            raise HttpError(400, "only n = 1 is supported", "n")
+        request = generate_pb2.GenerateRequest()
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        # 0 until the prompt's length is known (see _valid): the default
+        request.max_new_tokens = 0 if max_tokens is None else number(
+            max_tokens, "max_tokens", int, 1)
+        # OpenAI samples at temperature 1 unless told otherwise
+        request.temperature = number(body.get("temperature", 1.0), "temperature", float, 0)
+        if body.get("top_p") is not None:
+            request.top_p = number(body["top_p"], "top_p", float, 0)
+        if body.get("top_k") is not None:  # an extension, as in vLLM
+            request.top_k = number(body["top_k"], "top_k", int, 0)
+        if body.get("seed") is not None:
+            request.seed = number(body["seed"], "seed", int, 0)
+        stop = body.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and not (isinstance(stop, list)
+                                     and all(isinstance(s, str) for s in stop)):
+            raise HttpError(400, "stop must be a string or a list of strings", "stop")
+        request.stop.extend(stop or [])
+        return request
+
+    async def _answer(self, request: web.Request, body: dict,
+                      grpc_request: generate_pb2.GenerateRequest, chat: bool):
+        valid = self._valid(grpc_request)
+        reply = Reply(self.models.model_id, chat, len(valid.prompt_token_ids))
+        events = stream_events(self.engine, valid, self.codec)
+        try:
+            if not body.get("stream"):
+                async for event in events:
+                    reply.add(event)
+                return web.json_response(reply.whole())
+            first = await anext(events)  # refusals (queue full) before any byte is sent
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                   "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            try:
+                await send(response, reply.chunk(first))
+                async for event in events:
+                    await send(response, reply.chunk(event))
+            except errors.BatchspecError as error:  # after the first byte: an error event
+                await send(response, error_body(errors.to_http_status(error), str(error)))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        finally:
+            await events.aclose()  # a client gone mid-answer cancels the request
+
+
+    def _valid(self, request: generate_pb2.GenerateRequest):
+        """validate(), with the default max_tokens: DEFAULT_MAX_TOKENS, or what the context
+        leaves after the prompt if less."""
+        if request.max_new_tokens:
+            return validate(request, self.limits, self.codec)
+        probe = generate_pb2.GenerateRequest()
+        probe.CopyFrom(request)
+        probe.max_new_tokens = 1
+        prompt_len = len(validate(probe, self.limits, self.codec).prompt_token_ids)
+        request.max_new_tokens = max(1, min(DEFAULT_MAX_TOKENS, self.limits.max_new_tokens,
+                                            self.limits.max_context_len - prompt_len))
+        return validate(request, self.limits, self.codec)
+
+
+class Reply:
+    """One request's answer, in OpenAI's shapes, built from engine events."""
+
+    def __init__(self, model_id: str, chat: bool, prompt_tokens: int):
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.model = model_id
+        self.chat = chat
+        self.prompt_tokens = prompt_tokens
+        self.text, self.tokens, self.drafted, self.accepted, self.steps = "", 0, 0, 0, 0
+        self.finish: str | None = None
+        self.sent_role = False
+
+    def add(self, event) -> None:
+        self.text += event.text
+        self.tokens += len(event.token_ids)
+        self.drafted += event.num_drafted
+        self.accepted += event.num_accepted
+        self.steps += 1
+        if event.finish is not None:
+            self.finish = _FINISH[event.finish]
+
+    def chunk(self, event) -> dict:
+        self.add(event)
+        if self.chat:
+            delta = {"content": event.text}
+            if not self.sent_role:
+                delta["role"], self.sent_role = "assistant", True
+            choice = {"index": 0, "delta": delta, "finish_reason": None}
+        else:
+            choice = {"index": 0, "text": event.text, "logprobs": None, "finish_reason": None}
+        out = {"id": self.id, "object": "chat.completion.chunk" if self.chat
+               else "text_completion", "created": self.created, "model": self.model,
+               "choices": [choice],
+               # extension: what this step's drafts achieved (the page colours draft_text)
+               "batchspec": {"tokens": len(event.token_ids), "draft_tokens": event.num_drafted,
+                             "accepted_draft_tokens": event.num_accepted,
+                             "draft_text": event.draft_text}}
+        if self.finish is not None:
+            choice["finish_reason"] = self.finish
+            out.update(self.usage())
+        return out
+
+    def whole(self) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
+                      "finish_reason": self.finish}
+        else:
+            choice = {"index": 0, "text": self.text, "logprobs": None,
+                      "finish_reason": self.finish}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice],
+                **self.usage()}
+
+    def usage(self) -> dict:
+        return {"usage": {"prompt_tokens": self.prompt_tokens,
+                          "completion_tokens": self.tokens,
+                          "total_tokens": self.prompt_tokens + self.tokens},
+                "speculative_decoding": {
+                    "num_draft_tokens": self.drafted, "num_accepted_tokens": self.accepted,
+                    "acceptance_rate": round(self.accepted / self.drafted, 4)
+                    if self.drafted else None,
+                    # tokens per target forward pass (accepted drafts + the target's own)
+                    "mean_acceptance_length": round(self.tokens / self.steps, 3)
+                    if self.steps else None,
+                    "num_target_forward_passes": self.steps}}
+
+
+async def send(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+
+async def read_json(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise HttpError(400, "the request body is not JSON")
+    if not isinstance(body, dict):
+        raise HttpError(400, "the request body must be a JSON object")
+    return body
+
+
+def number(value, name: str, kind, minimum):
+    """value as int or float, at least `minimum`; HttpError 400 naming the field otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (kind is int and not float(value).is_integer()) or value < minimum:
+        raise HttpError(400, f"{name} must be a{'n integer' if kind is int else ' number'} "
+                             f">= {minimum}, not {value!r}", name)
+    return kind(value)
+
+
+def chat_messages(messages) -> list[generate_pb2.ChatMessage]:
+    """OpenAI chat messages (content a string, or a list of text parts) as ChatMessages."""
+    if not isinstance(messages, list) or not messages:
+        raise HttpError(400, "messages must be a non-empty list", "messages")
+    out = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise HttpError(400, "each message needs a role and a content", "messages")
+        content = message.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise HttpError(400, "only text content is supported", "messages")
+            content = "".join(p.get("text", "") for p in content)
+        if not isinstance(content, str):
+            raise HttpError(400, "each message needs a role and a content", "messages")
+        out.append(generate_pb2.ChatMessage(role=message["role"], content=content))
+    return out
+
+
+async def start(edge: HttpEdge, host: str, port: int, ssl=None):
+    """Serve the edge on host:port (0: a free port), on the running loop; HTTPS with an
+    ssl.SSLContext. Returns (runner, port); `await runner.cleanup()` stops it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    runner = web.AppRunner(edge.app(), access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock, ssl_context=ssl).start()
+    return runner, sock.getsockname()[1]

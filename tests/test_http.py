@@ -1,0 +1,235 @@
+"""Chat and the OpenAI-compatible HTTP edge: the official `openai` client against the
+coordinator, the same answers as over gRPC, OpenAI's error shapes, and the chat page in a real
+headless browser."""
+import json
+import pathlib
+import shutil
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from batchspec.v1 import generate_pb2
+from coordinator.text import TextCodec
+
+import tiny_models
+from conftest import running_stack
+
+WORDS = ("hello world the a robot learns to paint story write short about who is what how "
+         "why when where you me we they it cat dog sun moon red blue green one two three four "
+         "five six seven eight nine ten yes no and or but if then so because very much more "
+         "less big small good bad new old day night time people way thing").split()
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{% endif %}")
+CHAT = [{"role": "system", "content": "you are a robot"},
+        {"role": "user", "content": "write a short story about a robot who learns to paint"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return make_chat_tokenizer(tmp_path_factory.mktemp("chat-tokenizer"))
+
+
+def make_chat_tokenizer(out: pathlib.Path) -> str:
+    """A word-level tokenizer inside the tiny models' vocabulary, with a chat template, in
+    `out`; returns the directory."""
+    vocab = {"[UNK]": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for word in WORDS + ["system", "user", "assistant"]:
+        vocab.setdefault(word, len(vocab))
+    while len(vocab) < tiny_models.VOCAB:  # every id the model may produce has a text
+        vocab[f"w{len(vocab)}"] = len(vocab)
+    assert len(vocab) == tiny_models.VOCAB
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "chat_template.jinja").write_text(TEMPLATE)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def stack(model_dirs, tokenizer_dir):
+    target_dir, draft_dir = model_dirs["llama"]
+    with running_stack(target_dir, draft_dir, tokenizer=tokenizer_dir, http_port=0,
+                       drafts=("model", "ngram")) as running:
+        yield running
+
+
+def client(stack, **kwargs):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1",
+                         api_key=kwargs.pop("api_key", "unused"), max_retries=0, **kwargs)
+
+
+def grpc_chat(stack, messages, **fields):
+    responses = list(stack.stub().Generate(generate_pb2.GenerateRequest(
+        messages=[generate_pb2.ChatMessage(**m) for m in messages], **fields), timeout=60))
+    return "".join(r.text for r in responses), responses[-1]
+
+
+def test_the_chat_template_renders_as_written(tokenizer_dir):
+    codec = TextCodec(tokenizer_dir)
+    text = codec.render_chat([("user", "hello world")])
+    assert text == "<|im_start|>user hello world<|im_end|><|im_start|>assistant"
+    assert codec.encode_chat([("user", "hello world")])[:2] == [1, codec.encode("user")[0]]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 7}])
+def test_streamed_chat_equals_the_grpc_answer(stack, sampling):
+    answer = client(stack).chat.completions.create(
+        model="batchspec", messages=CHAT, max_tokens=24, stream=True, **sampling)
+    chunks = list(answer)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    expected, last = grpc_chat(stack, CHAT, max_new_tokens=24, **sampling)
+    assert text == expected and text
+    final = chunks[-1]
+    assert final.choices[0].finish_reason in ("stop", "length")
+    assert final.usage.completion_tokens == last.stats.num_generated_tokens
+    assert final.usage.prompt_tokens == last.stats.num_prompt_tokens
+    spec = final.model_extra["speculative_decoding"]
+    assert spec["num_draft_tokens"] == last.stats.num_drafted_tokens
+    assert spec["num_accepted_tokens"] == last.stats.num_accepted_tokens
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+
+def test_greedy_chat_is_the_targets_own_answer(stack, tokenizer_dir, model_dirs):
+    from transformers import AutoModelForCausalLM
+
+    codec = TextCodec(tokenizer_dir)
+    prompt = codec.encode_chat([(m["role"], m["content"]) for m in CHAT])
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"][0])
+    expected = codec.decode(tiny_models.reference_greedy(model, prompt, 30))
+    answer = client(stack).chat.completions.create(model="batchspec", messages=CHAT,
+                                                   max_tokens=30, temperature=0)
+    assert answer.choices[0].message.content == expected
+    assert answer.usage.prompt_tokens == len(prompt)
+
+
+def test_completions_streamed_and_whole(stack):
+    c = client(stack)
+    whole = c.completions.create(model="batchspec", prompt="hello robot", max_tokens=12,
+                                 temperature=0)
+    streamed = c.completions.create(model="batchspec", prompt="hello robot", max_tokens=12,
+                                    temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == whole.choices[0].text
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    tokens = c.completions.create(model="batchspec", prompt=[5, 6, 7], max_tokens=4,
+                                  temperature=0)
+    assert tokens.usage.prompt_tokens == 3
+
+
+def test_models_lists_the_served_model_and_its_drafts(stack):
+    [model] = client(stack).models.list().data
+    assert model.model_extra["batchspec"]["target"] == model.id
+    assert "ngram" in model.model_extra["batchspec"]["drafts"]
+
+
+def test_server_sent_events_end_with_done(stack):
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{stack.http_port}/v1/chat/completions",
+        data=json.dumps({"messages": CHAT, "max_tokens": 5, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        events = [e for e in response.read().decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"messages": CHAT, "max_tokens": -1}, 400, "max_tokens"),
+    ({"messages": CHAT, "n": 2}, 400, "n"),
+    ({"messages": CHAT, "temperature": "hot"}, 400, "temperature"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, None),
+    ({"messages": CHAT, "model": "gpt-4o"}, 404, "model"),
+])
+def test_bad_requests_get_openais_error_shape(stack, body, status, param):
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{stack.http_port}/v1/chat/completions",
+        data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    assert caught.value.code == status
+    error = json.loads(caught.value.read())["error"]
+    assert error["message"] and error["type"] and error["param"] == param
+
+
+def test_the_openai_client_sees_typed_errors(stack):
+    with pytest.raises(openai.BadRequestError):
+        client(stack).chat.completions.create(model="batchspec", messages=CHAT, max_tokens=0)
+
+
+def test_a_full_queue_is_429_and_a_missing_key_401(model_dirs, tokenizer_dir, tmp_path):
+    target_dir, draft_dir = model_dirs["gpt2"]
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    with running_stack(target_dir, draft_dir, tokenizer=tokenizer_dir, http_port=0,
+                       api_key_file=str(key), max_queue=0) as full:
+        with pytest.raises(openai.AuthenticationError):
+            client(full, api_key="wrong").chat.completions.create(
+                model="batchspec", messages=CHAT, max_tokens=4)
+        with pytest.raises(openai.RateLimitError):  # nothing may wait: every request refused
+            client(full, api_key="s3cret").chat.completions.create(
+                model="batchspec", messages=CHAT, max_tokens=4, stream=True)
+
+
+def test_grpc_refuses_ambiguous_or_templateless_chats(stack, model_dirs):
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stack.stub().Generate(generate_pb2.GenerateRequest(
+            prompt="hello", messages=[generate_pb2.ChatMessage(role="user", content="hi")],
+            max_new_tokens=2)))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # chat=True renders a plain prompt as one user message
+    text, _ = grpc_chat(stack, [{"role": "user", "content": "hello robot"}], max_new_tokens=8)
+    responses = list(stack.stub().Generate(generate_pb2.GenerateRequest(
+        prompt="hello robot", chat=True, max_new_tokens=8)))
+    assert "".join(r.text for r in responses) == text
+
+
+# ---- the page, in a real browser ----------------------------------------------------------------
+def chromium():
+    """(browser, driver) paths, or None where no Chromium is installed."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    return (browser, driver) if browser and driver else None
+
+
+def test_the_page_streams_an_answer_in_headless_chromium(stack, tmp_path):
+    found = chromium()
+    if found is None:
+        pytest.skip("no Chromium and chromedriver here (scripts/install.sh --test installs "
+                    "Debian's chromium and chromium-driver where apt-get is available)")
+    from selenium import webdriver
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = found[0]
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                 "--window-size=1200,900"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=found[1]),
+                              options=options)
+    try:
+        driver.get(f"http://127.0.0.1:{stack.http_port}/")
+        wait = WebDriverWait(driver, 60)
+        wait.until(lambda d: "ngram" in d.find_element(By.ID, "pair").text)
+        driver.find_element(By.ID, "question").send_keys("write a short story about a robot")
+        driver.find_element(By.ID, "send").click()
+        answer = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "[data-done]"))
+        assert answer.get_attribute("data-done") == "true", answer.text
+        assert answer.text.strip()
+        assert "tokens/s" in driver.find_element(By.ID, "stats").text
+        shot = pathlib.Path(tmp_path) / "page.png"
+        driver.save_screenshot(str(shot))
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    except Exception:
+        print(driver.get_log("browser"), driver.page_source[-2000:])  # why, in the report
+        raise
+    finally:
+        driver.quit()
