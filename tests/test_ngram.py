@@ -205,3 +205,28 @@ def test_generate_over_the_ngram_draft_alone_reports_drafts(model_dirs):
             prompt_token_ids=[5, 6, 7, 8] * 5, max_new_tokens=30, ignore_eos=True), timeout=60))
     stats = responses[-1].stats
     assert stats.num_generated_tokens == 30 and stats.num_drafted_tokens > 0
+
+
+def test_a_draft_whose_vocabulary_does_not_fit_is_refused_at_start(model_dirs, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from coordinator import __main__ as coordinator_main
+
+    from conftest import start_draft, start_ngram, start_target
+
+    wide = tmp_path / "wide-draft"
+    GPT2LMHeadModel(GPT2Config(vocab_size=tiny_models.VOCAB + 32, n_embd=32, n_layer=1,
+                               n_head=2, n_positions=256)).save_pretrained(wide)
+    target, target_port, _, _ = start_target(model_dirs["llama"][0])
+    drafts = [start_ngram(), start_draft(str(wide))]
+    try:
+        config = coordinator_main.CoordinatorConfig(
+            targets=(f"127.0.0.1:{target_port}",),
+            drafts=tuple(f"127.0.0.1:{port}" for _, port, _, _ in drafts), port=0,
+            connect_timeout_s=10)
+        with pytest.raises(errors.FailedPrecondition, match="vocabulary of 128 tokens"):
+            coordinator_main.start(config)
+    finally:
+        target.stop(0)
+        for server, _, _, _ in drafts:
+            server.stop(0)
