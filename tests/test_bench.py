@@ -3,9 +3,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from batchspec.bench import GRPC_DRAFTS, METHODS, USES_BATCH, USES_K
 
 
+@pytest.mark.slow
 def test_quick_bench_writes_a_complete_exact_report(tmp_path):
     out = tmp_path / "report"
     done = subprocess.run([sys.executable, "-m", "batchspec", "bench", "--quick", "--out",
@@ -47,6 +50,7 @@ def test_quick_bench_writes_a_complete_exact_report(tmp_path):
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_bench_by_category_reports_each_draft_and_the_router_per_category(tmp_path):
     out = tmp_path / "report"
     methods = "hf_batch1,hf_batched,grpc,grpc_ngram,grpc_router"
@@ -85,8 +89,6 @@ def test_poisson_arrivals_and_percentiles():
 
 
 def test_bench_refuses_bad_load_settings_and_missing_prompts():
-    import pytest
-
     from batchspec.bench import BenchConfig
 
     for bad in ({"arrival_rates": (0.0,)}, {"arrival_rates": (-1.0,)}, {"load_batch_size": 0},

@@ -43,6 +43,7 @@ def run(*args, timeout=60):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_version_and_unknown_commands():
     done = run("--version")
     assert done.returncode == 0 and done.stdout.startswith("batchspec ")
@@ -51,6 +52,7 @@ def test_version_and_unknown_commands():
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, complaint", [
     (["--max-new-tokens", "-1", "hi"], "--max-new-tokens"),
     (["--seed", "-1", "hi"], "--seed"),
@@ -65,6 +67,7 @@ def test_a_users_mistake_is_a_usage_error_not_a_traceback(args, complaint):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_generate_without_a_server_says_how_to_start_one():
     done = run("generate", "--address", f"127.0.0.1:{free_port()}", "--timeout", "5", "hi")
     assert done.returncode == 1 and "batchspec serve" in done.stderr

@@ -5,6 +5,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from batchspec import errors
 from coordinator import scheduler
 from coordinator.clients import ModelInfo
@@ -231,6 +233,7 @@ def test_a_flag_value_the_config_refuses_is_a_usage_error_not_a_traceback(capsys
         assert "error:" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_coordinator_does_not_import_torch():
     code = ("import sys, coordinator.__main__, coordinator.engine, coordinator.servicer; "
             "sys.exit('torch' in sys.modules)")

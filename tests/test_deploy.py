@@ -215,6 +215,7 @@ def command_count(metrics_port, command):
                if name == "batchspec:command_seconds_count" and labels.get("command") == command)
 
 
+@pytest.mark.slow
 def test_compose_command_lines_scale_out_exactly_on_loopback(model_dirs):
     commands, ports, metrics = loopback_commands(model_dirs)
     exe = batchspec_command()

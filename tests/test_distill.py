@@ -40,6 +40,7 @@ def distill(target, out, steps):
         capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_distill_shows_progress_resumes_and_records(tiny_target, tmp_path):
     out = tmp_path / "draft"
     first = distill(tiny_target, out, steps=4)

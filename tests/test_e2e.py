@@ -14,6 +14,8 @@ from batchspec.v1 import generate_pb2_grpc
 import tiny_models
 from test_exactness import generate_all, random_requests
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 def batchspec_command() -> list[str]:
     installed = shutil.which("batchspec")

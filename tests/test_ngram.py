@@ -90,6 +90,7 @@ def test_store_refuses_what_the_model_runner_refuses():
         store.release([1])
 
 
+@pytest.mark.slow
 def test_the_ngram_service_never_imports_torch():
     code = ("import sys; from draft_service import __main__ as m, ngram_servicer; "
             "from batchspec import service; "
