@@ -2,7 +2,7 @@
 import argparse
 
 
-class DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
+class DefaultsFormatter(argparse.HelpFormatter):
     """Appends '(default: X)' to a flag's help unless the help already speaks of its default
     or there is none to show (None, False)."""
 
