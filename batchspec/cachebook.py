@@ -71,6 +71,18 @@ class CacheBook:
                 f"sequence {seq_id} would reach {length} positions, past the model's context "
                 f"of {self.max_context_len}")
 
+    def check_row(self, seq_id: int, expected_len: int, keep_len: int, append, extra: int = 0):
+        """A row of a group command: known, as long as expected, keep_len within it, valid
+        appended token ids, and keep_len + appended + extra positions within the context.
+        Returns the cache entry."""
+        cache = self.lookup(seq_id, expected_len)
+        if keep_len > cache.length:
+            raise errors.InvalidArgument(
+                f"sequence {seq_id}: keep_len {keep_len} exceeds the cached {cache.length}")
+        self.check_token_ids(append, f"sequence {seq_id}")
+        self.check_context(seq_id, keep_len + len(append) + extra)
+        return cache
+
     def check_prefill(self, entries: list[tuple[int, list[int]]]) -> None:
         """Refuse a prefill naming a sequence twice or one already cached, bad token ids, or a
         prompt past the context."""

@@ -103,14 +103,8 @@ class ModelRunner(CacheBook):
         self.check_unique([r.seq_id for r in rows])
         caches = []
         for r in rows:
-            cache = self.lookup(r.seq_id, r.expected_cache_len)
-            if r.keep_len > cache.length:
-                raise errors.InvalidArgument(
-                    f"sequence {r.seq_id}: keep_len {r.keep_len} exceeds the cached "
-                    f"{cache.length}")
-            self.check_token_ids(r.append_token_ids, f"sequence {r.seq_id}")
-            self.check_context(r.seq_id, r.keep_len + len(r.append_token_ids) + extra_positions)
-            caches.append(cache)
+            caches.append(self.check_row(r.seq_id, r.expected_cache_len, r.keep_len,
+                                         r.append_token_ids, extra_positions))
         if len({len(r.append_token_ids) for r in rows}) != 1:
             raise errors.InvalidArgument("every row of a group must append the same number of "
                                          "tokens")

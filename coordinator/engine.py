@@ -482,10 +482,10 @@ class Engine:
         counts as a draft rejected at once."""
         plan = self._plan(seqs)
         drafted: dict[int, tuple[int, int]] = {}  # row -> (kind, k) it verifies
-        asked: dict[int, int] = {}  # row -> the last kind asked for it
+        misses: dict[int, list[int]] = {}  # row -> the kinds that proposed nothing for it
         proposals, draft_timing, draft_s, called, missed = {}, None, 0.0, set(), False
         for kind in sorted(self.kinds, key=lambda kind: kind.unit_cost):
-            if missed:  # what was proposed is kept; the rest may now go elsewhere
+            if missed:  # what was proposed is kept; the rows that missed may go elsewhere
                 plan, missed = self._plan(seqs, drafted, called), False
             rows = [i for i in range(len(seqs)) if i not in drafted and plan.kind(i) == kind.index]
             if not rows:
@@ -498,16 +498,19 @@ class Engine:
                 if got.get(seqs[i].seq_id, NO_PROPOSAL)[0]:
                     drafted[i] = (kind.index, plan.k[i])
                 else:
-                    if i in asked:  # its earlier miss, now superseded
-                        self._policy.observe(seqs[i].drafts[asked[i]].spec, 1, 0, asked[i])
-                    asked[i], missed = kind.index, True
+                    misses.setdefault(i, []).append(kind.index)
+                    missed = True
             if timing is not None:
                 draft_timing = timing if draft_timing is None else draft_timing + timing
                 draft_s += seconds
-        for i, (kind_index, _) in drafted.items():
-            if asked.get(i, kind_index) != kind_index:  # missed elsewhere first
-                self._policy.observe(seqs[i].drafts[asked[i]].spec, 1, 0, asked[i])
-            asked[i] = kind_index
+        # _commit observes the kind a row ends with (its drafts, or its last miss); any
+        # earlier miss is observed here
+        asked = {i: drafted[i][0] if i in drafted else kinds[-1] for i, kinds in misses.items()}
+        asked.update((i, kind) for i, (kind, _) in drafted.items())
+        for i, kinds in misses.items():
+            for d in kinds:
+                if d != asked[i]:
+                    self._policy.observe(seqs[i].drafts[d].spec, 1, 0, d)
         ids = [s.seq_id for s in seqs]
         return Prepared(seqs, {ids[i]: drafted[i][1] if i in drafted else 0
                                for i in range(len(seqs))},

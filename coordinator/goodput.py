@@ -249,10 +249,6 @@ class GoodputPolicy:
             mean += (num_accepted / trials - mean) * trials / weight
             self._means[kind] = (mean, weight)
 
-    def row(self, state: RowState, catch_up: int, forced_k: int | None = None) -> Row:
-        return Row(self.acceptance(state), catch_up, forced_k,
-                   explore=state.idle_steps >= self.config.explore_every)
-
     def choice(self, state: RowState, catch_up: int, kind: int) -> Choice:
         evidence = self._means.get(kind, (0.0, 0.0))[1]
         return Choice(self.acceptance(state, kind), catch_up,

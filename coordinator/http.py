@@ -137,7 +137,7 @@ class HttpEdge:
             raise HttpError(400, "only n = 1 is supported", "n")
         request = generate_pb2.GenerateRequest()
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        # 0 until the prompt's length is known (see _valid): the default
+        # 0: the default, which validate() sets once the prompt's length is known
         request.max_new_tokens = 0 if max_tokens is None else number(
             max_tokens, "max_tokens", int, 1)
         # OpenAI samples at temperature 1 unless told otherwise
@@ -159,7 +159,8 @@ class HttpEdge:
 
     async def _answer(self, request: web.Request, body: dict,
                       grpc_request: generate_pb2.GenerateRequest, chat: bool):
-        valid = self._valid(grpc_request)
+        valid = validate(grpc_request, self.limits, self.codec,
+                         default_max_new_tokens=DEFAULT_MAX_TOKENS)
         reply = Reply(self.models.model_id, chat, len(valid.prompt_token_ids))
         events = stream_events(self.engine, valid, self.codec)
         try:
@@ -182,20 +183,6 @@ class HttpEdge:
             return response
         finally:
             await events.aclose()  # a client gone mid-answer cancels the request
-
-
-    def _valid(self, request: generate_pb2.GenerateRequest):
-        """validate(), with the default max_tokens: DEFAULT_MAX_TOKENS, or what the context
-        leaves after the prompt if less."""
-        if request.max_new_tokens:
-            return validate(request, self.limits, self.codec)
-        probe = generate_pb2.GenerateRequest()
-        probe.CopyFrom(request)
-        probe.max_new_tokens = 1
-        prompt_len = len(validate(probe, self.limits, self.codec).prompt_token_ids)
-        request.max_new_tokens = max(1, min(DEFAULT_MAX_TOKENS, self.limits.max_new_tokens,
-                                            self.limits.max_context_len - prompt_len))
-        return validate(request, self.limits, self.codec)
 
 
 class Reply:

@@ -68,8 +68,10 @@ def add_to_server(servicer, server) -> None:
 
 
 def validate(request: generate_pb2.GenerateRequest, limits: Limits,
-             codec: TextCodec | None) -> ValidRequest:
-    """Check a request; raises InvalidArgument saying what to fix."""
+             codec: TextCodec | None, default_max_new_tokens: int | None = None) -> ValidRequest:
+    """Check a request; raises InvalidArgument saying what to fix. With
+    default_max_new_tokens, a max_new_tokens of 0 means that many, or what the context leaves
+    after the prompt if less (the HTTP edge's default); without, 0 is refused."""
     bad = errors.InvalidArgument
     if isinstance(request, Undecodable):
         raise bad(f"the request ({len(request)} bytes) does not parse as a "
@@ -95,19 +97,23 @@ def validate(request: generate_pb2.GenerateRequest, limits: Limits,
     if outside:
         raise bad(f"prompt_token_ids {outside[:5]} are outside the vocabulary "
                   f"[0, {limits.vocab_size})")
-    if request.max_new_tokens == 0:
+    max_new_tokens = request.max_new_tokens
+    if max_new_tokens == 0 and default_max_new_tokens is not None:
+        max_new_tokens = max(1, min(default_max_new_tokens, limits.max_new_tokens,
+                                    limits.max_context_len - len(prompt_ids)))
+    if max_new_tokens == 0:
         raise bad("max_new_tokens must be >= 1")
-    if request.max_new_tokens > limits.max_new_tokens:
+    if max_new_tokens > limits.max_new_tokens:
         raise bad(f"max_new_tokens must be <= {limits.max_new_tokens}")
-    if len(prompt_ids) + request.max_new_tokens > limits.max_context_len:
+    if len(prompt_ids) + max_new_tokens > limits.max_context_len:
         raise bad(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
-                  f"({request.max_new_tokens}) exceeds the model's context of "
+                  f"({max_new_tokens}) exceeds the model's context of "
                   f"{limits.max_context_len} tokens")
     if request.stop and codec is None:
         raise bad("stop strings need a tokenizer; this coordinator has none")
     if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
         raise bad(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
-    return ValidRequest(prompt_ids, request.max_new_tokens, to_sampling(request),
+    return ValidRequest(prompt_ids, max_new_tokens, to_sampling(request),
                         list(request.stop), request.ignore_eos)
 
 

@@ -124,15 +124,10 @@ class NgramStore(CacheBook):
             raise errors.InvalidArgument("num_draft_tokens must be >= 1")
         self.check_unique([r[0] for r in rows])
         for seq_id, expected, keep, append in rows:
-            self.lookup(seq_id, expected)
-            if keep > expected:
-                raise errors.InvalidArgument(
-                    f"sequence {seq_id}: keep_len {keep} exceeds the cached {expected}")
             if not append:
                 raise errors.InvalidArgument(
                     f"sequence {seq_id}: append_token_ids must end with the last committed token")
-            self.check_token_ids(append, f"sequence {seq_id}")
-            self.check_context(seq_id, keep + len(append) + num_drafts)
+            self.check_row(seq_id, expected, keep, append, num_drafts)
         proposals = []
         for seq_id, _, keep, append in rows:
             index = self.caches[seq_id]

@@ -105,9 +105,9 @@ def test_sampled_rows_always_draft_k_and_exploration_forces_a_draft():
     plan = p.plan([goodput.Row(0.05, forced_k=4)] + [goodput.Row(0.05)] * 15)
     assert plan.k[0] == 4
     idle = goodput.RowState(idle_steps=32)
-    row = p.row(idle, catch_up=33)
-    assert row.explore
-    assert max(p.plan([row] * 16).k) >= 1
+    choice = p.choice(idle, catch_up=33, kind=0)
+    assert choice.explore
+    assert max(p.plan([goodput.Row(choices=(choice,))] * 16).k) >= 1
 
 
 def verified(p, state, steps: int, num_drafts: int, num_accepted: int) -> float:
