@@ -3,12 +3,11 @@ import argparse
 import logging
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-from batchspec import cliargs
+from batchspec import cliargs, processes
 
 log = logging.getLogger("batchspec")
 DEFAULT_DRAFT_LAYERS = 4  # without a distilled draft for the target: its first layers
@@ -17,10 +16,10 @@ DEFAULT_DRAFT_LAYERS = 4  # without a distilled draft for the target: its first 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"serve": serve, "generate": generate, "health": health,
-                "distill": _module_main("batchspec.distill"),
-                "evaluate-draft": _module_main("batchspec.draft_eval"),
-                "bench": _module_main("batchspec.bench"),
-                "loadtest": _module_main("batchspec.loadtest"),
+                "distill": _module_main("batchspec.drafting.distill"),
+                "evaluate-draft": _module_main("batchspec.drafting.evaluate"),
+                "bench": _module_main("batchspec.bench.run"),
+                "loadtest": _module_main("batchspec.bench.loadtest"),
                 "target": _service("target_service"), "draft": _service("draft_service"),
                 "coordinator": _service("coordinator")}
     if argv and argv[0] in ("-V", "--version"):
@@ -136,17 +135,17 @@ def serve(argv) -> int:
         parser.error("--draft-model: one or more distinct drafts, or 'none' alone")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
     # port 0 means a free one: pick it here, so that what is announced is what is served
-    args.port = args.port or free_port()
+    args.port = args.port or processes.free_port()
     if args.http_port == 0:
-        args.http_port = free_port()
+        args.http_port = processes.free_port()
     tokenizer = args.tokenizer or find_tokenizer(args.target_model)
-    target_port = free_port()
+    target_port = processes.free_port()
     target_cmd = [sys.executable, "-m", "target_service", "--model", args.target_model,
                   "--port", str(target_port), "--device", args.target_device or args.device,
                   "--dtype", args.dtype]
     services = [(target_cmd, target_port, "batchspec.v1.TargetService")]
     for name in names if names != ["none"] else []:
-        port = free_port()
+        port = processes.free_port()
         services.append((draft_command(args, name, port), port, "batchspec.v1.DraftService"))
     coordinator_cmd = [sys.executable, "-m", "coordinator", "--target",
                        f"127.0.0.1:{target_port}", "--port", str(args.port),
@@ -167,10 +166,10 @@ def serve(argv) -> int:
         # doing so at once on a small machine would time each other
         for cmd, port, name in services:
             children.append(subprocess.Popen(cmd))
-            wait_healthy(f"127.0.0.1:{port}", name, args.startup_timeout, children)
+            processes.wait_healthy(f"127.0.0.1:{port}", name, args.startup_timeout, children)
         children.append(subprocess.Popen(coordinator_cmd))
-        wait_healthy(f"127.0.0.1:{args.port}", "batchspec.v1.Coordinator", args.startup_timeout,
-                     children)
+        processes.wait_healthy(f"127.0.0.1:{args.port}", "batchspec.v1.Coordinator",
+                               args.startup_timeout, children)
         log.info("batchspec is serving gRPC on 127.0.0.1:%d%s; try: batchspec generate "
                  "--address 127.0.0.1:%d \"Hello\"", args.port,
                  f" and HTTP on http://127.0.0.1:{args.http_port}/" if args.http_port else "",
@@ -180,7 +179,7 @@ def serve(argv) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        stop_children(children)
+        processes.stop_children(children)
     failed = [c for c in children if c.returncode not in (0, -signal.SIGTERM, -signal.SIGINT)]
     return 1 if failed else 0
 
@@ -199,7 +198,7 @@ def draft_command(args, name: str, port: int) -> list[str]:
 def pick_draft(target: str, draft: str | None, layers: int | None):
     """(draft model, layers to keep): `draft` as given, else the packaged distilled draft for
     the default target, else the target's first layers."""
-    from batchspec import models
+    from batchspec.runtime import models
 
     if draft is not None:
         return draft, layers
@@ -208,54 +207,10 @@ def pick_draft(target: str, draft: str | None, layers: int | None):
     return target, layers or DEFAULT_DRAFT_LAYERS
 
 
-def stop_children(children) -> None:
-    """Coordinator first (it drains), then the services."""
-    for child in reversed(children):
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(address: str, service: str, timeout: float, children=(),
-                 credentials=None) -> None:
-    """Poll grpc.health.v1 until `service` is SERVING; fail early if a child died.
-    credentials: grpc.ChannelCredentials for a TLS server, None for plaintext."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from batchspec import server as server_lib
-
-    deadline = time.monotonic() + timeout
-    with server_lib.open_channel(address, credentials) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            dead = [c for c in children if c.poll() is not None]
-            if dead:
-                raise RuntimeError(f"{dead[0].args[2]} exited with {dead[0].returncode}")
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
-                if status.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"{service} at {address} not healthy after {timeout}s")
-
-
 def find_tokenizer(model: str) -> str | None:
     """The target's tokenizer as a tokenizer.json the coordinator can read without torch:
     a model dir's own file, or one exported once from a GGUF file into the user cache."""
-    from batchspec import models
+    from batchspec.runtime import models
 
     source = models.resolve(model)
     local = pathlib.Path(source.path)
@@ -299,7 +254,7 @@ def health(argv) -> int:
     add_client_tls_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        wait_healthy(args.address, args.service, args.timeout,
+        processes.wait_healthy(args.address, args.service, args.timeout,
                      credentials=client_credentials(parser, args))
     except TimeoutError as error:
         print(error, file=sys.stderr)

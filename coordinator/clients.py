@@ -164,6 +164,30 @@ def _describe(error) -> str:
     return "stream ended"
 
 
+def _model_info(info) -> ModelInfo:
+    return ModelInfo(info.model, info.vocab_size, list(info.eos_token_ids),
+                     info.max_context_len, info.num_sequences, info.num_cached_tokens,
+                     tuple((c.rows, c.tokens, c.seconds) for c in info.step_costs),
+                     info.device)
+
+
+class Probe:
+    """A Describe in flight (ServiceClient.probe)."""
+
+    def __init__(self, future):
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def info(self) -> ModelInfo | None:
+        """Once done: the service's ModelInfo, or None when it did not answer in time."""
+        try:
+            return _model_info(self._future.result())
+        except (grpc.RpcError, grpc.FutureCancelledError):
+            return None
+
+
 class ServiceClient:
     """What both internal services answer: cache commands and Describe."""
 
@@ -185,14 +209,12 @@ class ServiceClient:
                                          self.stall_timeout_s)
         return self._stream
 
-    def probe(self) -> None:
-        """Send an empty release on a stream of its own. Returns once the service takes
-        commands; raises Unavailable when it is down, or hung past the stall timeout."""
-        stream = CommandStream(self.stub.RunCommands, self.command_type, self.stall_timeout_s)
-        try:
-            stream.call(release=cache_pb2.ReleaseCommand(seq_ids=[]))
-        finally:
-            stream.close()
+    def probe(self) -> "Probe":
+        """Ask the service to describe itself, without waiting: gRPC carries the call on its
+        own threads. The service answers Describe only when its runner takes commands, so an
+        answer means it is back; no answer within the stall timeout means it is still down."""
+        return Probe(self.stub.Describe.future(cache_pb2.DescribeRequest(),
+                                               timeout=self.stall_timeout_s))
 
     def reset(self) -> None:
         """Drop the stream (after a failure); the next call opens a new one."""
@@ -208,13 +230,9 @@ class ServiceClient:
 
     def describe(self, timeout: float = 10.0) -> ModelInfo:
         try:
-            info = self.stub.Describe(cache_pb2.DescribeRequest(), timeout=timeout)
+            return _model_info(self.stub.Describe(cache_pb2.DescribeRequest(), timeout=timeout))
         except grpc.RpcError as error:
             raise errors.Unavailable(f"{self.address}: {_describe(error)}") from error
-        return ModelInfo(info.model, info.vocab_size, list(info.eos_token_ids),
-                         info.max_context_len, info.num_sequences, info.num_cached_tokens,
-                         tuple((c.rows, c.tokens, c.seconds) for c in info.step_costs),
-                         info.device)
 
     def prefill(self, entries: list[tuple[int, list[int]]]) -> list[int]:
         result = self.stream.call(prefill=cache_pb2.PrefillCommand(entries=[

@@ -19,7 +19,7 @@ import time
 from batchspec import errors
 from batchspec.params import SamplingParams
 from coordinator import goodput, scheduler
-from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
+from coordinator.clients import DraftClient, ModelInfo, Probe, ProposeSpec, TargetClient, VerifySpec
 from coordinator.drafts import DraftKind
 from coordinator.sequence import DraftState, Finish, Sequence
 from coordinator.telemetry import Telemetry
@@ -131,25 +131,6 @@ class RequestHandle:
         self.last_token_at: float | None = None
 
 
-class Probe:
-    """One `client.probe()` on a daemon thread; `done` is set when it returns or fails."""
-
-    def __init__(self, client):
-        self.ok = False
-        self.done = threading.Event()
-        threading.Thread(target=self._run, args=(client,), daemon=True,
-                         name=f"probe {client.address}").start()
-
-    def _run(self, client) -> None:
-        try:
-            client.probe()
-            self.ok = True
-        except errors.BatchspecError:
-            pass
-        finally:
-            self.done.set()
-
-
 class Engine:
     def __init__(self, target: TargetClient, drafts: list[list[DraftClient]],
                  config: EngineConfig, eos_token_ids: list[int],
@@ -218,6 +199,11 @@ class Engine:
         return self._target_up
 
     @property
+    def stopping(self) -> bool:
+        """stop() has begun: new requests are refused."""
+        return self._stopping
+
+    @property
     def draft_up(self) -> bool:
         """Some draft kind is reachable."""
         return any(kind.up for kind in self.kinds)
@@ -235,7 +221,7 @@ class Engine:
         """Take over requests from another engine; they are prefilled here from their
         committed tokens at the next admission, ahead of new arrivals."""
         for handle in handles:
-            handle.seq.target_cache_len = 0
+            handle.seq.target.forget()
             for state in handle.seq.drafts:
                 state.forget()
         with self._lock:
@@ -432,7 +418,7 @@ class Engine:
                 h.events.put(Event([], error=error))
             return
         for h in new:
-            h.seq.target_cache_len = h.seq.committed_len - 1
+            h.seq.target.cache_len = h.seq.committed_len - 1
             h.seq.drafts = [DraftState() for _ in self.kinds]
             h.seq.last_step = self.stats.num_steps
             self._active[h.seq.seq_id] = h
@@ -525,8 +511,8 @@ class Engine:
         for seq in seqs:
             k = prepared.plan[seq.seq_id]
             drafts, probs, _, _ = prepared.proposals.get(seq.seq_id, NO_PROPOSAL)
-            specs.append(VerifySpec(seq.seq_id, seq.target_cache_len,
-                                    seq.token_ids[seq.target_cache_len:], drafts[:k], probs[:k],
+            specs.append(VerifySpec(seq.seq_id, seq.target.cache_len,
+                                    seq.token_ids[seq.target.cache_len:], drafts[:k], probs[:k],
                                     seq.sampling))
         started = time.perf_counter()
         try:
@@ -652,7 +638,7 @@ class Engine:
             raise errors.FailedPrecondition(
                 f"target answered seq {outcome.seq_id} with cache {outcome.cache_len}; expected "
                 f"seq {seq.seq_id} with {before + outcome.num_accepted}")
-        seq.target_cache_len = outcome.cache_len
+        seq.target.cache_len = outcome.cache_len
         _, _, drafted, cache_len = proposal
         answered = kind is not None and cache_len is not None
         if answered and cache_len == seq.drafts[kind].cache_len and drafted:
@@ -724,7 +710,7 @@ class Engine:
         for seq in seqs:
             self._active.pop(seq.seq_id, None)
         if self._target_up:
-            self._release_in(self.target, [s for s in seqs if s.target_cache_len is not None])
+            self._release_in(self.target, [s for s in seqs if s.target.cache_len is not None])
         self._release_drafts(seqs)
 
     def _release_drafts(self, seqs: list[Sequence]) -> None:
@@ -752,28 +738,29 @@ class Engine:
                     error, "with the other drafts" if self.draft_up else "with the target alone")
         kind.up = False
         self.on_health(self._target_up)
-        kind.client.reset()
-        self._mark_stale(kind.client, [h.seq for h in self._active.values()
-                                       if h.seq.drafts[kind.index].cache_len is not None])
-        for handle in self._active.values():
-            handle.seq.drafts[kind.index].forget()
-        self._schedule_retry()
+        self._lost(kind.client, lambda seq: seq.drafts[kind.index])
 
     def _target_lost(self, error) -> None:
         self._prepared = None
         self._target_up = False
         self.on_health(False)
-        self.target.reset()
-        self._mark_stale(self.target, [h.seq for h in self._active.values()
-                                       if h.seq.target_cache_len is not None])
-        for handle in self._active.values():
-            handle.seq.target_cache_len = None
-        self._schedule_retry()
+        self._lost(self.target, lambda seq: seq.target)
         if self._hand_off():
             log.warning("target %s lost (%s): its requests moved to other replicas",
                         self.target.address, error)
         else:
             log.warning("target %s lost (%s): requests wait for it", self.target.address, error)
+
+    def _lost(self, client, cache_of) -> None:
+        """What losing any service means. Its stream is dropped; what it may still hold of
+        ours is stale (released when it is back); every sequence must be prefilled there again
+        (cache_of(seq) is the sequence's record of that service's cache); a retry is due."""
+        client.reset()
+        seqs = [h.seq for h in self._active.values()]
+        self._mark_stale(client, [s for s in seqs if cache_of(s).cache_len is not None])
+        for seq in seqs:
+            cache_of(seq).forget()
+        self._schedule_retry()
 
     def _hand_off(self) -> bool:
         """Give every request to other engines, if there are any to take them."""
@@ -829,11 +816,12 @@ class Engine:
         return False
 
     def _reconnect(self, client, resync) -> bool:
-        if not self._probe_answered(client):
+        info = self._probe_answer(client)
+        if info is None:
             return False
         try:
             client.reset()
-            if client.describe(timeout=1.0).num_sequences:
+            if info.num_sequences:
                 self._forget_stale(client, self._stale.get(client.address, set())
                                    | set(self._active))
             self._stale.pop(client.address, None)
@@ -845,17 +833,17 @@ class Engine:
         log.info("%s is back: caches re-prefilled from the coordinator's record", client.address)
         return True
 
-    def _probe_answered(self, client) -> bool:
-        """True once a probe found the service taking commands again; else start one. Probes
-        run off the engine thread, so a hung service cannot stall decoding while we wait."""
+    def _probe_answer(self, client) -> ModelInfo | None:
+        """The service's ModelInfo once a probe found it taking commands again; else None,
+        with a probe in flight (a new one when the last went unanswered). gRPC carries the
+        probes, so a hung service cannot stall decoding while we wait."""
         probe = self._probes.get(client.address)
-        if probe is not None and not probe.done.is_set():
-            return False  # still waiting on it
-        if probe is not None and probe.ok:
-            del self._probes[client.address]
-            return True
-        self._probes[client.address] = Probe(client)  # none yet, or the last one failed
-        return False
+        if probe is not None and not probe.done():
+            return None
+        info = self._probes.pop(client.address).info() if probe is not None else None
+        if info is None:
+            self._probes[client.address] = client.probe()
+        return info
 
     def _forget_stale(self, client, seq_ids: set[int]) -> None:
         """The service kept running while its stream broke: drop what it still holds of
@@ -879,7 +867,7 @@ class Engine:
         seqs = [h.seq for h in self._active.values()]
         self._prefill_in_runs(self.target, seqs)
         for s in seqs:
-            s.target_cache_len = s.committed_len - 1
+            s.target.cache_len = s.committed_len - 1
 
     def _resync_draft(self, kind: DraftKind) -> None:
         seqs = [h.seq for h in self._active.values()]

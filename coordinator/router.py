@@ -60,6 +60,10 @@ class Router:
         for thread in threads:
             thread.join()
 
+    @property
+    def stopping(self) -> bool:
+        return any(e.stopping for e in self.engines)
+
     def num_running(self) -> int:
         return sum(e.num_running() for e in self.engines)
 

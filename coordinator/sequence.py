@@ -2,7 +2,7 @@
 
 Invariants between steps, for an active sequence with committed length L
 (prompt + generated tokens):
-- target_cache_len == L - 1: the target holds every committed token but the last, which is
+- target.cache_len == L - 1: the target holds every committed token but the last, which is
   fed first in the next verification.
 - for each draft kind d, with D = drafts[d]: D.valid_len <= D.cache_len and
   D.valid_len <= L - 1: the first valid_len positions of that draft's cache are committed
@@ -32,15 +32,24 @@ class Stats:
 
 
 @dataclasses.dataclass
-class DraftState:
+class ServiceCache:
+    """What one service has cached for a sequence."""
+
+    cache_len: int | None = None  # None: not cached there (must prefill before use)
+
+    def forget(self) -> None:
+        """The service lost or never had the sequence: prefill it again before use."""
+        self.cache_len = None
+
+
+@dataclasses.dataclass
+class DraftState(ServiceCache):
     """What one draft kind has cached for a sequence, and how well it drafts for it."""
 
-    cache_len: int | None = None  # None: not cached in that draft service (must prefill)
     valid_len: int = 0
     spec: RowState = dataclasses.field(default_factory=RowState)  # its acceptance, for K
 
     def forget(self) -> None:
-        """The service lost or never had the sequence: prefill it again before use."""
         self.cache_len, self.valid_len = None, 0
 
 
@@ -52,7 +61,7 @@ class Sequence:
     stop_token_ids: frozenset[int]
     sampling: SamplingParams = SamplingParams()
     token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
-    target_cache_len: int = 0
+    target: ServiceCache = dataclasses.field(default_factory=ServiceCache)
     drafts: list[DraftState] = dataclasses.field(default_factory=list)  # one per draft kind
     finish: Finish | None = None
     stats: Stats = dataclasses.field(default_factory=Stats)

@@ -20,7 +20,7 @@ import struct
 import time
 
 from batchspec import errors
-from batchspec.cachebook import CacheBook, StepCost
+from batchspec.runtime.cachebook import CacheBook, StepCost
 
 NGRAM_MODEL = "ngram"
 POINT_MASS_F16 = struct.pack("<e", 1.0)  # probability 1 in the wire's float16

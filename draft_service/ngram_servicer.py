@@ -2,7 +2,8 @@
 import logging
 import time
 
-from batchspec import errors, service
+from batchspec import errors
+from batchspec.runtime import service
 from batchspec.v1 import cache_pb2, draft_pb2, draft_pb2_grpc
 from draft_service import ngram
 

@@ -3,10 +3,11 @@ import dataclasses
 
 import torch
 
-from batchspec import errors, probs_wire, sampling
-from batchspec import runner as runner_lib
+from batchspec import errors
 from batchspec.params import SamplingParams
-from batchspec.service import sampling_uniforms
+from batchspec.runtime import probs_wire, sampling
+from batchspec.runtime import runner as runner_lib
+from batchspec.runtime.sampling import sampling_uniforms
 
 DRAFT_STREAM = 0
 

@@ -1,7 +1,8 @@
 """gRPC edge of the draft service: protobuf in, proposer call, protobuf out."""
 import time
 
-from batchspec import errors, service
+from batchspec import errors
+from batchspec.runtime import service
 from batchspec.v1 import draft_pb2, draft_pb2_grpc
 from draft_service import SERVICE_NAME, proposer  # noqa: F401 (SERVICE_NAME re-exported)
 

@@ -16,8 +16,9 @@ import time
 import torch
 from transformers import DynamicCache
 
-from batchspec import bench, kvcache
-from batchspec import runner as runner_lib
+from batchspec.bench import run as bench
+from batchspec.runtime import kvcache
+from batchspec.runtime import runner as runner_lib
 from batchspec.server import parse_config
 
 

@@ -1,5 +1,5 @@
 """Median time of one forward step at batch 1 on CPU: N new tokens onto a cache of C positions,
-with each way `batchspec.fastlinear` can compute the linear layers:
+with each way `batchspec.runtime.fastlinear` can compute the linear layers:
 
     usual  x @ W.T everywhere (plain nn.Linear)
     fixed  weight-major, fastlinear.DEFAULT_PLAN (one row computed as two)
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from batchspec import fastlinear, kvcache, models
+from batchspec.runtime import fastlinear, kvcache, models
 
 MODES = ("usual", "fixed", "tuned")
 

@@ -1,7 +1,7 @@
 """What it costs to run torch on a second thread: the median time of one decode step (batch 1,
 200 cached positions) when the model is loaded and run on the compute thread only (what the
 services do), against loaded and warmed up on the main thread and run on the compute thread
-(what they did before batchspec.compute). Each case runs in a fresh process.
+(what they did before batchspec.runtime.compute). Each case runs in a fresh process.
 
     python3 scripts/thread_cost.py --model smollm2
 """
@@ -13,7 +13,7 @@ CASES = {"one thread": "same", "warmed up on main, run on a second thread": "spl
 
 
 def load(name: str):
-    from batchspec import fastlinear, models
+    from batchspec.runtime import fastlinear, models
 
     model = models.load_causal_lm(name)
     fastlinear.tune(model, models.kernel_plans_file())
@@ -21,8 +21,8 @@ def load(name: str):
 
 
 def child(case: str, name: str, repeats: int) -> None:
-    from batchspec import compute
-    from batchspec.draft_eval import decode_step_seconds
+    from batchspec.drafting.evaluate import decode_step_seconds
+    from batchspec.runtime import compute
 
     if case == "same":
         model = compute.run(load, name)

@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from batchspec import probs_wire, sampling
+from batchspec.runtime import probs_wire, sampling
 from batchspec.v1 import draft_pb2
 
 

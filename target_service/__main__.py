@@ -1,5 +1,5 @@
 """python -m target_service --model M --port P [--device D --dtype T]"""
-from batchspec import service
+from batchspec.runtime import service
 from batchspec.v1 import target_pb2_grpc
 from target_service.servicer import SERVICE_NAME, TargetServicer
 

@@ -3,7 +3,8 @@ import time
 
 import torch
 
-from batchspec import errors, probs_wire, service
+from batchspec import errors
+from batchspec.runtime import probs_wire, service
 from batchspec.v1 import target_pb2, target_pb2_grpc
 from target_service import verifier
 

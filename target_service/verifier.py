@@ -3,10 +3,10 @@ import dataclasses
 
 import torch
 
-from batchspec import runner as runner_lib
-from batchspec import sampling
 from batchspec.params import SamplingParams
-from batchspec.service import sampling_uniforms
+from batchspec.runtime import runner as runner_lib
+from batchspec.runtime import sampling
+from batchspec.runtime.sampling import sampling_uniforms
 
 # Random streams of the target, so acceptance and final draws never reuse the draft's numbers.
 ACCEPT_STREAM, FINAL_STREAM = 1, 2

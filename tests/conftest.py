@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from batchspec import service  # noqa: E402
+from batchspec.runtime import service  # noqa: E402
 from batchspec.v1 import draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc  # noqa: E402
 from coordinator import __main__ as coordinator_main  # noqa: E402
 from coordinator import scheduler  # noqa: E402

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from batchspec.bench import GRPC_DRAFTS, METHODS, USES_BATCH, USES_K
+from batchspec.bench.run import GRPC_DRAFTS, METHODS, USES_BATCH, USES_K
 
 
 @pytest.mark.slow
@@ -77,7 +77,7 @@ def test_bench_by_category_reports_each_draft_and_the_router_per_category(tmp_pa
 
 
 def test_poisson_arrivals_and_percentiles():
-    from batchspec import arrivals
+    from batchspec.bench import arrivals
 
     offsets = arrivals.poisson_offsets(rate=4.0, count=4000, seed=1)
     assert offsets == sorted(offsets)
@@ -89,7 +89,7 @@ def test_poisson_arrivals_and_percentiles():
 
 
 def test_bench_refuses_bad_load_settings_and_missing_prompts():
-    from batchspec.bench import BenchConfig
+    from batchspec.bench.run import BenchConfig
 
     for bad in ({"arrival_rates": (0.0,)}, {"arrival_rates": (-1.0,)}, {"load_batch_size": 0},
                 {"prompts": "/no/such/prompts.jsonl"},

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from batchspec import cli, cliargs, service
-from batchspec.cli import free_port
+from batchspec import cli, cliargs
+from batchspec.processes import free_port
+from batchspec.runtime import service
 
 
 def all_parsers() -> dict[str, argparse.ArgumentParser]:
@@ -18,9 +19,10 @@ def all_parsers() -> dict[str, argparse.ArgumentParser]:
     service.add_service_arguments(service_parser, 0)
     parsers = {"serve": cli.serve_parser(), "generate": cli.generate_parser(),
                "coordinator": coordinator_main.build_parser(), "target/draft": service_parser}
-    for name, module in (("bench", "batchspec.bench"), ("distill", "batchspec.distill"),
-                         ("evaluate-draft", "batchspec.draft_eval"),
-                         ("loadtest", "batchspec.loadtest")):
+    for name, module in (("bench", "batchspec.bench.run"),
+                         ("distill", "batchspec.drafting.distill"),
+                         ("evaluate-draft", "batchspec.drafting.evaluate"),
+                         ("loadtest", "batchspec.bench.loadtest")):
         parsers[name] = importlib.import_module(module).build_parser()
     return parsers
 

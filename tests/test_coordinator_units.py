@@ -125,8 +125,19 @@ def test_draft_plan_widens_appends_and_drops_rows_too_short_for_them():
     assert width == 2 and [s.seq_id for s in rows] == [1, 2]
 
 
+class FakeProbe:
+    def __init__(self, service):
+        self.service = service
+
+    def done(self):
+        return self.service.answering.is_set()
+
+    def info(self):
+        return self.service.describe()
+
+
 class FakeService:
-    """A service stand-in whose probe blocks until `answering` is set."""
+    """A service stand-in whose probe goes unanswered until `answering` is set."""
 
     def __init__(self, address):
         self.address = address
@@ -134,7 +145,7 @@ class FakeService:
         self.prefills = []  # prefix lengths of each prefill command
 
     def probe(self):
-        self.answering.wait()
+        return FakeProbe(self)
 
     def reset(self):
         pass

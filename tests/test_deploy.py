@@ -13,9 +13,9 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
-from batchspec import service
-from batchspec.cli import free_port, wait_healthy
 from batchspec.metrics import scrape
+from batchspec.processes import free_port, wait_healthy
+from batchspec.runtime import service
 from batchspec.v1 import generate_pb2_grpc
 from coordinator import __main__ as coordinator_main
 
@@ -180,6 +180,18 @@ def test_dockerfile_builds_protos_runs_as_non_root_and_asks_for_cuda_explicitly(
     text = (ROOT / "Dockerfile").read_text()
     assert "gen_protos.py" in text and re.search(r"^USER (?!root)\w+", text, re.M)
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+
+
+def test_the_coordinator_container_is_built_without_torch():
+    """compose builds the coordinator from the Dockerfile's torch-free target, which installs
+    requirements/coordinator.txt (test_layout checks that set) and the package without deps."""
+    coordinator = load_compose("compose.yaml")["services"]["coordinator"]
+    assert coordinator["build"]["target"] == "coordinator"
+    stages = re.split(r"^FROM ", (ROOT / "Dockerfile").read_text(), flags=re.M)
+    stage = next(s for s in stages if re.match(r"\S+ AS coordinator\b", s))
+    assert "pip install -r requirements/coordinator.txt" in stage
+    assert "pip install --no-deps ." in stage and "torch" not in stage.replace(
+        "'torch' not in sys.modules", "")
 
 
 def loopback_commands(model_dirs):

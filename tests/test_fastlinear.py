@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from batchspec import fastlinear
+from batchspec.runtime import fastlinear
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 40])

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchspec import runner as runner_lib
-from batchspec.inprocess import InProcessDraft, InProcessTarget
+from batchspec.bench.inprocess import InProcessDraft, InProcessTarget
+from batchspec.runtime import runner as runner_lib
 from coordinator import goodput
 from coordinator.engine import Engine, EngineConfig
 from coordinator.scheduler import GroupPolicy
@@ -158,7 +158,7 @@ def stretches(step, batch):
 
 
 def engine_for(target_dir, draft_dir, script, batch_size, **config):
-    from batchspec import models
+    from batchspec.runtime import models
 
     loaded = [models.load_causal_lm(d) for d in (target_dir, draft_dir)]
     eos = models.eos_token_ids(loaded[0])

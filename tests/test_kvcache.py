@@ -3,7 +3,7 @@ left-padded batch, and taking rows back out."""
 import pytest
 import torch
 
-from batchspec import kvcache
+from batchspec.runtime import kvcache
 
 
 def cache(columns, layers=2, heads=3, dim=4, extra=2):

@@ -4,7 +4,7 @@ import pathlib
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchspec import models
+from batchspec.runtime import models
 
 
 def test_the_gguf_target_is_converted_once_and_loads_the_same_model(tmp_path, monkeypatch):

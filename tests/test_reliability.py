@@ -1,7 +1,6 @@
 """Serving on bad days: lost services, cancellation, deadlines, load, shutdown, metrics."""
 import concurrent.futures
 import threading
-import time
 
 import grpc
 import pytest
@@ -101,7 +100,7 @@ def test_target_restart_loses_nothing_and_stays_exact(model_dirs, llama_model):
 
         def restart():
             stack.target_server.stop(0).wait()
-            time.sleep(0.5)
+            assert wait_for(lambda: not stack.engine.healthy())  # the loss was seen
             server, _, _, runner = start_target(target_dir, port=stack.target_port)
             restarted["server"], restarted["runner"] = server, runner
 
@@ -223,7 +222,7 @@ def test_shutdown_finishes_in_flight_work_and_refuses_new(model_dirs):
             assert wait_for(lambda: stack.engine.stats.num_steps > 2)
             stopper = threading.Thread(target=stack.engine.stop, args=(30,))
             stopper.start()
-            time.sleep(0.05)
+            assert wait_for(lambda: stack.engine.stopping)
             with pytest.raises(grpc.RpcError) as caught:
                 stream(stub, [5, 6], 5)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE

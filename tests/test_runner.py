@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from batchspec import models
-from batchspec import runner as runner_lib
+from batchspec.runtime import models
+from batchspec.runtime import runner as runner_lib
 
 
 def test_prefill_chunks_bound_padding_and_keep_every_prompt():

@@ -1,7 +1,7 @@
 """The pure verification functions, on hand-built tensors (100.0 marks the wanted token)."""
 import torch
 
-from batchspec import probs_wire, sampling
+from batchspec.runtime import probs_wire, sampling
 
 
 def logits_for(token_rows, vocab=8):

@@ -6,8 +6,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from batchspec import compute, errors
+from batchspec import errors
 from batchspec.params import SamplingParams
+from batchspec.runtime import compute
 from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
 
 from conftest import start_draft, start_target

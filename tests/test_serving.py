@@ -11,7 +11,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM
 
-from batchspec import loadtest, security, service
+from batchspec import security
+from batchspec.bench import loadtest
+from batchspec.runtime import service
 from batchspec.v1 import cache_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, target_pb2_grpc
 from coordinator import __main__ as coordinator_main
 from coordinator import scheduler

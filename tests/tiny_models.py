@@ -1,7 +1,7 @@
-"""Tiny model pairs (from batchspec.tiny) and the target-alone greedy reference."""
+"""Tiny model pairs (from batchspec.runtime.tiny) and the target-alone greedy reference."""
 import torch
 
-from batchspec.tiny import (  # noqa: F401
+from batchspec.runtime.tiny import (  # noqa: F401
     BUILDERS,
     EOS,
     VOCAB,

@@ -12,7 +12,7 @@ import pathlib
 import torch
 from safetensors.torch import load_file, save_file
 
-from batchspec import fastlinear
+from batchspec.runtime import fastlinear
 
 MANIFEST = "batchspec_draft.json"
 ADAPTER = "adapter.safetensors"
@@ -97,14 +97,16 @@ def save_adapter(out: pathlib.Path, wrapped, norm_weight: torch.Tensor) -> None:
     save_file(tensors, str(out / ADAPTER))
 
 
-def load_draft(path: str, *, dtype: str, device: str):
-    """Build the draft model a draft directory describes."""
-    from batchspec import models
+def read_manifest(path: str) -> dict:
+    """A draft directory's manifest: its base model, layer count and LoRA settings."""
+    return json.loads((pathlib.Path(path) / MANIFEST).read_text())
 
+
+def apply_adapter(model, path: str) -> None:
+    """Turn `model` (the manifest's base model cut to its layers, float32) into the draft the
+    directory describes: LoRA deltas merged, the trained final norm, the subset head."""
     root = pathlib.Path(path)
-    manifest = json.loads((root / MANIFEST).read_text())
-    model = models.load_causal_lm(manifest["base_model"], dtype="float32", device="cpu",
-                                  num_layers=manifest["num_layers"])
+    manifest = read_manifest(path)
     tensors = load_file(str(root / ADAPTER))
     scale = manifest["lora_alpha"] / manifest["lora_rank"]
     with torch.no_grad():
@@ -117,4 +119,3 @@ def load_draft(path: str, *, dtype: str, device: str):
                         getattr(parent, name).weight += scale * (b @ a)
         model.model.norm.weight.copy_(tensors["norm.weight"].float())
     attach_subset_head(model, json.loads((root / VOCAB).read_text()))
-    return model.to(device=device, dtype=getattr(torch, dtype)).eval()

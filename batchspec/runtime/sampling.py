@@ -11,6 +11,7 @@ Words, as used across batchspec:
 Everything here is a pure function of tensors with the randomness passed in; no model, no gRPC.
 """
 import dataclasses
+import random
 
 import torch
 
@@ -122,3 +123,9 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     probs = torch.empty_like(scaled).scatter_(-1, order, sorted_logits.softmax(dim=-1))
     one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
     return torch.where(greedy[:, None, None], one_hot, probs)
+
+
+def sampling_uniforms(seed: int, positions, stream: int):
+    """Uniforms in (0, 1], one per position, that depend only on (seed, position, stream):
+    seeded requests repeat whatever their batch mates and group sizes are."""
+    return [1.0 - random.Random(hash((seed, int(p), stream))).random() for p in positions]

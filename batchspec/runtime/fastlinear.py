@@ -15,7 +15,7 @@ outputs dropped), on enough copies of the weight that it comes from memory as in
 forward, and keeps the fastest for the rest of the process (and, given a store file, for every
 later process on the same machine). A model whose linear weights fit
 in the CPU cache (the tests' tiny ones) is not worth timing and takes DEFAULT_PLAN. `python -m
-batchspec.fastlinear` prints the timings and the choices for the machine it runs on.
+batchspec.runtime.fastlinear` prints the timings and the choices for the machine it runs on.
 
 It is the same product with another summation order: results agree to float32 rounding,
 exactly as a batched forward agrees with an unbatched one. Inputs on other devices, and more

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
 
 def run(config: LoadConfig, progress=lambda line: None) -> dict:
     """Start the three processes, run the load, stop them; the report as a dict."""
-    from batchspec import tiny
+    from batchspec.runtime import tiny
 
     with tempfile.TemporaryDirectory(prefix="batchspec-load-") as scratch:
         target_dir, draft_dir = tiny.save_pair(config.arch, pathlib.Path(scratch))
@@ -118,7 +118,7 @@ class Processes:
     """Target, draft and coordinator as processes on free loopback ports."""
 
     def __init__(self, config: LoadConfig, target_dir: str, draft_dir: str):
-        from batchspec.cli import free_port
+        from batchspec.processes import free_port
 
         self.config = config
         self.models = {"target": target_dir, "draft": draft_dir}
@@ -127,7 +127,7 @@ class Processes:
         self.procs: list[subprocess.Popen] = []
 
     def __enter__(self):
-        from batchspec.cli import wait_healthy
+        from batchspec.processes import wait_healthy
 
         try:
             for role, name in (("target", "TargetService"), ("draft", "DraftService")):
@@ -217,7 +217,7 @@ class HealthProber:
 
     def __init__(self, address: str):
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", f"from batchspec.loadtest import probe_health; "
+            [sys.executable, "-c", f"from batchspec.bench.loadtest import probe_health; "
                                    f"probe_health({address!r})"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
@@ -305,7 +305,7 @@ def reference(target_dir: str, prompt_list: list[list[int]], max_new_tokens: int
     """The target alone, batch 1, greedy, end-of-sequence ignored (as the streams ask)."""
     from transformers import AutoModelForCausalLM
 
-    from batchspec.tiny import greedy_ignoring_eos
+    from batchspec.runtime.tiny import greedy_ignoring_eos
 
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     return [greedy_ignoring_eos(model, prompt, max_new_tokens) for prompt in prompt_list]

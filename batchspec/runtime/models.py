@@ -56,13 +56,13 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
-    from batchspec import draft_model, fastlinear
+    from batchspec.runtime import draft_model, fastlinear
 
     spec = model_path(spec)
     if draft_model.is_draft_dir(spec):
         if num_layers is not None:
             raise ValueError("a distilled draft directory fixes its own number of layers")
-        return draft_model.load_draft(spec, dtype=dtype, device=device)
+        return load_draft(spec, dtype=dtype, device=device)
     source = resolve(spec)
     log.info("loading %s (%s) on %s", spec, dtype, device)
     path, kwargs = source.path, {}
@@ -85,7 +85,7 @@ def user_cache_dir() -> pathlib.Path:
 
 
 def kernel_plans_file() -> pathlib.Path:
-    """Where the CPU kernel plans of batchspec.fastlinear are kept for every process."""
+    """Where the CPU kernel plans of batchspec.runtime.fastlinear are kept for every process."""
     return user_cache_dir() / "kernel-plans.json"
 
 
@@ -186,3 +186,33 @@ def export_tokenizer(spec: str, out_dir: pathlib.Path) -> pathlib.Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out_dir))
     return out_dir / "tokenizer.json"
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+
+    source = resolve(spec)
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    return AutoTokenizer.from_pretrained(source.path, **kwargs)
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """Prompt ids with the chat template (plain text when the tokenizer has none)."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                  add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    return tokenizer(prompt)["input_ids"]
+
+
+def load_draft(path: str, *, dtype: str, device: str):
+    """Build the draft model a distilled draft directory describes (batchspec distill)."""
+    import torch
+
+    from batchspec.runtime import draft_model
+
+    manifest = draft_model.read_manifest(path)
+    model = load_causal_lm(manifest["base_model"], dtype="float32", device="cpu",
+                           num_layers=manifest["num_layers"])
+    draft_model.apply_adapter(model, path)
+    return model.to(device=device, dtype=getattr(torch, dtype)).eval()

@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from batchspec import errors, kvcache
-from batchspec.cachebook import CacheBook, StepCost
+from batchspec import errors
+from batchspec.runtime import kvcache
+from batchspec.runtime.cachebook import CacheBook, StepCost
 
 
 @dataclasses.dataclass

@@ -5,19 +5,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import random
 import time
 from typing import TYPE_CHECKING
 
-from batchspec import cliargs, compute, errors, models, security
+from batchspec import cliargs, errors, security
 from batchspec import server as server_lib
 from batchspec.metrics import ServiceMetrics, serve_metrics
 from batchspec.params import SamplingParams
+from batchspec.runtime import compute, models
 from batchspec.v1 import cache_pb2
 
 if TYPE_CHECKING:  # the n-gram draft serves without torch
-    from batchspec import runner as runner_lib
-    from batchspec.cachebook import CacheBook
+    from batchspec.runtime import runner as runner_lib
+    from batchspec.runtime.cachebook import CacheBook
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,10 @@ class ModelServicer:
                                   context, self.metrics)
 
     def Describe(self, request, context):  # noqa: N802 (gRPC method name)
-        return describe(self.runner, self.dtype)
+        # under the runner's lock, as a command runs: a consistent snapshot, and an answer
+        # means the service takes commands (the coordinator probes a lost service this way)
+        with self.runner.lock:
+            return describe(self.runner, self.dtype)
 
     def handle(self, kind, command):
         handled = handle_cache_command(self.runner, kind, command)
@@ -124,12 +127,6 @@ def to_sampling(params: cache_pb2.SamplingParams) -> SamplingParams:
                              top_p=params.top_p or 1.0, seed=params.seed)
 
 
-def sampling_uniforms(seed: int, positions, stream: int):
-    """Uniforms in (0, 1], one per position, that depend only on (seed, position, stream):
-    seeded requests repeat whatever their batch mates and group sizes are."""
-    return [1.0 - random.Random(hash((seed, int(p), stream))).random() for p in positions]
-
-
 @dataclasses.dataclass(frozen=True)
 class ServiceConfig:
     """How to start a model service; built once from CLI flags."""
@@ -156,7 +153,7 @@ class ServiceConfig:
 def build_runner(config: ServiceConfig) -> runner_lib.ModelRunner:
     import torch
 
-    from batchspec import runner as runner_lib
+    from batchspec.runtime import runner as runner_lib
 
     model = models.load_causal_lm(config.model, dtype=config.dtype, device=config.device,
                                   num_layers=config.num_layers)
@@ -198,7 +195,7 @@ def start_model_service(config: ServiceConfig, make_servicer, add_to_server, ser
                         build=None, warm=None):
     """Load the model, start serving; returns (server, port, health, runner). Health turns
     SERVING only after the model is loaded and has run one warm-up forward. The model is
-    loaded, tuned and run on the compute thread only (see batchspec.compute).
+    loaded, tuned and run on the compute thread only (see batchspec.runtime.compute).
     build(config) -> runner and warm(runner) default to a model runner's."""
     runner = compute.run(build or build_runner, config)
     compute.run(warm or warm_up, runner)
@@ -224,8 +221,8 @@ def warm_up(runner: runner_lib.ModelRunner) -> None:
     """Plan the CPU linear kernels (timing them takes a few seconds for SmolLM2, the first
     time on a machine), run one forward, and measure what forwards cost (for the
     coordinator's choice of draft lengths; a few seconds)."""
-    from batchspec import fastlinear
-    from batchspec import runner as runner_lib
+    from batchspec.runtime import fastlinear
+    from batchspec.runtime import runner as runner_lib
 
     started = time.perf_counter()
     store = models.kernel_plans_file()

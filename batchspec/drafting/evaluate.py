@@ -5,9 +5,8 @@
   target's token;
 - cost: the median time of one decode step (one token, batch 1, a 200-token cache) of the
   draft over that of the target, measured the same way in the same process, both with the CPU
-  kernel plans the services use (batchspec.fastlinear.tune).
+  kernel plans the services use (batchspec.runtime.fastlinear.tune).
 """
-import itertools
 import json
 import logging
 import os
@@ -17,34 +16,17 @@ import statistics
 import sys
 import time
 
-from batchspec import cliargs
+from batchspec import cliargs, data
 from batchspec.data import read_jsonl
 
 log = logging.getLogger("batchspec.evaluate")
 
 
-def bench_prompts(limit: int | None = None, path: str | None = None) -> list[dict]:
-    """The benchmark's prompts ({"category", "prompt"} rows), or a JSONL file of the same
-    shape ("category" optional)."""
-    rows = read_jsonl(pathlib.Path(path) if path else
-                      pathlib.Path(__file__).parent / "data" / "bench_prompts.jsonl")
-    for row in rows:
-        row.setdefault("category", "other")
-    if not limit:
-        return rows
-    # a subset takes the categories in turn, so that every kind of work is in it
-    by_category: dict[str, list[dict]] = {}
-    for row in rows:
-        by_category.setdefault(row["category"], []).append(row)
-    interleaved = [row for group in itertools.zip_longest(*by_category.values())
-                   for row in group if row is not None]
-    return interleaved[:limit]
-
-
 def target_answers(target, tokenizer, prompts: list[str], max_new_tokens: int,
                    batch_size: int = 16) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy answer ids up to EOS) for each prompt."""
-    from batchspec.distill import answer_batches, chat_ids
+    from batchspec.drafting.distill import answer_batches
+    from batchspec.runtime.models import chat_ids
 
     ids = [chat_ids(tokenizer, p) for p in prompts]
     pairs = []
@@ -84,7 +66,7 @@ def decode_step_seconds(model, context: int = 200, repeats: int = 40) -> float:
 def training_pairs(directory: str, max_new_tokens: int, every: int = 14):
     """(prompt ids, answer ids) of every `every`-th sequence a `distill` directory trained on,
     answers cut to max_new_tokens: how well a draft fits its own training data."""
-    from batchspec.distill import DATA_FILE
+    from batchspec.drafting.distill import DATA_FILE
 
     path = pathlib.Path(directory) / DATA_FILE
     if not path.is_file():
@@ -97,17 +79,16 @@ def training_pairs(directory: str, max_new_tokens: int, every: int = 14):
 def evaluate(target_spec: str, draft_spec: str, *, num_layers: int | None = None,
              max_new_tokens: int = 64, num_prompts: int | None = None,
              training_data: str | None = None) -> dict:
-    from batchspec import models
-    from batchspec.distill import load_tokenizer
+    from batchspec.runtime import models
 
     target = models.load_causal_lm(target_spec)
     draft = models.load_causal_lm(draft_spec, num_layers=num_layers)
     if training_data:
         pairs = training_pairs(training_data, max_new_tokens)
     else:
-        prompts = [r["prompt"] for r in bench_prompts(num_prompts)]
-        pairs = target_answers(target, load_tokenizer(target_spec), prompts, max_new_tokens)
-    from batchspec import fastlinear
+        prompts = [r["prompt"] for r in data.bench_prompts(num_prompts)]
+        pairs = target_answers(target, models.load_tokenizer(target_spec), prompts, max_new_tokens)
+    from batchspec.runtime import fastlinear
 
     for model in (target, draft):  # the kernel plans the services and the benchmark use
         fastlinear.tune(model, models.kernel_plans_file())
@@ -141,7 +122,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     argv_list = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv_list)
-    from batchspec import draft_model, models
+    from batchspec.runtime import draft_model, models
 
     draft_dir = models.model_path(args.draft)
     if args.record and args.training_data:

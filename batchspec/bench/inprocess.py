@@ -2,8 +2,8 @@
 engine, minus serialisation and RPC (for the benchmark's in-process methods)."""
 import time
 
-from batchspec import probs_wire
-from batchspec import runner as runner_lib
+from batchspec.runtime import probs_wire
+from batchspec.runtime import runner as runner_lib
 from coordinator.clients import ModelInfo, Proposal, Timing, VerifyOutcome
 from draft_service import proposer
 from target_service import verifier

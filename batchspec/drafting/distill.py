@@ -26,8 +26,9 @@ from collections import Counter
 
 from batchspec import cliargs
 from batchspec.data import read_jsonl
+from batchspec.runtime import models
 
-log = logging.getLogger("batchspec.distill")
+log = logging.getLogger("batchspec.drafting.distill")
 DATA_FILE = "data.jsonl"  # the target's answers, one JSON object per line, appended as made
 SELF_INSTRUCT_FILE = "self_instruct.jsonl"  # the target's sampled requests and prompts
 
@@ -98,14 +99,12 @@ def main(argv=None) -> int:
 def distill(config: DistillConfig, command: str) -> pathlib.Path:
     import torch
 
-    from batchspec import models
-
     torch.manual_seed(config.seed)
     out = pathlib.Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     target = models.load_causal_lm(config.target, device=config.device)
-    tokenizer = load_tokenizer(config.target)
+    tokenizer = models.load_tokenizer(config.target)
     from batchspec.data.train_prompts import training_prompts
 
     fixed = training_prompts(config.num_prompts, seed=config.seed)
@@ -145,7 +144,7 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
                      "vocab_coverage_of_answers": coverage, "final_loss": final_loss,
                      "seconds": round(time.time() - started, 1)},
     }
-    from batchspec import draft_model
+    from batchspec.runtime import draft_model
 
     manifest = out / draft_model.MANIFEST
     earlier = json.loads(manifest.read_text()) if manifest.exists() else {}
@@ -158,25 +157,6 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
     return out
 
 
-def load_tokenizer(spec: str):
-    from transformers import AutoTokenizer
-
-    from batchspec import models
-
-    source = models.resolve(spec)
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    return AutoTokenizer.from_pretrained(source.path, **kwargs)
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """Prompt ids with the chat template (plain text when the tokenizer has none)."""
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                  add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
-    return tokenizer(prompt)["input_ids"]
-
-
 def answer_batches(model, prompt_ids: list[list[int]], max_new_tokens: int, batch_size: int,
                    *, sample_seed: int | None = None):
     """Yield (index of the batch's first prompt, answers): the model's answers to left-padded
@@ -184,9 +164,7 @@ def answer_batches(model, prompt_ids: list[list[int]], max_new_tokens: int, batc
     (temperature 0.8, top-p 0.95) with the generator seeded by sample_seed + that index."""
     import torch
 
-    from batchspec.models import eos_token_ids
-
-    eos = set(eos_token_ids(model))
+    eos = set(models.eos_token_ids(model))
     device = next(model.parameters()).device
     options = {"do_sample": False}
     if sample_seed is not None:
@@ -219,17 +197,15 @@ def self_instruct_prompts(config: DistillConfig, target, tokenizer, path: pathli
     repeats a fixed training prompt or is a benchmark prompt."""
     from tqdm import tqdm
 
-    from batchspec.data import train_prompts
-    from batchspec.draft_eval import bench_prompts
-    from batchspec.models import eos_token_ids
+    from batchspec.data import bench_prompts, train_prompts
 
     done = read_jsonl(path) if path.exists() else []
     requests = train_prompts.self_instruct_requests(config.self_instruct, seed=config.seed)
     todo = requests[len(done):]
-    eos = set(eos_token_ids(target))
+    eos = set(models.eos_token_ids(target))
     if todo:
         bar = tqdm(total=len(requests), initial=len(done), desc="self-instruct", unit="prompt")
-        ids = [chat_ids(tokenizer, r["request"]) for r in todo]
+        ids = [models.chat_ids(tokenizer, r["request"]) for r in todo]
         with path.open("a") as sink:
             for start, answers in answer_batches(target, ids, config.max_new_tokens,
                                                  config.gen_batch_size,
@@ -261,7 +237,7 @@ def generate_data(config: DistillConfig, target, tokenizer, path: pathlib.Path,
     done = read_jsonl(path) if path.exists() else []
     todo = prompts[len(done):]
     bar = tqdm(total=len(prompts), initial=len(done), desc="generate", unit="prompt")
-    ids = [chat_ids(tokenizer, p) for p in todo]
+    ids = [models.chat_ids(tokenizer, p) for p in todo]
     with path.open("a") as sink:
         for start, answers in answer_batches(target, ids, config.max_new_tokens,
                                              config.gen_batch_size):
@@ -340,7 +316,7 @@ def train(config: DistillConfig, data: list[dict], vocab: list[int], out: pathli
     import torch
     from tqdm import tqdm
 
-    from batchspec import draft_model, models
+    from batchspec.runtime import draft_model
 
     student = models.load_causal_lm(config.target, num_layers=config.num_layers,
                                     device=config.device)

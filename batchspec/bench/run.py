@@ -23,7 +23,7 @@ import time
 from batchspec import cliargs
 from coordinator.engine import EngineConfig
 
-log = logging.getLogger("batchspec.bench")
+log = logging.getLogger("batchspec.bench.run")
 
 METHODS = {
     "hf_stock_batch1": "0a. stock transformers: the target alone, batch 1, unpatched model "
@@ -205,12 +205,12 @@ def config_from_args(args) -> BenchConfig:
 
 # ---- the workload ------------------------------------------------------------------------------
 def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
-    from batchspec import models
+    from batchspec.runtime import models
 
     if config.quick:
         import random
 
-        from batchspec import tiny
+        from batchspec.runtime import tiny
 
         target, draft = tiny.save_pair("llama", scratch)
         rng = random.Random(0)
@@ -223,8 +223,8 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
                         config.min_draft_confidence, config.draft_policy,
                         categories=["repeating" if i % 2 else "random"
                                     for i in range(len(prompts))])
-    from batchspec.distill import chat_ids, load_tokenizer
-    from batchspec.draft_eval import bench_prompts
+    from batchspec.data import bench_prompts
+    from batchspec.runtime.models import chat_ids, load_tokenizer
 
     tokenizer = load_tokenizer(config.target)
     rows = bench_prompts(config.num_prompts, config.prompts)
@@ -296,7 +296,7 @@ def run_hf(models_, workload: Workload, method: str, batch_size: int, k: int) ->
 
 # ---- methods 4-5: the engine in-process ------------------------------------------------------
 def run_engine(runners, workload: Workload, batch_size: int, k: int, grouping: bool) -> Run:
-    from batchspec.inprocess import InProcessDraft, InProcessTarget
+    from batchspec.bench.inprocess import InProcessDraft, InProcessTarget
     from coordinator.engine import Engine
     from coordinator.scheduler import GroupPolicy
 
@@ -314,7 +314,7 @@ def run_engine(runners, workload: Workload, batch_size: int, k: int, grouping: b
     started = time.perf_counter()
     handles = [engine.submit(p, workload.max_new_tokens) for p in workload.prompts]
     # Stepped on this thread, which ran every other method's torch work: a second thread
-    # running torch costs ~15% on CPU (see batchspec.compute).
+    # running torch costs ~15% on CPU (see batchspec.runtime.compute).
     while engine.load():
         engine.step()
     outputs = [drain(h) for h in handles]
@@ -362,7 +362,7 @@ class GrpcStack:
     SERVICES = ("target", "model", "ngram")
 
     def __init__(self, workload: Workload):
-        from batchspec.cli import free_port, wait_healthy
+        from batchspec.processes import free_port, wait_healthy
 
         self.procs = []
         self.ports = {role: free_port() for role in self.SERVICES}
@@ -389,7 +389,7 @@ class GrpcStack:
         """A coordinator process over the running services: yields (port, metrics port).
         drafts: "model" and/or "ngram"; none: the target alone (plain batched decoding, the
         same server otherwise)."""
-        from batchspec.cli import free_port, wait_healthy
+        from batchspec.processes import free_port, wait_healthy
 
         port, metrics_port = free_port(), free_port()
         command = [sys.executable, "-m", "coordinator",
@@ -486,8 +486,8 @@ def run(config: BenchConfig) -> dict:
     import torch
     from tqdm import tqdm
 
-    from batchspec import models
-    from batchspec import runner as runner_lib
+    from batchspec.runtime import models
+    from batchspec.runtime import runner as runner_lib
 
     with tempfile.TemporaryDirectory() as scratch:
         workload = build_workload(config, pathlib.Path(scratch))
@@ -542,7 +542,7 @@ def arrival_load(stack, workload: Workload, rate: float, config: BenchConfig,
     decoding with the target alone; one row each."""
     import grpc
 
-    from batchspec import arrivals
+    from batchspec.bench import arrivals
     from batchspec.v1 import generate_pb2_grpc
 
     offsets = arrivals.poisson_offsets(rate, len(workload.prompts), seed=int(rate * 1000))
@@ -567,7 +567,7 @@ def warm_up(hf, runners, workload: Workload) -> None:
     """Plan the CPU linear kernels (the plans the services use too), then one short untimed
     pass through HF generate and the engine, so that the first timed method does not pay for
     lazy initialisation."""
-    from batchspec import fastlinear, models
+    from batchspec.runtime import fastlinear, models
 
     for name, model in hf.items():
         if name != "stock":

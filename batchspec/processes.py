@@ -1,0 +1,50 @@
+"""Service processes seen from outside: a free port to start one on, a wait until its health
+check says SERVING (failing early when it died), and an orderly stop."""
+import signal
+import socket
+import subprocess
+import time
+
+
+def stop_children(children) -> None:
+    """Coordinator first (it drains), then the services."""
+    for child in reversed(children):
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(address: str, service: str, timeout: float, children=(),
+                 credentials=None) -> None:
+    """Poll grpc.health.v1 until `service` is SERVING; fail early if a child died.
+    credentials: grpc.ChannelCredentials for a TLS server, None for plaintext."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from batchspec import server as server_lib
+
+    deadline = time.monotonic() + timeout
+    with server_lib.open_channel(address, credentials) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            dead = [c for c in children if c.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{dead[0].args[2]} exited with {dead[0].returncode}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+                if status.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{service} at {address} not healthy after {timeout}s")

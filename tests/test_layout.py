@@ -1,0 +1,176 @@
+"""The package layout keeps its layers: no import cycle between modules or packages, and the
+coordinator and the shared basics never reach the torch runtime. Imports inside functions
+count too: a lazy import is still a dependency."""
+import ast
+import importlib.metadata
+import pathlib
+import re
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FIRST_PARTY = ("batchspec", "coordinator", "draft_service", "target_service")
+SUBPACKAGES = ("runtime", "drafting", "bench", "data")
+
+# What each package may import (besides itself). Anything else is a layering error.
+ALLOWED = {
+    "batchspec": set(),  # the shared basics: errors, params, server, security, metrics, ...
+    "batchspec.data": {"batchspec"},
+    "batchspec.runtime": {"batchspec"},
+    "coordinator": {"batchspec"},
+    "target_service": {"batchspec", "batchspec.runtime"},
+    "draft_service": {"batchspec", "batchspec.runtime"},
+    "batchspec.drafting": {"batchspec", "batchspec.data", "batchspec.runtime"},
+    "batchspec.bench": {"batchspec", "batchspec.data", "batchspec.runtime", "coordinator",
+                        "draft_service", "target_service"},
+    "batchspec.cli": {"batchspec", "batchspec.runtime", "coordinator"},
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for top in FIRST_PARTY:
+        for path in (ROOT / top).rglob("*.py"):
+            if "v1" not in path.relative_to(ROOT).parts:
+                found[module_name(path)] = path
+    return found
+
+
+def imports(path: pathlib.Path, known: set[str]) -> set[str]:
+    """First-party modules `path` imports, resolved to the modules that exist."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        for name in names:
+            if name.split(".")[0] in FIRST_PARTY and not name.startswith("batchspec.v1"):
+                # `from pkg import mod` names a module; `from mod import thing` names mod
+                while name not in known and "." in name:
+                    name = name.rsplit(".", 1)[0]
+                if name in known:
+                    out.add(name)
+    return out
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] != "batchspec":
+        return parts[0]
+    if len(parts) > 1 and parts[1] in SUBPACKAGES:
+        return f"batchspec.{parts[1]}"
+    if len(parts) > 1 and parts[1] in ("cli", "__main__"):
+        return "batchspec.cli"
+    return "batchspec"
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports(path, set(found)) - {name} for name, path in found.items()}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_graph_sees_real_imports():
+    edges = graph()
+    assert "batchspec.runtime.runner" in edges["target_service.verifier"]
+    assert "batchspec.errors" in edges["coordinator.engine"]
+    # a package's __init__ importing itself is not an edge, and the cycle finder finds cycles
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_imports_itself_back():
+    assert find_cycle(graph()) is None
+
+
+def test_packages_keep_their_layers():
+    wrong = []
+    for module, targets in graph().items():
+        source = package_of(module)
+        for target in targets:
+            if package_of(target) != source and package_of(target) not in ALLOWED[source]:
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("package", ["coordinator", "batchspec"])
+def test_torch_free_packages_never_import_torch(package):
+    third_party = {"torch", "transformers", "safetensors", "numpy"}
+    for name, path in modules().items():
+        if package_of(name) != package:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                roots = {node.module.split(".")[0]}
+            else:
+                continue
+            assert not roots & third_party, f"{name} imports {roots & third_party}"
+
+
+def requirement_names(path: pathlib.Path) -> set[str]:
+    names = set()
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            names.add(re.split(r"[<>=!~\[; ]", line)[0].lower().replace("_", "-"))
+    return names
+
+
+def test_the_coordinator_requirement_set_covers_its_imports_and_holds_no_torch():
+    """requirements/coordinator.txt installs the coordinator alone: every third-party module
+    that the coordinator, the shared basics, the generated code and the CLI's entry module
+    import at all is provided by a distribution it lists, and it lists no model runtime."""
+    listed = requirement_names(ROOT / "requirements" / "coordinator.txt")
+    assert not listed & {"torch", "transformers", "numpy", "safetensors", "accelerate"}
+    paths = [*(ROOT / "coordinator").rglob("*.py"), *(ROOT / "batchspec" / "v1").rglob("*.py"),
+             *(p for p in (ROOT / "batchspec").glob("*.py") if p.name != "cli.py")]
+    used = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                used |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                used.add(node.module.split(".")[0])
+    cli = ast.parse((ROOT / "batchspec" / "cli.py").read_text())
+    used |= {alias.name.split(".")[0] for node in cli.body if isinstance(node, ast.Import)
+             for alias in node.names}
+    used |= {node.module.split(".")[0] for node in cli.body
+             if isinstance(node, ast.ImportFrom) and node.module}
+    third_party = used - set(sys.stdlib_module_names) - set(FIRST_PARTY)
+    providers = importlib.metadata.packages_distributions()
+    missing = {}
+    for module in sorted(third_party):
+        dists = {d.lower().replace("_", "-") for d in providers.get(module, [])}
+        if not dists & listed:
+            missing[module] = sorted(dists)
+    assert third_party and not missing, missing
