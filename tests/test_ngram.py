@@ -93,7 +93,7 @@ def test_store_refuses_what_the_model_runner_refuses():
 @pytest.mark.slow
 def test_the_ngram_service_never_imports_torch():
     code = ("import sys; from draft_service import __main__ as m, ngram_servicer; "
-            "from batchspec import service; "
+            "from batchspec.runtime import service; "
             "config = service.ServiceConfig(model='ngram'); "
             "make, build, warm = m.hosting(config); store = build(config); warm(store); "
             "assert store.step_costs; print('torch' in sys.modules)")

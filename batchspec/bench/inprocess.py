@@ -13,6 +13,19 @@ def _timing(group, started: float) -> Timing:
     return Timing(time.perf_counter() - started, group.realign_seconds, group.forward_seconds)
 
 
+class _Answered:
+    """A probe (coordinator.clients.Probe) that is already answered."""
+
+    def __init__(self, info: ModelInfo):
+        self._info = info
+
+    def done(self) -> bool:
+        return True
+
+    def info(self) -> ModelInfo:
+        return self._info
+
+
 class _InProcess:
     def __init__(self, runner: runner_lib.ModelRunner, name: str):
         self.runner = runner
@@ -24,8 +37,9 @@ class _InProcess:
     def close(self) -> None:
         pass
 
-    def probe(self) -> None:
-        """Always answers: the runner lives in this process."""
+    def probe(self) -> "_Answered":
+        """Answered at once: the runner lives in this process."""
+        return _Answered(self.describe())
 
     def describe(self, timeout: float = 0.0) -> ModelInfo:
         r = self.runner
