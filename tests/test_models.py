@@ -35,3 +35,15 @@ def test_without_a_writable_cache_the_gguf_file_is_parsed_as_before(tmp_path, mo
     blocked.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
     assert models.converted_gguf(models.resolve(models.SMOLLM2)) is None
+
+
+def test_the_packaged_draft_is_found_and_is_the_default_for_smollm2():
+    from batchspec import cli
+    from batchspec.runtime import draft_model
+
+    path = models.model_path(models.SMOLLM2_DRAFT)
+    assert draft_model.is_draft_dir(path)
+    manifest = draft_model.read_manifest(path)
+    assert manifest["base_model"] == models.SMOLLM2 and manifest["num_layers"] >= 1
+    # serve's default draft for the default target is the packaged one, not a cut of layers
+    assert cli.pick_draft(models.SMOLLM2, None, None) == (models.SMOLLM2_DRAFT, None)

@@ -15,7 +15,7 @@ SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The default draft: distilled for smollm2 by `batchspec distill`, shipped inside this package.
 SMOLLM2_DRAFT = "smollm2-draft"
-PACKAGED_DRAFT = pathlib.Path(__file__).parent / "drafts" / "smollm2-draft"
+PACKAGED_DRAFT = pathlib.Path(__file__).parent.parent / "drafts" / "smollm2-draft"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
