@@ -116,6 +116,9 @@ class Prepared:
 
 
 NO_PROPOSAL = ([], [], 0, None)  # a row the draft did not propose for this step
+# A draft whose cheapest command costs at most this share of the target's (a lookup, not a
+# model) is asked for every greedy row before the step is planned.
+ASK_FIRST_SHARE = 0.05
 
 
 class RequestHandle:
@@ -167,6 +170,7 @@ class Engine:
         self._policy: goodput.GoodputPolicy | None = None  # built at the first step
         self._prepared: Prepared | None = None  # a group drafted while the last one verified
         self._overlapping: bool | None = None  # config.overlap, resolved at the first step
+        self._target_unit_cost: float | None = None  # seconds of its cheapest measured command
         # runs verify commands, so that the engine thread can draft meanwhile
         self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify")
 
@@ -310,6 +314,8 @@ class Engine:
             return None if fixed or info is None else \
                 goodput.ServiceCost(goodput.ForwardCosts(info.step_costs))
 
+        self._target_unit_cost = min((s for _, _, s in target.step_costs), default=None) \
+            if target is not None else None
         for kind, info in zip(self.kinds, infos):
             kind.name = info.model if info is not None else kind.name
             kind.cost = cost(info)
@@ -462,19 +468,39 @@ class Engine:
         return None
 
     def _draft(self, seqs: list[Sequence], timeout: float | None) -> Prepared:
-        """Plan the group and call the drafts, the cheapest first. Rows a draft proposed
-        nothing for (the n-gram draft found no match) are planned again, among the drafts not
-        called yet, before those are called: a lookup that misses costs a round trip. A miss
-        counts as a draft rejected at once."""
-        plan = self._plan(seqs)
+        """Plan the group and call the drafts, the cheapest first.
+
+        Drafts that cost next to nothing (a lookup: the n-gram draft) are asked for every
+        greedy row before planning, so the plan knows which rows they have something for and
+        how much; what they offer costs nothing more to verify. Rows another draft proposed
+        nothing for are planned again, among the drafts not called yet, before those are
+        called; such a miss counts as a draft rejected at once."""
+        early, draft_timing, draft_s, called = {}, None, 0.0, set()
+        for kind in self._asked_first():
+            got, timing, seconds = self._propose(
+                kind, [s for s in seqs if s.sampling.greedy], self.config.num_draft_tokens,
+                timeout)
+            called.add(kind.index)
+            early[kind.index] = {seq_id: p for seq_id, p in got.items() if p[0]}
+            if timing is not None:
+                draft_timing = timing if draft_timing is None else draft_timing + timing
+                draft_s += seconds
+        offered = {i: {d: len(got[s.seq_id][0]) for d, got in early.items() if s.seq_id in got}
+                   for i, s in enumerate(seqs)}
+        plan = self._plan(seqs, {}, called, offered)
         drafted: dict[int, tuple[int, int]] = {}  # row -> (kind, k) it verifies
         misses: dict[int, list[int]] = {}  # row -> the kinds that proposed nothing for it
-        proposals, draft_timing, draft_s, called, missed = {}, None, 0.0, set(), False
+        proposals, missed = {}, False
         for kind in sorted(self.kinds, key=lambda kind: kind.unit_cost):
             if missed:  # what was proposed is kept; the rows that missed may go elsewhere
-                plan, missed = self._plan(seqs, drafted, called), False
+                plan, missed = self._plan(seqs, drafted, called, offered), False
             rows = [i for i in range(len(seqs)) if i not in drafted and plan.kind(i) == kind.index]
             if not rows:
+                continue
+            if kind.index in early:  # asked already: take what it offered
+                for i in rows:
+                    drafted[i] = (kind.index, plan.k[i])
+                    proposals[seqs[i].seq_id] = early[kind.index][seqs[i].seq_id]
                 continue
             called.add(kind.index)
             got, timing, seconds = self._propose(
@@ -502,6 +528,16 @@ class Engine:
                                for i in range(len(seqs))},
                         {ids[i]: asked.get(i) for i in range(len(seqs))}, proposals,
                         draft_timing, draft_s)
+
+    def _asked_first(self) -> list[DraftKind]:
+        """The reachable drafts asked for every row before planning: with the goodput policy,
+        those whose cheapest command costs at most ASK_FIRST_SHARE of the target's."""
+        if self._policy is None:
+            self._configure()
+        if not self._policy.calibrated or self._target_unit_cost is None:
+            return []
+        return [kind for kind in self.kinds if kind.up
+                and kind.unit_cost <= ASK_FIRST_SHARE * self._target_unit_cost]
 
     def _verify(self, prepared: "Prepared"):
         """Verify a drafted group (possibly on the verifier thread): (specs, outcomes, timing,
@@ -546,27 +582,34 @@ class Engine:
                 finished.append(seq)
         self._release(finished)
 
-    def _plan(self, seqs: list[Sequence], drafted=None, called=()) -> goodput.Plan:
+    def _plan(self, seqs: list[Sequence], drafted=None, called=(),
+              offered=None) -> goodput.Plan:
         """Each row's draft kind and tokens to draft this step (0: none), by the policy.
         A sampled row always drafts K with the first reachable kind, so a seeded request's
         tokens depend on nothing but the request (while its draft stays up).
         drafted: {row: (kind, k)} already proposed this step (kept as they are); called: the
-        kinds already asked this step (not asked again)."""
+        kinds already asked this step (not asked again); offered: {row: {kind: tokens}} that
+        kinds asked before planning proposed (a choice whose cost is paid)."""
         if self._policy is None:
             self._configure()
         max_k = self.config.num_draft_tokens
         up = [kind for kind in self.kinds if kind.up]
         if not up:
             return goodput.Plan([0] * len(seqs), 0.0, [None] * len(seqs))
-        drafted = drafted or {}
+        drafted, offered = drafted or {}, offered or {}
         rows = []
         for i, s in enumerate(seqs):
             choices = [None] * len(self.kinds)
             for kind in up:
                 state = s.drafts[kind.index]
-                if state.cache_len is not None and (i in drafted or kind.index not in called):
-                    choices[kind.index] = self._policy.choice(
-                        state.spec, s.draft_append_need(kind.index), kind.index)
+                tokens = offered.get(i, {}).get(kind.index)
+                if state.cache_len is None or not (i in drafted or kind.index not in called
+                                                   or tokens):
+                    continue
+                choice = self._policy.choice(state.spec, s.draft_append_need(kind.index),
+                                             kind.index)
+                choices[kind.index] = dataclasses.replace(choice, offered=tokens) \
+                    if tokens else choice
             forced_k, forced_kind = (None if s.sampling.greedy else max_k), up[0].index
             if i in drafted:
                 forced_kind, forced_k = drafted[i]

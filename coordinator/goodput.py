@@ -180,6 +180,9 @@ class Choice:
     acceptance: float
     catch_up: int = 1  # tokens that draft must be fed before proposing (>= 1)
     explore: bool = False  # not tried on this row for long: must draft this step
+    # already proposed this step (a draft asked for every row before planning): its cost is
+    # paid, and it has at most this many tokens to offer
+    offered: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,20 +306,22 @@ class GoodputPolicy:
                 if c is None or (row.forced_k is not None and d != row.forced_kind):
                     continue
                 required = row.forced_k is not None or c.explore
-                pairs.append((required, expected_tokens(c.acceptance, k) - 1.0, i, d,
-                              c.catch_up))
+                drafts = k if c.offered is None else min(k, c.offered)
+                pairs.append((required, expected_tokens(c.acceptance, drafts) - 1.0, i, d,
+                              c.catch_up, c.offered is not None))
         pairs.sort(key=lambda p: (not p[0], -p[1]))
         required = len({p[2] for p in pairs if p[0]})
         counts, widths, draft_s = {}, {}, {}
         chosen, tokens, best = [], float(batch), None
-        for _, gain, i, d, catch_up in pairs:
+        for _, gain, i, d, catch_up, paid in pairs:
             if any(i == j for j, _ in chosen):
                 continue
             chosen.append((i, d))
             tokens += gain
             counts[d] = counts.get(d, 0) + 1
             widths[d] = max(widths.get(d, 1), catch_up)
-            draft_s[d] = self.drafts[d].predict(draft_calls(counts[d], widths[d], k))
+            draft_s[d] = 0.0 if paid else \
+                self.drafts[d].predict(draft_calls(counts[d], widths[d], k))
             rate = tokens / (verify_s + sum(draft_s.values()))
             if len(chosen) >= required and (best is None or rate > best[1]):
                 best = (len(chosen), rate)

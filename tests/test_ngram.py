@@ -231,3 +231,61 @@ def test_a_draft_whose_vocabulary_does_not_fit_is_refused_at_start(model_dirs, t
         target.stop(0)
         for server, _, _, _ in drafts:
             server.stop(0)
+
+
+def test_an_offered_proposal_costs_nothing_more_and_counts_only_its_tokens():
+    grid = [(r, t) for r in (1, 8) for t in (1, 2, 5)]
+    target = goodput.ServiceCost(goodput.ForwardCosts([(r, t, 0.03) for r, t in grid]))
+    costly = goodput.ServiceCost(goodput.ForwardCosts([(r, t, 0.05) for r, t in grid]))
+    p = goodput.GoodputPolicy(goodput.GoodputConfig(max_k=4), [costly], target)
+    # asked again, the draft would cost more than it returns; already proposed, it pays
+    assert p.plan([goodput.Row(choices=(goodput.Choice(0.9),))]).k == [0]
+    offered = p.plan([goodput.Row(choices=(goodput.Choice(0.9, offered=3),))])
+    assert offered.k[0] > 0 and offered.kinds == [0]
+    # its expected gain is that of the tokens it has, not of K
+    one = p._best_for([goodput.Row(choices=(goodput.Choice(0.9, offered=1),))], 4, (0,))
+    four = p._best_for([goodput.Row(choices=(goodput.Choice(0.9, offered=4),))], 4, (0,))
+    assert one.tokens_per_s * 2.0 / goodput.expected_tokens(0.9, 1) == pytest.approx(
+        four.tokens_per_s * 2.0 / goodput.expected_tokens(0.9, 4))
+
+
+def test_the_lookup_is_asked_for_every_greedy_row_and_its_misses_are_no_rejections(model_dirs):
+    target_dir, draft_dir = model_dirs["llama"]
+    rng = random.Random(9)
+    requests = [([rng.randrange(4, tiny_models.VOCAB) for _ in range(6)] * 4, 30)
+                for _ in range(6)] + random_requests(seed=32, count=6)
+    with running_stack(target_dir, draft_dir, batch_size=6, drafts=("model", "ngram"),
+                       draft_policy="goodput") as stack:
+        engine = stack.engine.engines[0]
+        engine._configure()
+        assert [k.index for k in engine._asked_first()] == [1]  # the lookup, not the model
+        counts = Counter()
+        propose, draft, commit = engine._propose, engine._draft, engine._commit
+        observe = engine._policy.observe
+
+        def counting_propose(kind, seqs, *args):
+            counts[f"asked {kind.index}"] += len(seqs)
+            return propose(kind, seqs, *args)
+
+        def counting_draft(seqs, *args):
+            counts["greedy rows"] += sum(s.sampling.greedy for s in seqs)
+            return draft(seqs, *args)
+
+        def counting_commit(seq, outcome, num_drafts, kind, proposal):
+            counts["verified lookups"] += kind == 1 and num_drafts > 0
+            return commit(seq, outcome, num_drafts, kind, proposal)
+
+        def counting_observe(state, num_drafts, num_accepted, kind=0):
+            counts["lookup evidence"] += kind == 1 and num_drafts > 0
+            return observe(state, num_drafts, num_accepted, kind)
+        engine._propose, engine._draft, engine._commit = (counting_propose, counting_draft,
+                                                          counting_commit)
+        engine._policy.observe = counting_observe
+        results = generate_all(stack.stub(), requests)
+        # every greedy row of every step was looked up once, before planning
+        assert counts["asked 1"] == counts["greedy rows"] > 0
+        # the lookup's evidence is its verified proposals only: a miss is no rejection
+        assert counts["lookup evidence"] == counts["verified lookups"] > 0
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    for (prompt, max_new), (tokens, _) in zip(requests, results):
+        assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
