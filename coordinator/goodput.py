@@ -9,7 +9,9 @@ The model of one step of a group of B rows, c of which draft K tokens:
 - each service's time = ratio x its calibrated forward time + a per-command overhead (RPC,
   encoding, bookkeeping), the ratio and the overhead kept current from live timings;
 - a drafting row with per-token acceptance a commits 1 + a + ... + a^K tokens on average, a row
-  at K = 0 commits one.
+  at K = 0 commits one; a draft kind's expected gain is scaled by what its verified proposals
+  delivered against that expectation (drafts whose acceptance is all or nothing, like a
+  lookup's, deliver less than the geometric model says).
 The plan is the K and the set of drafting rows (those most likely to accept) with the most
 expected tokens per second. Rows whose acceptance is unknown for long are made to draft now
 and then (exploration), so an estimate never freezes at a value that turned K off.
@@ -31,6 +33,7 @@ class GoodputConfig:
     prior_acceptance: float = 0.6  # before any row has been verified
     prior_weight: float = 2.0  # pseudo-observations of the running mean behind each row's estimate
     decay: float = 0.9  # weight kept by older evidence, per step a row drafts
+    delivered_decay: float = 0.99  # the same, per verified proposal, for what a kind delivers
     # drafting must promise this much more than plain decoding (timings are noisy, and a
     # wrong bet costs more than a missed one)
     margin: float = 0.05
@@ -38,8 +41,10 @@ class GoodputConfig:
     def __post_init__(self):
         if not 1 <= self.max_k <= 32:
             raise ValueError("max_k must be in [1, 32]")
-        if self.explore_every < 1 or not 0 < self.decay <= 1 or self.prior_weight <= 0:
-            raise ValueError("explore_every >= 1, decay in (0, 1], prior_weight > 0")
+        if self.explore_every < 1 or not 0 < self.decay <= 1 or self.prior_weight <= 0 \
+                or not 0 < self.delivered_decay <= 1:
+            raise ValueError("explore_every >= 1, decay and delivered_decay in (0, 1], "
+                             "prior_weight > 0")
 
 
 @dataclasses.dataclass
@@ -224,6 +229,11 @@ class GoodputPolicy:
         self.target = target
         # running acceptance over every row, per draft kind: (mean, weight)
         self._means: dict[int, tuple[float, float]] = {}
+        # per draft kind, decayed sums of (accepted drafts, what the model above expected of
+        # those proposals): the geometric model misjudges drafts whose acceptance is
+        # all-or-nothing (a lookup either copies on or fails at once), so a kind's expected
+        # gain is scaled by what it actually delivered
+        self._delivered: dict[int, tuple[float, float]] = {}
 
     def usable(self, kind: int) -> bool:
         cost = self.drafts[kind] if kind < len(self.drafts) else None
@@ -244,6 +254,11 @@ class GoodputPolicy:
 
     def observe(self, state: RowState, num_drafts: int, num_accepted: int,
                 kind: int = 0) -> None:
+        if num_drafts:
+            expected = expected_tokens(self.acceptance(state, kind), num_drafts) - 1.0
+            got, hoped = self._delivered.get(kind, (0.0, 0.0))
+            keep = self.config.delivered_decay
+            self._delivered[kind] = (got * keep + num_accepted, hoped * keep + expected)
         state.observe(num_drafts, num_accepted, self.config.decay)
         if num_drafts:
             trials = num_accepted + (1 if num_accepted < num_drafts else 0)
@@ -251,6 +266,14 @@ class GoodputPolicy:
             weight = min(weight + trials, 1000.0)
             mean += (num_accepted / trials - mean) * trials / weight
             self._means[kind] = (mean, weight)
+
+    def delivered(self, kind: int) -> float:
+        """Accepted drafts over those the acceptance model expected, for one kind (1 until it
+        has evidence; within [0.25, 1.5])."""
+        got, hoped = self._delivered.get(kind, (0.0, 0.0))
+        if hoped < self.config.min_evidence:
+            return 1.0
+        return min(1.5, max(0.25, got / hoped))
 
     def choice(self, state: RowState, catch_up: int, kind: int) -> Choice:
         evidence = self._means.get(kind, (0.0, 0.0))[1]
@@ -307,8 +330,8 @@ class GoodputPolicy:
                     continue
                 required = row.forced_k is not None or c.explore
                 drafts = k if c.offered is None else min(k, c.offered)
-                pairs.append((required, expected_tokens(c.acceptance, drafts) - 1.0, i, d,
-                              c.catch_up, c.offered is not None))
+                gain = (expected_tokens(c.acceptance, drafts) - 1.0) * self.delivered(d)
+                pairs.append((required, gain, i, d, c.catch_up, c.offered is not None))
         pairs.sort(key=lambda p: (not p[0], -p[1]))
         required = len({p[2] for p in pairs if p[0]})
         counts, widths, draft_s = {}, {}, {}

@@ -41,6 +41,30 @@ def test_expected_tokens_is_the_geometric_sum():
     assert goodput.expected_tokens(1.0, 3) == 4
 
 
+def test_a_kind_that_delivers_less_than_the_geometric_model_expects_is_discounted():
+    draft, target = cpu_like(verify_per_token=0.002)
+    config = goodput.GoodputConfig(max_k=4, delivered_decay=1.0)  # plain sums: no noise
+
+    def after(outcomes):
+        p = goodput.GoodputPolicy(config, [draft], target)
+        stream = [a for a, times in outcomes.items() for _ in range(times)] * 8
+        random.Random(0).shuffle(stream)
+        for accepted in stream:
+            p.observe(goodput.RowState(), 4, accepted)
+        return p
+    # per-token acceptance 0.6 over 4 drafts, as modelled (counts of 0..4 accepted per 625)
+    geometric = after({0: 250, 1: 150, 2: 90, 3: 54, 4: 81})
+    # about the same acceptance, all or nothing: the model expects more than comes
+    all_or_nothing = after({0: 400, 4: 225})
+    assert geometric.delivered(0) == pytest.approx(1.0, abs=0.05)
+    assert all_or_nothing.delivered(0) < 0.9
+    row = [goodput.Row(choices=(goodput.Choice(0.8),))]
+    fresh = goodput.GoodputPolicy(config, [draft], target)
+    assert fresh.delivered(0) == 1.0  # no evidence yet: the model as it is
+    # its gain is scaled down
+    assert all_or_nothing._best_for(row, 4).tokens_per_s < fresh._best_for(row, 4).tokens_per_s
+
+
 def test_forward_costs_interpolate_and_extend_the_grid():
     costs = goodput.ForwardCosts([(1, 1, 1.0), (4, 1, 4.0), (1, 3, 3.0), (4, 3, 12.0)])
     assert costs.predict(1, 1) == 1.0
