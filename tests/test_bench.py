@@ -93,6 +93,33 @@ def test_bench_refuses_bad_load_settings_and_missing_prompts():
 
     for bad in ({"arrival_rates": (0.0,)}, {"arrival_rates": (-1.0,)}, {"load_batch_size": 0},
                 {"prompts": "/no/such/prompts.jsonl"},
-                {"by_category": True, "arrival_rates": (1.0,)}):
+                {"by_category": True, "arrival_rates": (1.0,)}, {"repeat": 0}):
         with pytest.raises(ValueError):
             BenchConfig(**bad)
+
+
+def test_repeated_runs_report_the_median_run_and_exact_only_if_every_run_was():
+    from batchspec.bench.run import Run, summarise_runs
+
+    reference = [[1, 2, 3], [4, 5]]
+    runs = [Run(reference, seconds=2.0), Run(reference, seconds=5.0),
+            Run([[1, 2, 3], [4, 9]], seconds=1.0)]
+    row = summarise_runs("grpc", 8, 4, runs, reference)
+    assert row["seconds"] == 2.0 and row["tokens_per_s"] == 2.5  # the middle one by time
+    assert row["tokens_per_s_runs"] == [2.5, 1.0, 5.0]  # in the order they ran
+    assert row["exact_match"] == 0.5  # one run got one output wrong
+    single = summarise_runs("grpc", 8, 4, runs[:1], reference)
+    assert "tokens_per_s_runs" not in single and single["exact_match"] == 1.0
+
+
+@pytest.mark.slow
+def test_bench_repeats_the_sweep_in_turn(tmp_path):
+    out = tmp_path / "report"
+    done = subprocess.run([sys.executable, "-m", "batchspec", "bench", "--quick", "--out",
+                           str(out), "--methods", "hf_batch1,hf_batched", "--repeat", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert rows and all(len(r["tokens_per_s_runs"]) == 2 for r in rows)
+    assert all(r["tokens_per_s"] in r["tokens_per_s_runs"] for r in rows)
+    assert "median of 2 runs" in (out / "results.md").read_text()

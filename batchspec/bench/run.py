@@ -72,6 +72,9 @@ class BenchConfig:
     dtype: str = "float32"  # of both models, in every method
     prompts: str | None = None  # a JSONL file of {"prompt": ...}; default: the packaged set
     by_category: bool = False  # run the sweep once per prompt category, side by side
+    # run the whole sweep this many times, in turn, and report each setting's median run:
+    # a machine whose speed drifts then moves every method alike
+    repeat: int = 1
 
     def __post_init__(self):
         unknown = set(self.methods) - set(METHODS)
@@ -79,6 +82,8 @@ class BenchConfig:
             raise ValueError(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
         if min(self.batch_sizes) < 1 or min(self.ks) < 1 or self.max_new_tokens < 1:
             raise ValueError("batch sizes, K and max_new_tokens must be >= 1")
+        if self.repeat < 1:
+            raise ValueError("--repeat must be >= 1")
         if any(rate <= 0 for rate in self.arrival_rates) or self.load_batch_size < 1:
             raise ValueError("arrival rates must be > 0 and --load-batch-size >= 1")
         if self.by_category and self.arrival_rates:
@@ -163,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="JSONL file of {\"prompt\": ..., \"category\": ...} chat prompts "
                              "(default: the packaged benchmark prompts; the packaged "
                              "copy-heavy set is batchspec/data/category_prompts.jsonl)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the whole sweep N times in turn and report each setting's "
+                             "median run (its tok/s of every run kept in results.json)")
     parser.add_argument("--by-category", action="store_true",
                         help="run every method once per prompt category and report each "
                              "category's speed and acceptance apart")
@@ -187,6 +195,7 @@ def config_from_args(args) -> BenchConfig:
     if args.quick:
         return BenchConfig(target="tiny", num_prompts=8, max_new_tokens=12, batch_sizes=(1, 4),
                            ks=(2, 4), out=args.out, quick=True, by_category=args.by_category,
+                           repeat=args.repeat,
                            methods=tuple(m for m in args.methods.split(",") if m),
                            draft_policy=args.draft_policy,
                            arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",")
@@ -200,7 +209,8 @@ def config_from_args(args) -> BenchConfig:
                        draft_policy=args.draft_policy,
                        arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",") if x),
                        load_batch_size=args.load_batch_size, dtype=args.dtype,
-                       prompts=args.prompts, by_category=args.by_category)
+                       prompts=args.prompts, by_category=args.by_category,
+                       repeat=args.repeat)
 
 
 # ---- the workload ------------------------------------------------------------------------------
@@ -515,12 +525,15 @@ def run(config: BenchConfig) -> dict:
         rows, load = [], []
         try:
             for category, part in parts.items():
-                reference, found = None, []
-                for method, batch_size, k in tqdm(plan, desc=f"bench {category or ''}".strip(),
-                                                  unit="run"):
+                reference, results = None, {}
+                rounds = [(i, s) for i in range(config.repeat) for s in plan]
+                for _, (method, batch_size, k) in tqdm(
+                        rounds, desc=f"bench {category or ''}".strip(), unit="run"):
                     result = run_one(method, batch_size, k, hf, runners, part, stack)
                     reference = reference or result.outputs
-                    found.append(summarise(method, batch_size, k, result, reference))
+                    results.setdefault((method, batch_size, k), []).append(result)
+                found = [summarise_runs(*setting, runs, reference)
+                         for setting, runs in results.items()]
                 add_ratios(found)
                 rows += [dict(r, category=category) if category else r for r in found
                          if r["method"] in config.methods]
@@ -585,6 +598,18 @@ def run_one(method, batch_size, k, hf, runners, workload, stack) -> Run:
     if method in GRPC_DRAFTS:
         return stack.run(workload, batch_size, k, GRPC_DRAFTS[method])
     return run_engine(runners, workload, batch_size, k, grouping=method == "engine_grouped")
+
+
+def summarise_runs(method, batch_size, k, runs: list[Run], reference) -> dict:
+    """One setting's row from its repeated runs: the median run by time (the lower middle one
+    of an even count), with every run's speed, and exact only if every run was."""
+    ordered = sorted(runs, key=lambda r: r.seconds)
+    row = summarise(method, batch_size, k, ordered[(len(ordered) - 1) // 2], reference)
+    if len(runs) > 1:
+        rows = [summarise(method, batch_size, k, r, reference) for r in runs]
+        row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in rows]
+        row["exact_match"] = min(r["exact_match"] for r in rows)
+    return row
 
 
 def summarise(method, batch_size, k, result: Run, reference) -> dict:
@@ -663,7 +688,9 @@ def markdown(report: dict) -> str:
              f"{report['machine']['dtype']}, {report['machine']['threads']} threads, "
              f"draft policy {report['config'].get('draft_policy', 'fixed')}, "
              f"min_draft_confidence {report['config']['min_draft_confidence']} "
-             "(K is the most drafted per step)", "",
+             "(K is the most drafted per step)"
+             + (f"; each row the median of {report['config']['repeat']} runs taken in turn"
+                if report["config"].get("repeat", 1) > 1 else ""), "",
              "| category | method | batch | K | tok/s | vs stock batched | vs stock batch 1 "
              "| vs batched | vs batch 1 | accept rate | accept len "
              "| target passes/tok | realigned steps "
