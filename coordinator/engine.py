@@ -117,7 +117,7 @@ class Prepared:
 
 NO_PROPOSAL = ([], [], 0, None)  # a row the draft did not propose for this step
 # A draft whose cheapest command costs at most this share of the target's (a lookup, not a
-# model) is asked for every greedy row before the step is planned.
+# model) is asked for every row before the step is planned.
 ASK_FIRST_SHARE = 0.05
 
 
@@ -471,15 +471,16 @@ class Engine:
         """Plan the group and call the drafts, the cheapest first.
 
         Drafts that cost next to nothing (a lookup: the n-gram draft) are asked for every
-        greedy row before planning, so the plan knows which rows they have something for and
+        row before planning, so the plan knows which rows they have something for and
         how much; what they offer costs nothing more to verify. Rows another draft proposed
         nothing for are planned again, among the drafts not called yet, before those are
         called; such a miss counts as a draft rejected at once."""
         early, draft_timing, draft_s, called = {}, None, 0.0, set()
         for kind in self._asked_first():
-            got, timing, seconds = self._propose(
-                kind, [s for s in seqs if s.sampling.greedy], self.config.num_draft_tokens,
-                timeout)
+            # sampled rows too: a lookup's proposal depends on the sequence's tokens alone, so
+            # a seeded request still repeats
+            got, timing, seconds = self._propose(kind, seqs, self.config.num_draft_tokens,
+                                                 timeout)
             called.add(kind.index)
             early[kind.index] = {seq_id: p for seq_id, p in got.items() if p[0]}
             if timing is not None:
