@@ -10,8 +10,10 @@ per row, the kind and the number of tokens to draft.
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
+import operator
 import queue
 import threading
 import time
@@ -475,7 +477,8 @@ class Engine:
         how much; what they offer costs nothing more to verify. Rows another draft proposed
         nothing for are planned again, among the drafts not called yet, before those are
         called; such a miss counts as a draft rejected at once."""
-        early, draft_timing, draft_s, called = {}, None, 0.0, set()
+        early, called = {}, set()
+        spent = []  # (Timing, round-trip seconds) of each draft call this step
         for kind in self._asked_first():
             # sampled rows too: a lookup's proposal depends on the sequence's tokens alone, so
             # a seeded request still repeats
@@ -483,9 +486,7 @@ class Engine:
                                                  timeout)
             called.add(kind.index)
             early[kind.index] = {seq_id: p for seq_id, p in got.items() if p[0]}
-            if timing is not None:
-                draft_timing = timing if draft_timing is None else draft_timing + timing
-                draft_s += seconds
+            spent += [(timing, seconds)] if timing is not None else []
         offered = {i: {d: len(got[s.seq_id][0]) for d, got in early.items() if s.seq_id in got}
                    for i, s in enumerate(seqs)}
         plan = self._plan(seqs, {}, called, offered)
@@ -513,9 +514,7 @@ class Engine:
                 else:
                     misses.setdefault(i, []).append(kind.index)
                     missed = True
-            if timing is not None:
-                draft_timing = timing if draft_timing is None else draft_timing + timing
-                draft_s += seconds
+            spent += [(timing, seconds)] if timing is not None else []
         # _commit observes the kind a row ends with (its drafts, or its last miss); any
         # earlier miss is observed here
         asked = {i: drafted[i][0] if i in drafted else kinds[-1] for i, kinds in misses.items()}
@@ -525,10 +524,11 @@ class Engine:
                 if d != asked[i]:
                     self._policy.observe(seqs[i].drafts[d].spec, 1, 0, d)
         ids = [s.seq_id for s in seqs]
+        draft_timing = functools.reduce(operator.add, (t for t, _ in spent)) if spent else None
         return Prepared(seqs, {ids[i]: drafted[i][1] if i in drafted else 0
                                for i in range(len(seqs))},
                         {ids[i]: asked.get(i) for i in range(len(seqs))}, proposals,
-                        draft_timing, draft_s)
+                        draft_timing, sum(s for _, s in spent))
 
     def _asked_first(self) -> list[DraftKind]:
         """The reachable drafts asked for every row before planning: with the goodput policy,

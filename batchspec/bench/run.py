@@ -603,10 +603,10 @@ def run_one(method, batch_size, k, hf, runners, workload, stack) -> Run:
 def summarise_runs(method, batch_size, k, runs: list[Run], reference) -> dict:
     """One setting's row from its repeated runs: the median run by time (the lower middle one
     of an even count), with every run's speed, and exact only if every run was."""
-    ordered = sorted(runs, key=lambda r: r.seconds)
-    row = summarise(method, batch_size, k, ordered[(len(ordered) - 1) // 2], reference)
+    rows = [summarise(method, batch_size, k, r, reference) for r in runs]
+    by_time = sorted(range(len(runs)), key=lambda i: runs[i].seconds)
+    row = rows[by_time[(len(runs) - 1) // 2]]
     if len(runs) > 1:
-        rows = [summarise(method, batch_size, k, r, reference) for r in runs]
         row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in rows]
         row["exact_match"] = min(r["exact_match"] for r in rows)
     return row

@@ -102,11 +102,10 @@ def read_manifest(path: str) -> dict:
     return json.loads((pathlib.Path(path) / MANIFEST).read_text())
 
 
-def apply_adapter(model, path: str) -> None:
+def apply_adapter(model, path: str, manifest: dict) -> None:
     """Turn `model` (the manifest's base model cut to its layers, float32) into the draft the
     directory describes: LoRA deltas merged, the trained final norm, the subset head."""
     root = pathlib.Path(path)
-    manifest = read_manifest(path)
     tensors = load_file(str(root / ADAPTER))
     scale = manifest["lora_alpha"] / manifest["lora_rank"]
     with torch.no_grad():

@@ -214,5 +214,5 @@ def load_draft(path: str, *, dtype: str, device: str):
     manifest = draft_model.read_manifest(path)
     model = load_causal_lm(manifest["base_model"], dtype="float32", device="cpu",
                            num_layers=manifest["num_layers"])
-    draft_model.apply_adapter(model, path)
+    draft_model.apply_adapter(model, path, manifest)
     return model.to(device=device, dtype=getattr(torch, dtype)).eval()
