@@ -3,7 +3,8 @@
 One engine thread owns every Sequence; request threads talk to it only through `submit`,
 `cancel` and each request's event queue. The engine keeps every committed token, so a lost
 service is re-prefilled from this record: a draft outage leaves the other draft kinds, then
-target-only decoding; a target outage makes requests wait (bounded by their deadlines).
+target-only decoding; a target outage makes requests wait (bounded by their deadlines). A
+draft is prefilled with a row only when a step first gives it that row.
 Several draft kinds (a model, the n-gram lookup) may serve one engine: each step chooses,
 per row, the kind and the number of tokens to draft.
 """
@@ -431,7 +432,6 @@ class Engine:
             h.seq.last_step = self.stats.num_steps
             self._active[h.seq.seq_id] = h
             self.telemetry.admitted(h.seq.committed_len)
-        self._prefill_draft([h.seq for h in new])
 
     @contextlib.contextmanager
     def _timed_prefill(self):
@@ -443,20 +443,24 @@ class Engine:
             self.stats.prefill_seconds += seconds
             self.telemetry.prefilled(seconds)
 
-    def _prefill_draft(self, seqs: list[Sequence]) -> None:
-        """Start the caches of every reachable draft kind from the committed record."""
-        for kind in self.kinds:
-            if not kind.up or not seqs:
-                continue
-            try:
-                with self._timed_prefill():
-                    kind.client.prefill([s.prefill_entry() for s in seqs])
-            except errors.Unavailable as error:
-                self._draft_lost(kind, error)
-                continue
-            for s in seqs:
-                s.drafts[kind.index] = DraftState(s.committed_len - 1, s.committed_len - 1,
-                                                  s.drafts[kind.index].spec)
+    def _warm(self, kind: DraftKind, seqs: list[Sequence]) -> None:
+        """Prefill, from the committed record, the rows draft `kind` holds nothing of.
+
+        Drafts are prefilled on first use, not at admission: a row the plan never gives to a
+        draft (plain decoding at large batches, a row the lookup serves) never costs that
+        draft a prefill, and a draft back after an outage is refilled only as rows need it."""
+        cold = [s for s in seqs if s.drafts[kind.index].cache_len is None]
+        if not kind.up or not cold:
+            return
+        try:
+            with self._timed_prefill():
+                self._prefill_in_runs(kind.client, cold)
+        except errors.Unavailable as error:
+            self._draft_lost(kind, error)
+            return
+        for s in cold:
+            s.drafts[kind.index] = DraftState(s.committed_len - 1, s.committed_len - 1,
+                                              s.drafts[kind.index].spec)
 
     def _prepare(self, exclude: set[int]) -> "Prepared | None":
         """Pick the next group (of rows not in `exclude`), choose each row's K and draft."""
@@ -482,6 +486,7 @@ class Engine:
         for kind in self._asked_first():
             # sampled rows too: a lookup's proposal depends on the sequence's tokens alone, so
             # a seeded request still repeats
+            self._warm(kind, seqs)
             got, timing, seconds = self._propose(kind, seqs, self.config.num_draft_tokens,
                                                  timeout)
             called.add(kind.index)
@@ -505,6 +510,7 @@ class Engine:
                     proposals[seqs[i].seq_id] = early[kind.index][seqs[i].seq_id]
                 continue
             called.add(kind.index)
+            self._warm(kind, [seqs[i] for i in rows])
             got, timing, seconds = self._propose(
                 kind, [seqs[i] for i in rows], max(plan.k[i] for i in rows), timeout)
             proposals.update(got)
@@ -604,11 +610,11 @@ class Engine:
             for kind in up:
                 state = s.drafts[kind.index]
                 tokens = offered.get(i, {}).get(kind.index)
-                if state.cache_len is None or not (i in drafted or kind.index not in called
-                                                   or tokens):
+                if not (i in drafted or kind.index not in called or tokens):
                     continue
+                # a cold row (the draft holds nothing of it) is prefilled there if picked
                 choice = self._policy.choice(state.spec, s.draft_append_need(kind.index),
-                                             kind.index)
+                                             kind.index, cold=state.cache_len is None)
                 choices[kind.index] = dataclasses.replace(choice, offered=tokens) \
                     if tokens else choice
             forced_k, forced_kind = (None if s.sampling.greedy else max_k), up[0].index
@@ -618,7 +624,7 @@ class Engine:
                                     forced_kind=forced_kind))
         plan = self._policy.plan(rows)
         kinds = [plan.kind(i) for i in range(len(seqs))]
-        # a kind with no cache for the row (lost, not prefilled yet) cannot draft for it
+        # a kind not offered for the row (not reachable, asked already) cannot draft for it
         kinds = [d if d is not None and rows[i].choices[d] is not None else None
                  for i, d in enumerate(kinds)]
         return goodput.Plan([n if d is not None else 0 for n, d in zip(plan.k, kinds)],
@@ -820,8 +826,7 @@ class Engine:
             for state in seq.drafts:
                 state.forget()
         if not self.handoff(self, handles):
-            self._prefill_draft(active)  # nobody took them: they wait here, drafts ready
-            return False
+            return False  # nobody took them: they wait here (drafts refilled on first use)
         with self._lock:
             self._active.clear()
             self._waiting = [h for h in self._waiting if h not in handles]
@@ -854,7 +859,8 @@ class Engine:
     def _reconnect_draft(self, kind: DraftKind) -> bool:
         """Try the kind's replicas in turn, starting with the current one."""
         for _ in range(len(kind.replicas)):
-            if self._reconnect(kind.client, lambda: self._resync_draft(kind)):
+            # nothing to refill now: every row is cold there and prefilled when next picked
+            if self._reconnect(kind.client, lambda: None):
                 return True
             kind.next_replica()
         return False
@@ -874,7 +880,7 @@ class Engine:
             log.info("%s still unavailable: %s", client.address, error)
             client.reset()
             return False
-        log.info("%s is back: caches re-prefilled from the coordinator's record", client.address)
+        log.info("%s is back: caches refilled from the coordinator's record", client.address)
         return True
 
     def _probe_answer(self, client) -> ModelInfo | None:
@@ -912,13 +918,6 @@ class Engine:
         self._prefill_in_runs(self.target, seqs)
         for s in seqs:
             s.target.cache_len = s.committed_len - 1
-
-    def _resync_draft(self, kind: DraftKind) -> None:
-        seqs = [h.seq for h in self._active.values()]
-        self._prefill_in_runs(kind.client, seqs)
-        for s in seqs:
-            state = s.drafts[kind.index]
-            state.cache_len = state.valid_len = s.committed_len - 1
 
     def _prefill_in_runs(self, client, seqs: list[Sequence]) -> None:
         """Re-prefill from the committed record, one bounded command per run. If a run fails,

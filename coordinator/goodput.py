@@ -14,7 +14,11 @@ The model of one step of a group of B rows, c of which draft K tokens:
   lookup's, deliver less than the geometric model says).
 The plan is the K and the set of drafting rows (those most likely to accept) with the most
 expected tokens per second. Rows whose acceptance is unknown for long are made to draft now
-and then (exploration), so an estimate never freezes at a value that turned K off.
+and then (exploration), so an estimate never freezes at a value that turned K off. A row a
+draft holds nothing of yet ("cold": it is prefilled on first use) is priced as if the draft
+held it (the prefill is paid once, not per step); of cold rows, only one per kind at a time
+explores, and only when no row has drafted with that kind for long (or it lacks evidence),
+so exploring never buys a prefill per row, and no kind is starved of evidence.
 
 Pure Python: the coordinator stays free of torch.
 """
@@ -26,7 +30,9 @@ import math
 @dataclasses.dataclass(frozen=True)
 class GoodputConfig:
     max_k: int = 4  # the most a step may draft (the coordinator's -k)
-    explore_every: int = 32  # a row not drafting for this many of its steps drafts once
+    # a row not drafting for this many of its steps drafts once; a kind no row drafted with
+    # for this many plans is tried by one row, even one it holds nothing of yet
+    explore_every: int = 32
     # a draft kind with fewer verified drafts than this over all rows is tried by every row
     # that can (a new kind is never starved of evidence by one that looked good first)
     min_evidence: float = 8.0
@@ -185,6 +191,7 @@ class Choice:
     acceptance: float
     catch_up: int = 1  # tokens that draft must be fed before proposing (>= 1)
     explore: bool = False  # not tried on this row for long: must draft this step
+    cold: bool = False  # that draft holds nothing of the row yet (prefilled if picked)
     # already proposed this step (a draft asked for every row before planning): its cost is
     # paid, and it has at most this many tokens to offer
     offered: int | None = None
@@ -234,6 +241,7 @@ class GoodputPolicy:
         # all-or-nothing (a lookup either copies on or fails at once), so a kind's expected
         # gain is scaled by what it actually delivered
         self._delivered: dict[int, tuple[float, float]] = {}
+        self._plans_since: dict[int, int] = {}  # per kind, plans since it last drafted
 
     def usable(self, kind: int) -> bool:
         cost = self.drafts[kind] if kind < len(self.drafts) else None
@@ -255,6 +263,7 @@ class GoodputPolicy:
     def observe(self, state: RowState, num_drafts: int, num_accepted: int,
                 kind: int = 0) -> None:
         if num_drafts:
+            self._plans_since[kind] = 0
             expected = expected_tokens(self.acceptance(state, kind), num_drafts) - 1.0
             got, hoped = self._delivered.get(kind, (0.0, 0.0))
             keep = self.config.delivered_decay
@@ -275,15 +284,23 @@ class GoodputPolicy:
             return 1.0
         return min(1.5, max(0.25, got / hoped))
 
-    def choice(self, state: RowState, catch_up: int, kind: int) -> Choice:
-        evidence = self._means.get(kind, (0.0, 0.0))[1]
+    def choice(self, state: RowState, catch_up: int, kind: int, cold: bool = False) -> Choice:
+        """cold: that draft holds nothing of the row yet (it is prefilled there when a plan
+        first picks it). A cold row's estimate is the kind's running mean; it may explore
+        only when the kind is starved of evidence (and plan() lets one such row do so)."""
+        short = self._means.get(kind, (0.0, 0.0))[1] < self.config.min_evidence
+        if cold:
+            starved = self._plans_since.get(kind, 0) >= self.config.explore_every
+            return Choice(self.acceptance(state, kind), 1, explore=short or starved, cold=True)
         return Choice(self.acceptance(state, kind), catch_up,
-                      explore=state.idle_steps >= self.config.explore_every
-                      or evidence < self.config.min_evidence)
+                      explore=short or state.idle_steps >= self.config.explore_every)
 
     def plan(self, rows: list[Row]) -> Plan:
         """The plan with the most expected tokens per second. Without calibrated costs every
         row drafts max_k, with the kind it accepts best (the fixed-K behaviour)."""
+        rows = _one_cold_explorer(rows)
+        for kind in range(len(self.drafts)):
+            self._plans_since[kind] = self._plans_since.get(kind, 0) + 1
         if not self.calibrated:
             return self._fixed(rows)
         forced = {r.forced_k for r in rows if r.forced_k is not None}
@@ -371,3 +388,20 @@ class GoodputPolicy:
                 k.append(0)
                 kinds.append(None)
         return Plan(k, math.nan, kinds)
+
+
+def _one_cold_explorer(rows: list[Row]) -> list[Row]:
+    """The rows with, per draft kind, at most one cold row exploring it, and none when a row
+    it holds explores it: one prefill buys the evidence."""
+    taken: set[int] = {d for r in rows for d, c in enumerate(r.options())
+                       if c and c.explore and not c.cold}
+    out = []
+    for row in rows:
+        choices = list(row.choices)
+        for d, c in enumerate(choices):
+            if c is not None and c.explore and c.cold:
+                if d in taken:
+                    choices[d] = dataclasses.replace(c, explore=False)
+                taken.add(d)
+        out.append(dataclasses.replace(row, choices=tuple(choices)) if row.choices else row)
+    return out

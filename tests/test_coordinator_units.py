@@ -221,14 +221,20 @@ def test_admission_and_resync_prefill_in_bounded_commands():
     for length in (5, 5, 5, 30):  # prefixes of 4 tokens, and one of 29
         engine.submit(list(range(10, 10 + length)), 4)
     engine._admit()
-    assert target.prefills == [[4, 4]] and draft.prefills == [[4, 4]]
-    assert engine.num_running() == 2 and engine.num_waiting() == 2
+    assert target.prefills == [[4, 4]] and engine.num_running() == 2 and engine.num_waiting() == 2
+    assert draft.prefills == []  # a draft is prefilled with a row when a step first picks it
     engine._admit()
     engine._admit()
     assert target.prefills == [[4, 4], [4], [29]] and engine.num_running() == 4
     target.prefills.clear()
     engine._resync_target()  # after a restart: the same bounded runs
     assert target.prefills == [[4, 4], [4], [29]]
+    seqs = [h.seq for h in engine._active.values()]
+    engine._warm(engine.kinds[0], seqs[:2])
+    engine._warm(engine.kinds[0], seqs)  # only the rows it holds nothing of yet
+    assert draft.prefills == [[4, 4], [4], [29]]
+    assert all(s.drafts[0].cache_len == s.drafts[0].valid_len == s.committed_len - 1
+               for s in seqs)
 
 
 def test_a_flag_value_the_config_refuses_is_a_usage_error_not_a_traceback(capsys):

@@ -244,6 +244,51 @@ def test_acceptance_recovers_after_a_stretch_without_drafting(model_dirs, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_draft_is_prefilled_only_when_a_step_first_gives_it_the_row(model_dirs, arch):
+    """Plain decoding never prefills the draft; the first drafting step prefills it from the
+    committed record (prompt and output so far), and with the target as its own draft every
+    draft is then accepted (a wrong prefill would be rejected)."""
+    target_dir, _ = model_dirs[arch]
+    held = []  # sequences the draft holds when each step is planned
+
+    def late(step, batch):
+        held.append(len(runners[1].caches))
+        return [0] * batch if step < 10 else [3 if i % 2 else 0 for i in range(batch)]
+
+    engine, runners = engine_for(target_dir, target_dir, late, batch_size=4)
+    rng = random.Random(9)
+    requests = [([rng.randrange(4, tiny_models.VOCAB) for _ in range(rng.randint(2, 12))], 40)
+                for _ in range(4)]
+    outputs, handles = run_all(engine, requests, ignore_eos=True)
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    for (prompt, max_new), tokens in zip(requests, outputs):
+        assert tokens == tiny_models.greedy_ignoring_eos(model, prompt, max_new)
+    assert held[:11] == [0] * 11 and held[11] == 2  # then only the two rows that drafted
+    drafted = sum(h.seq.stats.num_drafted_tokens for h in handles)
+    assert drafted > 0 and sum(h.seq.stats.num_accepted_tokens for h in handles) == drafted
+    assert not runners[1].caches  # released when they finished
+
+
+def test_one_cold_row_explores_a_kind_starved_of_evidence():
+    p = policy(verify_per_token=0.002, verify_per_row_token=0.004)
+    idle = goodput.RowState(idle_steps=100)
+    verified(p, goodput.RowState(), 1, num_drafts=4, num_accepted=0)  # one rejection
+    first = p.choice(idle, catch_up=40, kind=0, cold=True)
+    assert first.explore and first.cold and first.catch_up == 1  # too little evidence yet
+    plan = p.plan([goodput.Row(choices=(first,))] * 16)
+    assert sum(k > 0 for k in plan.k) == 1  # one prefill buys the evidence, not sixteen
+    verified(p, goodput.RowState(), 10, num_drafts=4, num_accepted=0)  # it drafts badly
+    assert p.choice(idle, catch_up=40, kind=0).explore  # a row it holds: idle for long
+    cold = p.choice(idle, catch_up=40, kind=0, cold=True)
+    assert not cold.explore and max(p.plan([goodput.Row(choices=(cold,))] * 16).k) == 0
+    for _ in range(p.config.explore_every):
+        p.plan([goodput.Row(choices=(cold,))] * 16)
+    starved = p.choice(idle, catch_up=40, kind=0, cold=True)
+    assert starved.explore  # no row drafted with it for explore_every plans
+    assert sum(k > 0 for k in p.plan([goodput.Row(choices=(starved,))] * 16).k) == 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_goodput_policy_over_grpc_is_exact(model_dirs, arch):
     """The default policy, with the costs the services measured at start-up."""
     target_dir, draft_dir = model_dirs[arch]
