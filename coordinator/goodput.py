@@ -43,14 +43,17 @@ class GoodputConfig:
     # drafting must promise this much more than plain decoding (timings are noisy, and a
     # wrong bet costs more than a missed one)
     margin: float = 0.05
+    # once live timings flow, a batch size whose plain step the target has not run for this
+    # many commands takes one plain step, so what every plan is weighed against is measured
+    measure_plain_every: int = 128
 
     def __post_init__(self):
         if not 1 <= self.max_k <= 32:
             raise ValueError("max_k must be in [1, 32]")
         if self.explore_every < 1 or not 0 < self.decay <= 1 or self.prior_weight <= 0 \
-                or not 0 < self.delivered_decay <= 1:
-            raise ValueError("explore_every >= 1, decay and delivered_decay in (0, 1], "
-                             "prior_weight > 0")
+                or not 0 < self.delivered_decay <= 1 or self.measure_plain_every < 1:
+            raise ValueError("explore_every and measure_plain_every >= 1, decay and "
+                             "delivered_decay in (0, 1], prior_weight > 0")
 
 
 @dataclasses.dataclass
@@ -143,16 +146,20 @@ def _interpolate(xs: list[int], f, x: float) -> float:
 class ServiceCost:
     """One service's command time: ratio x calibrated forwards + overhead, both tracked live
     (exponential moving averages of what the service and the round trip report). The ratio is
-    kept per command size (tokens fed, summed over the command's forwards) as well as overall,
-    since a calibration off in its slope (masks, copies, longer contexts than it measured)
-    would otherwise make more tokens look cheaper than they are; a size not seen yet uses the
-    overall ratio."""
+    kept per command shape (its forwards' rows and tokens), per command size (tokens fed,
+    summed over the command's forwards) and overall, and the most specific one seen is used:
+    a calibration off in its shape (taken while another process loaded on the same cores,
+    masks, copies, longer contexts than it measured) would otherwise make one command look
+    cheaper than another that costs more."""
 
     def __init__(self, forwards: ForwardCosts, smoothing: float = 0.1):
         self.forwards = forwards
         self.ratio = 1.0  # measured forward time / calibrated forward time, all commands
         self.ratios: dict[int, float] = {}  # the same, per command size
+        self.shapes: dict[tuple, float] = {}  # the same, per command shape
         self.overhead_s = 0.0  # round trip minus forward time
+        self.observed = 0  # commands timed so far
+        self._seen_at: dict[tuple, int] = {}  # command shape -> `observed` when last timed
         self._smoothing = smoothing
         self._seen = False
 
@@ -162,8 +169,13 @@ class ServiceCost:
 
     def predict(self, calls: list[tuple[int, int]]) -> float:
         """Seconds of one command running forwards of (rows, tokens)."""
-        ratio = self.ratios.get(self.size(calls), self.ratio)
+        ratio = self.shapes.get(tuple(calls)) or self.ratios.get(self.size(calls), self.ratio)
         return ratio * sum(self.forwards.predict(r, t) for r, t in calls) + self.overhead_s
+
+    def stale(self, calls: list[tuple[int, int]], every: int) -> bool:
+        """Live timings flow, and this command shape was not among the last `every`."""
+        seen = self._seen_at.get(tuple(calls))
+        return self.observed > 0 and (seen is None or self.observed - seen >= every)
 
     def observe(self, calls: list[tuple[int, int]], forward_s: float, round_trip_s: float) -> None:
         predicted = sum(self.forwards.predict(r, t) for r, t in calls)
@@ -175,8 +187,11 @@ class ServiceCost:
             self.ratio, self.overhead_s, self._seen = measured, overhead, True
         self.ratio += a * (measured - self.ratio)
         self.overhead_s += a * (overhead - self.overhead_s)
-        known = self.ratios.get(size)
-        self.ratios[size] = measured if known is None else known + a * (measured - known)
+        for table, key in ((self.ratios, size), (self.shapes, tuple(calls))):
+            known = table.get(key)
+            table[key] = measured if known is None else known + a * (measured - known)
+        self.observed += 1
+        self._seen_at[tuple(calls)] = self.observed
 
 
 def draft_calls(rows: int, width: int, k: int) -> list[tuple[int, int]]:
@@ -304,6 +319,8 @@ class GoodputPolicy:
         if not self.calibrated:
             return self._fixed(rows)
         forced = {r.forced_k for r in rows if r.forced_k is not None}
+        if not forced and self.target.stale([(len(rows), 1)], self.config.measure_plain_every):
+            return self._best_for(rows, 0, ())  # the yardstick, measured at this batch size
         must = {kind for r in rows for kind, c in enumerate(r.options()) if c and c.explore
                 and self.usable(kind)}
         must |= {r.forced_kind for r in rows if r.forced_k is not None}

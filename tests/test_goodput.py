@@ -94,6 +94,27 @@ def test_live_timings_correct_the_calibration():
     assert cost.predict([(1, 2)]) == pytest.approx(2 * 0.012 + 0.005, rel=0.02)
 
 
+def test_a_calibration_taken_on_busy_cores_is_corrected_by_measuring_plain_steps():
+    """The target timed only one row, five times too slow and steeper in tokens than it is
+    (another process was loading on its cores). Live, at 8 rows, one token costs 65 ms and
+    two 105 ms: drafting one token at acceptance 0.4 loses. The planner must measure the
+    plain step it never chose, and then stop drafting."""
+    busy = goodput.ForwardCosts([(1, 1, 0.152), (1, 2, 0.326), (1, 3, 0.37), (1, 5, 0.36)])
+    draft = goodput.ForwardCosts([(r, t, 0.002) for r in (1, 8) for t in (1, 2)])
+    p = goodput.GoodputPolicy(goodput.GoodputConfig(max_k=4),
+                              [goodput.ServiceCost(draft)], goodput.ServiceCost(busy))
+    live = {1: 0.065, 2: 0.105, 3: 0.125, 4: 0.135, 5: 0.145}  # seconds at 8 rows
+    ks = []
+    for _ in range(60):
+        plan = p.plan([goodput.Row(0.4)] * 8)
+        k = max(plan.k)
+        ks.append(k)
+        p.target.observe([(8, 1 + k)], forward_s=live[1 + k], round_trip_s=live[1 + k])
+    # plain decoding from the second step on (its cost measured), but for a row exploring
+    assert ks[1] == 0 and sum(k > 0 for k in ks[1:]) <= 2
+    assert p.target.predict([(8, 1)]) == pytest.approx(0.065, rel=0.05)
+
+
 def test_memory_bound_batch_one_drafts_and_compute_bound_large_batches_do_not():
     p = policy(verify_per_token=0.002, verify_per_row_token=0.004)
     one = p.plan([goodput.Row(0.65)])
