@@ -43,8 +43,8 @@ class GoodputConfig:
     # drafting must promise this much more than plain decoding (timings are noisy, and a
     # wrong bet costs more than a missed one)
     margin: float = 0.05
-    # once live timings flow, a batch size whose plain step the target has not run for this
-    # many commands takes one plain step, so what every plan is weighed against is measured
+    # once live timings flow, a step is plain when the target has run no plain step for this
+    # many commands, so what every plan is weighed against is measured
     measure_plain_every: int = 128
 
     def __post_init__(self):
@@ -159,7 +159,7 @@ class ServiceCost:
         self.shapes: dict[tuple, float] = {}  # the same, per command shape
         self.overhead_s = 0.0  # round trip minus forward time
         self.observed = 0  # commands timed so far
-        self._seen_at: dict[tuple, int] = {}  # command shape -> `observed` when last timed
+        self._seen_at: dict[int, int] = {}  # command size -> `observed` when last timed
         self._smoothing = smoothing
         self._seen = False
 
@@ -172,9 +172,9 @@ class ServiceCost:
         ratio = self.shapes.get(tuple(calls)) or self.ratios.get(self.size(calls), self.ratio)
         return ratio * sum(self.forwards.predict(r, t) for r, t in calls) + self.overhead_s
 
-    def stale(self, calls: list[tuple[int, int]], every: int) -> bool:
-        """Live timings flow, and this command shape was not among the last `every`."""
-        seen = self._seen_at.get(tuple(calls))
+    def stale(self, size: int, every: int) -> bool:
+        """Live timings flow, and no command of this size was among the last `every`."""
+        seen = self._seen_at.get(size)
         return self.observed > 0 and (seen is None or self.observed - seen >= every)
 
     def observe(self, calls: list[tuple[int, int]], forward_s: float, round_trip_s: float) -> None:
@@ -191,7 +191,7 @@ class ServiceCost:
             known = table.get(key)
             table[key] = measured if known is None else known + a * (measured - known)
         self.observed += 1
-        self._seen_at[tuple(calls)] = self.observed
+        self._seen_at[size] = self.observed
 
 
 def draft_calls(rows: int, width: int, k: int) -> list[tuple[int, int]]:
@@ -319,8 +319,8 @@ class GoodputPolicy:
         if not self.calibrated:
             return self._fixed(rows)
         forced = {r.forced_k for r in rows if r.forced_k is not None}
-        if not forced and self.target.stale([(len(rows), 1)], self.config.measure_plain_every):
-            return self._best_for(rows, 0, ())  # the yardstick, measured at this batch size
+        if not forced and self.target.stale(1, self.config.measure_plain_every):
+            return self._best_for(rows, 0, ())  # the yardstick, measured
         must = {kind for r in rows for kind, c in enumerate(r.options()) if c and c.explore
                 and self.usable(kind)}
         must |= {r.forced_kind for r in rows if r.forced_k is not None}
