@@ -251,17 +251,23 @@ def test_acceptance_recovers_after_a_stretch_without_drafting(model_dirs, arch):
     tokens committed while K was 0 (stale state) would be rejected after each stretch."""
     target_dir, _ = model_dirs[arch]
     engine, _ = engine_for(target_dir, target_dir, stretches, batch_size=3)
-    rng = random.Random(5)
-    requests = [([rng.randrange(4, tiny_models.VOCAB) for _ in range(rng.randint(2, 12))], 90)
-                for _ in range(6)]
+    drafted = run_self_drafted(engine, target_dir, seed=5, count=6, max_new=90)
+    assert engine.stats.num_plain_steps >= 12 and drafted > 100
+
+
+def run_self_drafted(engine, target_dir, seed: int, count: int, max_new: int) -> int:
+    """Run random requests through an engine whose draft is the target itself: every output
+    exact and every draft accepted. Returns the drafts verified."""
+    rng = random.Random(seed)
+    requests = [([rng.randrange(4, tiny_models.VOCAB) for _ in range(rng.randint(2, 12))],
+                 max_new) for _ in range(count)]
     outputs, handles = run_all(engine, requests, ignore_eos=True)
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     for (prompt, max_new), tokens in zip(requests, outputs):
         assert tokens == tiny_models.greedy_ignoring_eos(model, prompt, max_new)
     drafted = sum(h.seq.stats.num_drafted_tokens for h in handles)
-    accepted = sum(h.seq.stats.num_accepted_tokens for h in handles)
-    assert engine.stats.num_plain_steps >= 12 and drafted > 100
-    assert accepted == drafted
+    assert sum(h.seq.stats.num_accepted_tokens for h in handles) == drafted
+    return drafted
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -277,16 +283,8 @@ def test_a_draft_is_prefilled_only_when_a_step_first_gives_it_the_row(model_dirs
         return [0] * batch if step < 10 else [3 if i % 2 else 0 for i in range(batch)]
 
     engine, runners = engine_for(target_dir, target_dir, late, batch_size=4)
-    rng = random.Random(9)
-    requests = [([rng.randrange(4, tiny_models.VOCAB) for _ in range(rng.randint(2, 12))], 40)
-                for _ in range(4)]
-    outputs, handles = run_all(engine, requests, ignore_eos=True)
-    model = AutoModelForCausalLM.from_pretrained(target_dir)
-    for (prompt, max_new), tokens in zip(requests, outputs):
-        assert tokens == tiny_models.greedy_ignoring_eos(model, prompt, max_new)
+    assert run_self_drafted(engine, target_dir, seed=9, count=4, max_new=40) > 0
     assert held[:11] == [0] * 11 and held[11] == 2  # then only the two rows that drafted
-    drafted = sum(h.seq.stats.num_drafted_tokens for h in handles)
-    assert drafted > 0 and sum(h.seq.stats.num_accepted_tokens for h in handles) == drafted
     assert not runners[1].caches  # released when they finished
 
 
