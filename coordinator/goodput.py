@@ -161,7 +161,6 @@ class ServiceCost:
         self.observed = 0  # commands timed so far
         self._seen_at: dict[int, int] = {}  # command size -> `observed` when last timed
         self._smoothing = smoothing
-        self._seen = False
 
     @staticmethod
     def size(calls: list[tuple[int, int]]) -> int:
@@ -183,8 +182,8 @@ class ServiceCost:
         if predicted <= 0 or forward_s <= 0:
             return
         measured, size, a = forward_s / predicted, self.size(calls), self._smoothing
-        if not self._seen:
-            self.ratio, self.overhead_s, self._seen = measured, overhead, True
+        if not self.observed:
+            self.ratio, self.overhead_s = measured, overhead
         self.ratio += a * (measured - self.ratio)
         self.overhead_s += a * (overhead - self.overhead_s)
         for table, key in ((self.ratios, size), (self.shapes, tuple(calls))):
@@ -420,5 +419,6 @@ def _one_cold_explorer(rows: list[Row]) -> list[Row]:
                 if d in taken:
                     choices[d] = dataclasses.replace(c, explore=False)
                 taken.add(d)
-        out.append(dataclasses.replace(row, choices=tuple(choices)) if row.choices else row)
+        changed = choices != list(row.choices)  # most plans change nothing: no copies then
+        out.append(dataclasses.replace(row, choices=tuple(choices)) if changed else row)
     return out

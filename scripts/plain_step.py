@@ -23,12 +23,13 @@ from batchspec.runtime import models
 HELD_OUT = "docs/bench/heldout_prompts.jsonl"
 
 
-def prompts(rows: int) -> list[list[int]]:
+def prompts() -> list[list[int]]:
     tokenizer = models.load_tokenizer("smollm2")
-    return [models.chat_ids(tokenizer, r["prompt"]) for r in read_jsonl(HELD_OUT)[:rows]]
+    return [models.chat_ids(tokenizer, r["prompt"]) for r in read_jsonl(HELD_OUT)]
 
 
-def time_runner(batch: list[list[int]], steps: int) -> float:
+def time_runner(batch: list[list[int]], steps: int):
+    """(seconds per plain verify command in the runner, the runner's model)."""
     from batchspec.runtime.service import ServiceConfig, build_runner, warm_up
     from target_service.verifier import VerifyRow, verify
 
@@ -44,13 +45,12 @@ def time_runner(batch: list[list[int]], steps: int) -> float:
         outcomes, _ = verify(runner, rows, realign=True)
         for o in outcomes:
             last[o.seq_id], lengths[o.seq_id] = o.output_token_ids[-1], o.cache_len
-    seconds = (time.perf_counter() - started) / steps
-    time_loop(runner.model, batch, steps, seconds)
-    return seconds
+    return (time.perf_counter() - started) / steps, runner.model
 
 
 @torch.inference_mode()
-def time_loop(model, batch: list[list[int]], steps: int, runner_s: float) -> None:
+def time_loop(model, batch: list[list[int]], steps: int) -> float:
+    """Seconds per step of a Hugging Face decoding loop over the left-padded batch."""
     from transformers import DynamicCache
 
     width = max(len(p) for p in batch)
@@ -66,9 +66,7 @@ def time_loop(model, batch: list[list[int]], steps: int, runner_s: float) -> Non
         out = model(input_ids=out.logits[:, -1].argmax(-1, keepdim=True), attention_mask=mask,
                     position_ids=positions, past_key_values=out.past_key_values,
                     use_cache=True, logits_to_keep=1)
-    loop_s = (time.perf_counter() - started) / steps
-    print(f"runner {runner_s * 1000:.1f} ms/step, loop {loop_s * 1000:.1f} ms/step "
-          f"({len(batch)} rows)")
+    return (time.perf_counter() - started) / steps
 
 
 def time_service(address: str, batch: list[list[int]], steps: int) -> None:
@@ -102,14 +100,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--address", help="a running target service serving smollm2")
     args = parser.parse_args()
-    if args.rows < 1 or args.steps < 1:
-        parser.error("--rows and --steps must be >= 1")
+    available = prompts()
+    if not 1 <= args.rows <= len(available) or args.steps < 1:
+        parser.error(f"--rows must be in [1, {len(available)}] (the held-out prompts) and "
+                     "--steps >= 1")
     torch.set_num_threads(2)
-    batch = prompts(args.rows)
+    batch = available[:args.rows]
     if args.address:
         time_service(args.address, batch, args.steps)
-    else:
-        time_runner(batch, args.steps)
+        return
+    runner_s, model = time_runner(batch, args.steps)
+    loop_s = time_loop(model, batch, args.steps)
+    print(f"runner {runner_s * 1000:.1f} ms/step, loop {loop_s * 1000:.1f} ms/step "
+          f"({len(batch)} rows)")
 
 
 if __name__ == "__main__":
