@@ -40,16 +40,20 @@ METHODS = {
     "grpc_ngram": "7. batchspec over gRPC, the n-gram draft alone (prompt lookup, no model)",
     "grpc_router": "8. batchspec over gRPC, the model and n-gram drafts chosen per sequence "
                    "(the default of `batchspec serve`)",
+    "grpc_target_only": "9. batchspec over gRPC with no draft: plain batched decoding through "
+                        "the same services (what the serving path costs)",
 }
 # The drafts each gRPC method's coordinator uses.
-GRPC_DRAFTS = {"grpc": ("model",), "grpc_ngram": ("ngram",), "grpc_router": ("model", "ngram")}
+GRPC_DRAFTS = {"grpc": ("model",), "grpc_ngram": ("ngram",), "grpc_router": ("model", "ngram"),
+               "grpc_target_only": ()}
 USES_BATCH = {"hf_stock_batched", "hf_batched", "engine_realign", "engine_grouped", *GRPC_DRAFTS}
 # Where a run's wall time went, in report order. prefill: admitting prompts into both caches;
 # draft, verify: the services' compute; realign: the services' time on unaligned rows, masks and
 # copies into a left-padded batch (taken out of draft and verify); rpc: round trips minus
 # compute; coordinator: the rest (scheduling, bookkeeping, streaming).
 BREAKDOWN = ("prefill", "draft", "verify", "realign", "rpc", "coordinator")
-USES_K = {"hf_assisted", "engine_realign", "engine_grouped", *GRPC_DRAFTS}
+USES_K = {"hf_assisted", "engine_realign", "engine_grouped",
+          *(m for m, drafts in GRPC_DRAFTS.items() if drafts)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,7 +408,8 @@ class GrpcStack:
         port, metrics_port = free_port(), free_port()
         command = [sys.executable, "-m", "coordinator",
                    "--target", f"127.0.0.1:{self.ports['target']}", "--port", str(port),
-                   "--batch-size", str(batch_size), "-k", str(k),
+                   # with no draft K is moot (0 for the target alone), but must be valid
+                   "--batch-size", str(batch_size), "-k", str(max(k, 1)),
                    "--max-num-seqs", str(max(64, len(workload.prompts))),
                    "--min-draft-confidence", str(workload.min_draft_confidence),
                    "--draft-policy", workload.draft_policy,
