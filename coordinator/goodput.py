@@ -13,12 +13,15 @@ The model of one step of a group of B rows, c of which draft K tokens:
   delivered against that expectation (drafts whose acceptance is all or nothing, like a
   lookup's, deliver less than the geometric model says).
 The plan is the K and the set of drafting rows (those most likely to accept) with the most
-expected tokens per second. Rows whose acceptance is unknown for long are made to draft now
-and then (exploration), so an estimate never freezes at a value that turned K off. A row a
-draft holds nothing of yet ("cold": it is prefilled on first use) is priced as if the draft
-held it (the prefill is paid once, not per step); of cold rows, only one per kind at a time
-explores, and only when no row has drafted with that kind for long (or it lacks evidence),
-so exploring never buys a prefill per row, and no kind is starved of evidence.
+expected tokens per second. A row that has not drafted with a kind for long is planned at an
+optimistic acceptance for it (exploration), so an estimate never freezes at a value that
+turned K off; rows left idle draft together when enough of them would pay at that
+acceptance, so one widened verify buys the evidence of many. A kind with too little evidence
+over all rows must be tried. A row a draft holds nothing of yet ("cold": it is prefilled on
+first use) is priced as if the draft held it (the prefill is paid once, not per step); of
+cold rows, only one per kind at a time explores, and only when no row has drafted with that
+kind for long (or it lacks evidence), so exploring never buys a prefill per row, and no kind
+is starved of evidence.
 
 Pure Python: the coordinator stays free of torch.
 """
@@ -30,9 +33,14 @@ import math
 @dataclasses.dataclass(frozen=True)
 class GoodputConfig:
     max_k: int = 4  # the most a step may draft (the coordinator's -k)
-    # a row not drafting for this many of its steps drafts once; a kind no row drafted with
-    # for this many plans is tried by one row, even one it holds nothing of yet
+    # a row not drafting with a kind for this many of its steps is planned at `optimism` for
+    # it: rows idle for long draft together once enough of them would pay at that acceptance
+    # (one widened verify buys the evidence of all of them), never one at a time
     explore_every: int = 32
+    optimism: float = 0.9
+    # a kind no row drafted with for this many plans is tried by one row, even one it holds
+    # nothing of yet (no kind is starved of evidence)
+    starve_every: int = 128
     # a draft kind with fewer verified drafts than this over all rows is tried by every row
     # that can (a new kind is never starved of evidence by one that looked good first)
     min_evidence: float = 8.0
@@ -50,10 +58,12 @@ class GoodputConfig:
     def __post_init__(self):
         if not 1 <= self.max_k <= 32:
             raise ValueError("max_k must be in [1, 32]")
-        if self.explore_every < 1 or not 0 < self.decay <= 1 or self.prior_weight <= 0 \
-                or not 0 < self.delivered_decay <= 1 or self.measure_plain_every < 1:
-            raise ValueError("explore_every and measure_plain_every >= 1, decay and "
-                             "delivered_decay in (0, 1], prior_weight > 0")
+        if min(self.explore_every, self.starve_every, self.measure_plain_every) < 1 \
+                or not 0 < self.decay <= 1 or self.prior_weight <= 0 \
+                or not 0 < self.delivered_decay <= 1 or not 0 <= self.optimism < 1:
+            raise ValueError("explore_every, starve_every and measure_plain_every >= 1, decay "
+                             "and delivered_decay in (0, 1], optimism in [0, 1), "
+                             "prior_weight > 0")
 
 
 @dataclasses.dataclass
@@ -299,15 +309,22 @@ class GoodputPolicy:
         return min(1.5, max(0.25, got / hoped))
 
     def choice(self, state: RowState, catch_up: int, kind: int, cold: bool = False) -> Choice:
-        """cold: that draft holds nothing of the row yet (it is prefilled there when a plan
-        first picks it). A cold row's estimate is the kind's running mean; it may explore
-        only when the kind is starved of evidence (and plan() lets one such row do so)."""
+        """One row's standing with one kind. A kind with too little evidence over all rows
+        must be tried (explore). A row that has not drafted with the kind for explore_every
+        steps is planned at an optimistic acceptance instead of being forced: forcing one row
+        widens the whole group's verify, so at larger batches rows drifting out of step would
+        each buy a widened step; optimistic rows draft together, and only where that could
+        pay. cold: the draft holds nothing of the row yet (prefilled when a plan first picks
+        it); it may explore only when the kind is starved of evidence (and plan() lets one
+        such row do so)."""
         short = self._means.get(kind, (0.0, 0.0))[1] < self.config.min_evidence
+        acceptance = self.acceptance(state, kind)
         if cold:
-            starved = self._plans_since.get(kind, 0) >= self.config.explore_every
-            return Choice(self.acceptance(state, kind), 1, explore=short or starved, cold=True)
-        return Choice(self.acceptance(state, kind), catch_up,
-                      explore=short or state.idle_steps >= self.config.explore_every)
+            starved = self._plans_since.get(kind, 0) >= self.config.starve_every
+            return Choice(acceptance, 1, explore=short or starved, cold=True)
+        if state.idle_steps >= self.config.explore_every:
+            acceptance = max(acceptance, self.config.optimism)
+        return Choice(acceptance, catch_up, explore=short)
 
     def plan(self, rows: list[Row]) -> Plan:
         """The plan with the most expected tokens per second. Without calibrated costs every

@@ -145,14 +145,33 @@ def test_no_collapse_at_the_switching_threshold():
     assert ks[0] == 0 and ks[-1] > 0  # it does switch, in this range
 
 
-def test_sampled_rows_always_draft_k_and_exploration_forces_a_draft():
+def test_sampled_rows_always_draft_k_and_a_kind_short_of_evidence_must_draft():
     p = policy(verify_per_token=0.002, verify_per_row_token=0.004)
     plan = p.plan([goodput.Row(0.05, forced_k=4)] + [goodput.Row(0.05)] * 15)
     assert plan.k[0] == 4
-    idle = goodput.RowState(idle_steps=32)
-    choice = p.choice(idle, catch_up=33, kind=0)
-    assert choice.explore
-    assert max(p.plan([goodput.Row(choices=(choice,))] * 16).k) >= 1
+    new_kind = p.choice(goodput.RowState(), catch_up=1, kind=0)
+    assert new_kind.explore  # no evidence yet over all rows
+    assert max(p.plan([goodput.Row(choices=(new_kind,))] * 16).k) >= 1
+
+
+def test_rows_idle_for_long_explore_together_and_never_one_widened_step_each():
+    """Exploring one row widens the whole group's verify. A row idle for long is planned at
+    an optimistic acceptance: alone among plain rows at a large batch it does not pay and
+    waits; once enough rows are idle they draft together (one widened step for all)."""
+    p = policy(verify_per_token=0.004, verify_per_row_token=0.001)
+    verified(p, goodput.RowState(), 20, num_drafts=4, num_accepted=1)  # the kind drafts poorly
+    poor = p.choice(goodput.RowState(rejected=5.0), catch_up=1, kind=0)
+    # (a model draft would have 33 tokens to catch up on here, and that cost is priced: the
+    # n-gram draft's catch-up is always one)
+    idle = p.choice(goodput.RowState(rejected=5.0, idle_steps=32), catch_up=1, kind=0)
+    assert not poor.explore and not idle.explore
+    assert idle.acceptance == p.config.optimism > poor.acceptance
+    assert max(p.plan([goodput.Row(choices=(idle,))] + [goodput.Row(choices=(poor,))] * 15).k) \
+        == 0
+    together = p.plan([goodput.Row(choices=(idle,))] * 16)
+    assert min(together.k) >= 1  # all of them, in one step
+    # at batch 1 a lone idle row is tried at once (a drafting step costs little there)
+    assert max(p.plan([goodput.Row(choices=(idle,))]).k) >= 1
 
 
 def verified(p, state, steps: int, num_drafts: int, num_accepted: int) -> float:
@@ -297,13 +316,16 @@ def test_one_cold_row_explores_a_kind_starved_of_evidence():
     plan = p.plan([goodput.Row(choices=(first,))] * 16)
     assert sum(k > 0 for k in plan.k) == 1  # one prefill buys the evidence, not sixteen
     verified(p, goodput.RowState(), 10, num_drafts=4, num_accepted=0)  # it drafts badly
-    assert p.choice(idle, catch_up=40, kind=0).explore  # a row it holds: idle for long
+    # a row it holds, idle for long: optimistic, not forced
+    assert p.choice(idle, catch_up=40, kind=0).acceptance == p.config.optimism
     cold = p.choice(idle, catch_up=40, kind=0, cold=True)
     assert not cold.explore and max(p.plan([goodput.Row(choices=(cold,))] * 16).k) == 0
-    for _ in range(p.config.explore_every):
+    for _ in range(p.config.starve_every - 2):  # with the plan above: one short of starving
         p.plan([goodput.Row(choices=(cold,))] * 16)
+    assert not p.choice(idle, catch_up=40, kind=0, cold=True).explore
+    p.plan([goodput.Row(choices=(cold,))] * 16)
     starved = p.choice(idle, catch_up=40, kind=0, cold=True)
-    assert starved.explore  # no row drafted with it for explore_every plans
+    assert starved.explore  # no row drafted with it for starve_every plans
     assert sum(k > 0 for k in p.plan([goodput.Row(choices=(starved,))] * 16).k) == 1
 
 

@@ -1,5 +1,6 @@
 """The model-free n-gram draft: its lookup, its cache contract, its service without torch,
 and the coordinator choosing per sequence between it and the model draft."""
+import dataclasses
 import random
 import subprocess
 import sys
@@ -170,6 +171,9 @@ def test_the_router_uses_both_drafts_and_survives_losing_one(model_dirs):
         # the n-gram draft does poorly on a tiny random model, but it was tried
         assert counts[0] > 0 and counts[1] >= engine._policy.config.min_evidence
         stack.drafts[1][0].stop(0)  # the n-gram service goes away
+        # new rows are cold there and it drafts poorly: let a starved kind be tried soon, so
+        # the next round calls it and finds it gone
+        engine._policy.config = dataclasses.replace(engine._policy.config, starve_every=4)
         results = generate_all(stack.stub(), requests)
         assert not engine.kinds[1].up and engine.kinds[0].up
     model = AutoModelForCausalLM.from_pretrained(target_dir)
