@@ -38,8 +38,8 @@ class GoodputConfig:
     # (one widened verify buys the evidence of all of them), never one at a time
     explore_every: int = 32
     optimism: float = 0.9
-    # a kind no row drafted with for this many plans is tried by one row, even one it holds
-    # nothing of yet (no kind is starved of evidence)
+    # a kind no row drafted with for this many plans is tried by the rows idle with it, or
+    # by one row it holds nothing of yet (no kind is starved of evidence)
     starve_every: int = 128
     # a draft kind with fewer verified drafts than this over all rows is tried by every row
     # that can (a new kind is never starved of evidence by one that looked good first)
@@ -314,17 +314,20 @@ class GoodputPolicy:
         steps is planned at an optimistic acceptance instead of being forced: forcing one row
         widens the whole group's verify, so at larger batches rows drifting out of step would
         each buy a widened step; optimistic rows draft together, and only where that could
-        pay. cold: the draft holds nothing of the row yet (prefilled when a plan first picks
-        it); it may explore only when the kind is starved of evidence (and plan() lets one
-        such row do so)."""
+        pay. When no row drafted with the kind for starve_every plans (it is starved of
+        evidence), the rows idle with it must draft. cold: the draft holds nothing of the row
+        yet (prefilled when a plan first picks it); it may explore only when the kind is
+        starved of evidence (and plan() lets one such row do so, none if a held row does)."""
         short = self._means.get(kind, (0.0, 0.0))[1] < self.config.min_evidence
+        starved = self._plans_since.get(kind, 0) >= self.config.starve_every
         acceptance = self.acceptance(state, kind)
         if cold:
-            starved = self._plans_since.get(kind, 0) >= self.config.starve_every
             return Choice(acceptance, 1, explore=short or starved, cold=True)
-        if state.idle_steps >= self.config.explore_every:
+        idle = state.idle_steps >= self.config.explore_every
+        if idle:
             acceptance = max(acceptance, self.config.optimism)
-        return Choice(acceptance, catch_up, explore=short)
+        # a starved kind is forced on the rows idle with it: they draft in one step together
+        return Choice(acceptance, catch_up, explore=short or (starved and idle))
 
     def plan(self, rows: list[Row]) -> Plan:
         """The plan with the most expected tokens per second. Without calibrated costs every

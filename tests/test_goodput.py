@@ -317,7 +317,8 @@ def test_one_cold_row_explores_a_kind_starved_of_evidence():
     assert sum(k > 0 for k in plan.k) == 1  # one prefill buys the evidence, not sixteen
     verified(p, goodput.RowState(), 10, num_drafts=4, num_accepted=0)  # it drafts badly
     # a row it holds, idle for long: optimistic, not forced
-    assert p.choice(idle, catch_up=40, kind=0).acceptance == p.config.optimism
+    held = p.choice(idle, catch_up=40, kind=0)
+    assert held.acceptance == p.config.optimism and not held.explore
     cold = p.choice(idle, catch_up=40, kind=0, cold=True)
     assert not cold.explore and max(p.plan([goodput.Row(choices=(cold,))] * 16).k) == 0
     for _ in range(p.config.starve_every - 2):  # with the plan above: one short of starving
@@ -326,6 +327,8 @@ def test_one_cold_row_explores_a_kind_starved_of_evidence():
     p.plan([goodput.Row(choices=(cold,))] * 16)
     starved = p.choice(idle, catch_up=40, kind=0, cold=True)
     assert starved.explore  # no row drafted with it for starve_every plans
+    assert p.choice(idle, catch_up=40, kind=0).explore  # rows it holds, idle, are forced too
+    assert not p.choice(goodput.RowState(), catch_up=1, kind=0).explore  # not a fresh row
     assert sum(k > 0 for k in p.plan([goodput.Row(choices=(starved,))] * 16).k) == 1
 
 
