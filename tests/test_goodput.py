@@ -408,3 +408,11 @@ def test_a_calibration_wrong_in_its_slope_is_corrected_per_command_size():
         cost.observe([(8, 3)], forward_s=0.12, round_trip_s=0.12)
     assert cost.predict([(8, 1)]) == pytest.approx(0.05, rel=0.05)
     assert cost.predict([(8, 3)]) == pytest.approx(0.12, rel=0.05)
+
+
+@pytest.mark.parametrize("bad", [{"max_k": 0}, {"explore_every": 0}, {"starve_every": 0},
+                                 {"measure_plain_every": 0}, {"optimism": 1.0},
+                                 {"optimism": -0.1}, {"decay": 0.0}, {"prior_weight": 0.0}])
+def test_a_goodput_config_out_of_range_is_refused(bad):
+    with pytest.raises(ValueError):
+        goodput.GoodputConfig(**bad)
