@@ -309,15 +309,10 @@ class GoodputPolicy:
         return min(1.5, max(0.25, got / hoped))
 
     def choice(self, state: RowState, catch_up: int, kind: int, cold: bool = False) -> Choice:
-        """One row's standing with one kind. A kind with too little evidence over all rows
-        must be tried (explore). A row that has not drafted with the kind for explore_every
-        steps is planned at an optimistic acceptance instead of being forced: forcing one row
-        widens the whole group's verify, so at larger batches rows drifting out of step would
-        each buy a widened step; optimistic rows draft together, and only where that could
-        pay. When no row drafted with the kind for starve_every plans (it is starved of
-        evidence), the rows idle with it must draft. cold: the draft holds nothing of the row
-        yet (prefilled when a plan first picks it); it may explore only when the kind is
-        starved of evidence (and plan() lets one such row do so, none if a held row does)."""
+        """One row's standing with one kind (the rules: the module's docstring and
+        GoodputConfig). Not forced but optimistic when idle, since forcing one row widens its
+        whole group's verify. cold: the draft holds nothing of the row yet; plan() lets at
+        most one cold row per kind explore, none if a held row does."""
         short = self._means.get(kind, (0.0, 0.0))[1] < self.config.min_evidence
         starved = self._plans_since.get(kind, 0) >= self.config.starve_every
         acceptance = self.acceptance(state, kind)
