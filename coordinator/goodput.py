@@ -21,7 +21,9 @@ over all rows must be tried. A row a draft holds nothing of yet ("cold": it is p
 first use) is priced as if the draft held it (the prefill is paid once, not per step); of
 cold rows, only one per kind at a time explores, and only when no row has drafted with that
 kind for long (or it lacks evidence), so exploring never buys a prefill per row, and no kind
-is starved of evidence.
+is starved of evidence. Evidence is bought only where it could change a plan: a kind is
+forced on no group where drafting would lose to plain decoding even at that optimistic
+acceptance (wide verifies at their full price, as at large batches on a CPU).
 
 Pure Python: the coordinator stays free of torch.
 """
@@ -100,8 +102,8 @@ def expected_tokens(acceptance: float, k: int) -> float:
 class ForwardCosts:
     """Seconds of one forward of `rows` rows feeding `tokens` tokens each, from the grid a
     service measured at start-up. Single timings are noisy, so the grid is smoothed first:
-    for each batch size a straight line in tokens (least squares, never decreasing), then
-    never cheaper for more rows. Between grid points it interpolates linearly, and past the
+    for each batch size never cheaper for more tokens (the closest such fit), then never
+    cheaper for more rows. Between grid points it interpolates linearly, and past the
     grid it extends the last slope."""
 
     def __init__(self, points):
@@ -111,7 +113,7 @@ class ForwardCosts:
             by_rows.setdefault(rows, []).append((tokens, seconds))
         self._table: dict[int, dict[int, float]] = {}
         for rows in sorted(by_rows):
-            for tokens, seconds in _line(by_rows[rows]):
+            for tokens, seconds in _monotone(by_rows[rows]):
                 curve = self._table.setdefault(tokens, {})
                 fewer = [curve[r] for r in curve if r < rows]
                 curve[rows] = max([seconds] + fewer)
@@ -129,17 +131,20 @@ class ForwardCosts:
         return _interpolate(sizes, curve.__getitem__, rows)
 
 
-def _line(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
-    """The least-squares line through (tokens, seconds), slope >= 0, at the same tokens."""
-    if len(points) < 2:
-        return points
-    n = len(points)
-    mean_t = sum(t for t, _ in points) / n
-    mean_s = sum(s for _, s in points) / n
-    spread = sum((t - mean_t) ** 2 for t, _ in points)
-    slope = max(0.0, sum((t - mean_t) * (s - mean_s) for t, s in points) / spread) \
-        if spread else 0.0
-    return [(t, mean_s + slope * (t - mean_t)) for t, _ in points]
+def _monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The closest never-decreasing fit (least squares, pooling adjacent violators) through
+    (tokens, seconds), at the same tokens. Unlike a straight line it keeps a curve's shape:
+    at 32 rows on a CPU the first token costs as much as the next three together would on a
+    line, and a line makes wide verifies there look cheap."""
+    blocks: list[list[float]] = []  # [sum, count] of pooled neighbours, in token order
+    for _, seconds in sorted(points):
+        blocks.append([seconds, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    fitted = [total / count for total, count in blocks for _ in range(count)]
+    return list(zip(sorted(t for t, _ in points), fitted))
 
 
 def _interpolate(xs: list[int], f, x: float) -> float:
@@ -337,6 +342,10 @@ class GoodputPolicy:
             return self._best_for(rows, 0, ())  # the yardstick, measured
         must = {kind for r in rows for kind, c in enumerate(r.options()) if c and c.explore
                 and self.usable(kind)}
+        hopeless = {kind for kind in must if not self._could_pay(kind, len(rows))}
+        if hopeless:  # evidence could not change the plan here: gathering it is waste
+            rows = [_not_exploring(r, hopeless) for r in rows]
+            must -= hopeless
         must |= {r.forced_kind for r in rows if r.forced_k is not None}
         if forced:
             candidates = [max(forced)]
@@ -351,6 +360,21 @@ class GoodputPolicy:
         if plain is not None and best.tokens_per_s < plain.tokens_per_s * (1 + self.config.margin):
             return plain
         return best
+
+    def _could_pay(self, kind: int, batch: int) -> bool:
+        """Whether drafting with `kind` could beat plain decoding for a group of `batch`
+        rows if every row accepted at `optimism` (its best case as exploration sees it).
+        Where even that loses (wide verifies cost their full price: large batches on a CPU),
+        no acceptance evidence would change a plan, so none is bought."""
+        plain = batch / self.target.predict([(batch, 1)]) * (1 + self.config.margin)
+        gain = self.delivered(kind)
+        for k in range(1, self.config.max_k + 1):
+            tokens = batch * (1 + (expected_tokens(self.config.optimism, k) - 1) * gain)
+            seconds = self.target.predict([(batch, 1 + k)]) \
+                + self.drafts[kind].predict(draft_calls(batch, 1, k))
+            if tokens / seconds > plain:
+                return True
+        return False
 
     def _kind_sets(self, rows: list[Row], must: set[int]) -> list[tuple[int, ...]]:
         """The sets of draft kinds a step may call: every non-empty set of usable kinds that
@@ -419,6 +443,15 @@ class GoodputPolicy:
                 k.append(0)
                 kinds.append(None)
         return Plan(k, math.nan, kinds)
+
+
+def _not_exploring(row: Row, kinds: set[int]) -> Row:
+    """The row with its choices of `kinds` no longer exploring."""
+    choices = tuple(dataclasses.replace(c, explore=False) if c is not None and c.explore
+                    and d in kinds else c for d, c in enumerate(row.options()))
+    if choices == row.options():
+        return row
+    return dataclasses.replace(row, choices=choices, explore=False)
 
 
 def _one_cold_explorer(rows: list[Row]) -> list[Row]:

@@ -86,6 +86,21 @@ def test_noisy_calibration_is_smoothed_to_never_cheaper_for_more_work():
     assert costs.predict(1, 3) < 0.054 and costs.predict(1, 5) > 0.050
 
 
+def test_a_curved_calibration_keeps_its_shape():
+    """At 32 rows on a CPU the first token is dear and later ones cheaper (the kernels speed
+    up with more rows): a line through the grid would price a 2-token verify at 1.3 plain
+    steps where it costs 1.85, and make drafting there look as if it paid."""
+    measured = [(32, 1, 0.134), (32, 2, 0.248), (32, 3, 0.327), (32, 5, 0.441), (32, 8, 0.546)]
+    costs = goodput.ForwardCosts(measured)
+    for rows, tokens, seconds in measured:
+        assert costs.predict(rows, tokens) == pytest.approx(seconds)
+    draft = goodput.ForwardCosts([(32, t, 0.034 * t) for t in (1, 2, 8)])
+    p = goodput.GoodputPolicy(goodput.GoodputConfig(), [goodput.ServiceCost(draft)],
+                              goodput.ServiceCost(costs))
+    new_kind = p.choice(goodput.RowState(), catch_up=1, kind=0)
+    assert new_kind.explore and p.plan([goodput.Row(choices=(new_kind,))] * 32).k == [0] * 32
+
+
 def test_live_timings_correct_the_calibration():
     cost = goodput.ServiceCost(goodput.ForwardCosts([(1, 1, 0.010), (1, 2, 0.012)]))
     for _ in range(60):  # the device turned out twice as slow, with 5 ms of RPC per command
@@ -151,7 +166,27 @@ def test_sampled_rows_always_draft_k_and_a_kind_short_of_evidence_must_draft():
     assert plan.k[0] == 4
     new_kind = p.choice(goodput.RowState(), catch_up=1, kind=0)
     assert new_kind.explore  # no evidence yet over all rows
-    assert max(p.plan([goodput.Row(choices=(new_kind,))] * 16).k) >= 1
+    assert max(p.plan([goodput.Row(choices=(new_kind,))] * 4).k) >= 1
+
+
+def test_evidence_is_not_bought_where_drafting_could_not_pay_at_all():
+    """Where every extra verified token costs its full price (a large batch on a CPU),
+    drafting loses even if every row accepted at the optimistic rate: a kind short of
+    evidence, or starved of it, is not forced on such a group (nothing it could show would
+    change a plan); the same kind is still forced on a small group, where it could pay."""
+    p = policy(verify_per_token=0.002, verify_per_row_token=0.004)
+    new_kind = p.choice(goodput.RowState(), catch_up=1, kind=0)
+    assert new_kind.explore
+    assert p.plan([goodput.Row(choices=(new_kind,))] * 32).k == [0] * 32
+    for _ in range(p.config.starve_every):
+        p.plan([goodput.Row(choices=(new_kind,))] * 32)
+    starved = p.choice(goodput.RowState(idle_steps=100), catch_up=1, kind=0)
+    assert starved.explore  # starved and short of evidence alike
+    assert p.plan([goodput.Row(choices=(starved,))] * 32).k == [0] * 32
+    assert max(p.plan([goodput.Row(choices=(starved,))] * 2).k) >= 1
+    # a kind that could pay is still forced, even at a large batch
+    cheap = policy(verify_per_token=0.004, verify_per_row_token=0.0001)
+    assert max(cheap.plan([goodput.Row(choices=(new_kind,))] * 32).k) >= 1
 
 
 def test_rows_idle_for_long_explore_together_and_never_one_widened_step_each():
@@ -308,7 +343,7 @@ def test_a_draft_is_prefilled_only_when_a_step_first_gives_it_the_row(model_dirs
 
 
 def test_one_cold_row_explores_a_kind_starved_of_evidence():
-    p = policy(verify_per_token=0.002, verify_per_row_token=0.004)
+    p = policy(verify_per_token=0.002, verify_per_row_token=0.001)
     idle = goodput.RowState(idle_steps=100)
     verified(p, goodput.RowState(), 1, num_drafts=4, num_accepted=0)  # one rejection
     first = p.choice(idle, catch_up=40, kind=0, cold=True)

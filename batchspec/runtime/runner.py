@@ -22,16 +22,16 @@ from batchspec.runtime.cachebook import CacheBook, StepCost
 
 @dataclasses.dataclass
 class SeqCache:
-    """The cached positions of one sequence: views of one row of the batch it was last run in.
+    """The cached positions of one sequence: one row of the batch it was last run in.
 
-    Invariant: span_length(spans) == length, and the layers' columns end where the last span
-    does (columns past it belonged to rejected drafts and are dropped by truncation).
+    Invariant: span_length(spans) == length, and the sequence is row `row`, columns
+    [0, columns), of `home` (columns past the last span belonged to rejected drafts: they are
+    not part of it). None of it is copied, and its own views are cut only when asked for.
     """
 
-    layers: list[kvcache.LayerKV] | None  # per layer [1, kv_heads, columns, head_dim]
+    home: list[kvcache.LayerKV] | None  # per layer [batch, kv_heads, >= columns, head_dim]
     length: int  # real positions
     spans: kvcache.Spans | None = None  # the columns holding them; None: columns [0, length)
-    home: list[kvcache.LayerKV] | None = None  # the batch tensors `layers` are a row of
     row: int = 0
 
     def __post_init__(self):
@@ -41,6 +41,14 @@ class SeqCache:
     @property
     def columns(self) -> int:
         return self.spans[-1][1] if self.spans else 0
+
+    @property
+    def layers(self) -> list[kvcache.LayerKV] | None:
+        """Per layer [1, kv_heads, columns, head_dim] views of its row (None when empty). Made
+        on demand: a group that runs again as the batch it last ran as never needs them."""
+        if self.home is None or not self.length:
+            return None
+        return kvcache.take_row(self.home, self.row, self.columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,10 +153,7 @@ def truncate(cache: SeqCache, keep: int) -> SeqCache:
         return cache
     if keep == 0:
         return SeqCache(None, 0)
-    spans = kvcache.keep_first(cache.spans, keep)
-    columns = spans[-1][1]
-    return SeqCache([(k[:, :, :columns], v[:, :, :columns]) for k, v in cache.layers], keep,
-                    spans, cache.home, cache.row)
+    return SeqCache(cache.home, keep, kvcache.keep_first(cache.spans, keep), cache.row)
 
 
 # A group's batch keeps the holes its rejected drafts leave (masked, not copied) until its
@@ -238,9 +243,7 @@ class GroupForward:
             if keep == 0:
                 rows.append(SeqCache(None, 0))
                 continue
-            spans = kvcache.keep_first(self.spans[i], keep)
-            rows.append(SeqCache(kvcache.take_row(layers, i, spans[-1][1]), keep, spans,
-                                 home=layers, row=i))
+            rows.append(SeqCache(layers, keep, kvcache.keep_first(self.spans[i], keep), row=i))
         return rows
 
 
@@ -263,21 +266,31 @@ CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
 CALIBRATION_TOKENS = (1, 2, 3, 5, 8)
 
 
+# A forward feeding more tokens than this in all runs long enough to be timed once.
+LONG_FORWARD_TOKENS = 64
+# Seconds the grid may take; a 2-core CPU then measures the default batch size (32).
+CALIBRATION_BUDGET_S = 30.0
+
+
 def measure_step_costs(runner: ModelRunner, rows=CALIBRATION_ROWS, tokens=CALIBRATION_TOKENS,
                        context: int = 128, repeats: int = 2,
-                       budget_s: float = 12.0) -> list[StepCost]:
+                       budget_s: float = CALIBRATION_BUDGET_S) -> list[StepCost]:
     """Time group forwards of `rows` sequences feeding `tokens` tokens each over `context`
     cached positions, the way verify and propose run them. Batch sizes grow until the grid
-    would take more than budget_s (a slow device measures fewer of them)."""
-    costs, spent = [], 0.0
+    would take more than budget_s (a slow device measures fewer of them). Past the grid costs
+    are extrapolated, and on a CPU a wide verify at 32 rows costs far more than 8 rows
+    suggest (compute-bound): a planner must have measured it to keep large batches plain."""
+    costs, began = [], time.perf_counter()
     context = min(context, runner.max_context_len - max(tokens) - 1)
     for num_rows in rows:
+        size_began = time.perf_counter()
         ids = [-(i + 2) for i in range(num_rows)]  # never a coordinator's (positive) seq id
         runner.prefill([(seq_id, [0] * context) for seq_id in ids])
         try:
             for num_tokens in tokens:
                 times = []
-                for attempt in range(repeats + 1):  # the first run warms up, untimed
+                timed = repeats if num_rows * num_tokens <= LONG_FORWARD_TOKENS else 1
+                for attempt in range(timed + 1):  # the first run warms up, untimed
                     specs = [RowSpec(s, context, context, [0] * num_tokens) for s in ids]
                     group = runner.open_group(specs, realign=False)
                     started = time.perf_counter()
@@ -287,9 +300,9 @@ def measure_step_costs(runner: ModelRunner, rows=CALIBRATION_ROWS, tokens=CALIBR
                         times.append(time.perf_counter() - started)
                 seconds = min(times)
                 costs.append(StepCost(num_rows, num_tokens, context, seconds))
-                spent += sum(times) * (repeats + 1) / repeats
         finally:
             runner.release(ids)
-        if spent * 2.5 > budget_s:  # the next batch size costs about twice as much
+        now = time.perf_counter()
+        if now - began + 2 * (now - size_began) > budget_s:  # the next size costs ~twice
             break
     return costs

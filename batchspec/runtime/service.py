@@ -232,6 +232,8 @@ def warm_up(runner: runner_lib.ModelRunner) -> None:
     runner.prefill([(-1, [0, 0])])
     runner.release([-1])
     started = time.perf_counter()
+    log.info("measuring what forwards of %s cost (up to %.0f s)", runner.name,
+             runner_lib.CALIBRATION_BUDGET_S)
     runner.step_costs = runner_lib.measure_step_costs(runner)
     largest = runner.step_costs[-1] if runner.step_costs else None
     log.info("measured %d forward costs in %.1f s (up to %d rows: %.1f ms for 1 token each)",
