@@ -342,7 +342,7 @@ class GoodputPolicy:
             return self._best_for(rows, 0, ())  # the yardstick, measured
         must = {kind for r in rows for kind, c in enumerate(r.options()) if c and c.explore
                 and self.usable(kind)}
-        hopeless = {kind for kind in must if not self._could_pay(kind, len(rows))}
+        hopeless = {kind for kind in must if not self._could_pay(kind, rows)}
         if hopeless:  # evidence could not change the plan here: gathering it is waste
             rows = [_not_exploring(r, hopeless) for r in rows]
             must -= hopeless
@@ -361,17 +361,20 @@ class GoodputPolicy:
             return plain
         return best
 
-    def _could_pay(self, kind: int, batch: int) -> bool:
-        """Whether drafting with `kind` could beat plain decoding for a group of `batch`
-        rows if every row accepted at `optimism` (its best case as exploration sees it).
-        Where even that loses (wide verifies cost their full price: large batches on a CPU),
-        no acceptance evidence would change a plan, so none is bought."""
+    def _could_pay(self, kind: int, rows: list[Row]) -> bool:
+        """Whether drafting with `kind` could beat plain decoding for this group if every
+        row it can draft for accepted at `optimism` (its best case as exploration sees it).
+        Where even that loses (wide verifies at their full price, as at large batches on a
+        CPU, or a lookup with something to offer for few of many rows), no acceptance
+        evidence would change a plan, so none is bought."""
+        batch = len(rows)
+        able = sum(1 for r in rows if kind < len(r.options()) and r.options()[kind])
         plain = batch / self.target.predict([(batch, 1)]) * (1 + self.config.margin)
         gain = self.delivered(kind)
         for k in range(1, self.config.max_k + 1):
-            tokens = batch * (1 + (expected_tokens(self.config.optimism, k) - 1) * gain)
+            tokens = batch + able * (expected_tokens(self.config.optimism, k) - 1) * gain
             seconds = self.target.predict([(batch, 1 + k)]) \
-                + self.drafts[kind].predict(draft_calls(batch, 1, k))
+                + self.drafts[kind].predict(draft_calls(able, 1, k))
             if tokens / seconds > plain:
                 return True
         return False

@@ -187,6 +187,11 @@ def test_evidence_is_not_bought_where_drafting_could_not_pay_at_all():
     # a kind that could pay is still forced, even at a large batch
     cheap = policy(verify_per_token=0.004, verify_per_row_token=0.0001)
     assert max(cheap.plan([goodput.Row(choices=(new_kind,))] * 32).k) >= 1
+    # but not a lookup with something to offer for 2 of the 32 rows: even perfect matches
+    # there would not pay for widening all 32 rows' verify
+    lookup = goodput.Choice(new_kind.acceptance, explore=True, offered=4)
+    few = [goodput.Row(choices=(lookup if i < 2 else None,)) for i in range(32)]
+    assert cheap.plan(few).k == [0] * 32
 
 
 def test_rows_idle_for_long_explore_together_and_never_one_widened_step_each():
