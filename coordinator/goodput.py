@@ -22,8 +22,8 @@ first use) is priced as if the draft held it (the prefill is paid once, not per 
 cold rows, only one per kind at a time explores, and only when no row has drafted with that
 kind for long (or it lacks evidence), so exploring never buys a prefill per row, and no kind
 is starved of evidence. Evidence is bought only where it could change a plan: a kind is
-forced on no group where drafting would lose to plain decoding even at that optimistic
-acceptance (wide verifies at their full price, as at large batches on a CPU).
+forced on no group where drafting would not clearly beat plain decoding even at that
+optimistic acceptance (wide verifies at their full price, as at large batches on a CPU).
 
 Pure Python: the coordinator stays free of torch.
 """
@@ -53,6 +53,10 @@ class GoodputConfig:
     # drafting must promise this much more than plain decoding (timings are noisy, and a
     # wrong bet costs more than a missed one)
     margin: float = 0.05
+    # evidence is bought (a kind forced on a group) only where drafting could beat plain
+    # decoding by this much at the optimistic acceptance: the calibration is noisy, and near
+    # break-even even a good acceptance would barely move a plan
+    explore_margin: float = 0.2
     # once live timings flow, a step is plain when the target has run no plain step for this
     # many commands, so what every plan is weighed against is measured
     measure_plain_every: int = 128
@@ -62,10 +66,11 @@ class GoodputConfig:
             raise ValueError("max_k must be in [1, 32]")
         if min(self.explore_every, self.starve_every, self.measure_plain_every) < 1 \
                 or not 0 < self.decay <= 1 or self.prior_weight <= 0 \
-                or not 0 < self.delivered_decay <= 1 or not 0 <= self.optimism < 1:
+                or not 0 < self.delivered_decay <= 1 or not 0 <= self.optimism < 1 \
+                or min(self.margin, self.explore_margin) < 0:
             raise ValueError("explore_every, starve_every and measure_plain_every >= 1, decay "
                              "and delivered_decay in (0, 1], optimism in [0, 1), "
-                             "prior_weight > 0")
+                             "prior_weight > 0, margins >= 0")
 
 
 @dataclasses.dataclass
@@ -366,10 +371,10 @@ class GoodputPolicy:
         row it can draft for accepted at `optimism` (its best case as exploration sees it).
         Where even that loses (wide verifies at their full price, as at large batches on a
         CPU, or a lookup with something to offer for few of many rows), no acceptance
-        evidence would change a plan, so none is bought."""
+        evidence would change a plan, so none is bought. "Beat" means by explore_margin."""
         batch = len(rows)
         able = sum(1 for r in rows if kind < len(r.options()) and r.options()[kind])
-        plain = batch / self.target.predict([(batch, 1)]) * (1 + self.config.margin)
+        plain = batch / self.target.predict([(batch, 1)]) * (1 + self.config.explore_margin)
         gain = self.delivered(kind)
         for k in range(1, self.config.max_k + 1):
             tokens = batch + able * (expected_tokens(self.config.optimism, k) - 1) * gain

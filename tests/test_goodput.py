@@ -166,7 +166,7 @@ def test_sampled_rows_always_draft_k_and_a_kind_short_of_evidence_must_draft():
     assert plan.k[0] == 4
     new_kind = p.choice(goodput.RowState(), catch_up=1, kind=0)
     assert new_kind.explore  # no evidence yet over all rows
-    assert max(p.plan([goodput.Row(choices=(new_kind,))] * 4).k) >= 1
+    assert max(p.plan([goodput.Row(choices=(new_kind,))] * 2).k) >= 1
 
 
 def test_evidence_is_not_bought_where_drafting_could_not_pay_at_all():
@@ -452,7 +452,8 @@ def test_a_calibration_wrong_in_its_slope_is_corrected_per_command_size():
 
 @pytest.mark.parametrize("bad", [{"max_k": 0}, {"explore_every": 0}, {"starve_every": 0},
                                  {"measure_plain_every": 0}, {"optimism": 1.0},
-                                 {"optimism": -0.1}, {"decay": 0.0}, {"prior_weight": 0.0}])
+                                 {"optimism": -0.1}, {"decay": 0.0}, {"prior_weight": 0.0},
+                                 {"margin": -0.1}, {"explore_margin": -0.1}])
 def test_a_goodput_config_out_of_range_is_refused(bad):
     with pytest.raises(ValueError):
         goodput.GoodputConfig(**bad)
