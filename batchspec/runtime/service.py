@@ -220,7 +220,7 @@ def start_model_service(config: ServiceConfig, make_servicer, add_to_server, ser
 def warm_up(runner: runner_lib.ModelRunner) -> None:
     """Plan the CPU linear kernels (timing them takes a few seconds for SmolLM2, the first
     time on a machine), run one forward, and measure what forwards cost (for the
-    coordinator's choice of draft lengths; a few seconds)."""
+    coordinator's choice of draft lengths; up to 30 seconds on a CPU)."""
     from batchspec.runtime import fastlinear
     from batchspec.runtime import runner as runner_lib
 
