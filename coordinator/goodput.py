@@ -373,7 +373,8 @@ class GoodputPolicy:
         CPU, or a lookup with something to offer for few of many rows), no acceptance
         evidence would change a plan, so none is bought. "Beat" means by explore_margin."""
         batch = len(rows)
-        able = sum(1 for r in rows if kind < len(r.options()) and r.options()[kind])
+        able = sum(1 for options in (r.options() for r in rows)
+                   if kind < len(options) and options[kind])
         plain = batch / self.target.predict([(batch, 1)]) * (1 + self.config.explore_margin)
         gain = self.delivered(kind)
         for k in range(1, self.config.max_k + 1):
@@ -454,7 +455,8 @@ class GoodputPolicy:
 
 
 def _not_exploring(row: Row, kinds: set[int]) -> Row:
-    """The row with its choices of `kinds` no longer exploring."""
+    """The row with its choices of `kinds` no longer exploring (the row itself when none
+    was: most plans change nothing, and then nothing is copied)."""
     choices = tuple(dataclasses.replace(c, explore=False) if c is not None and c.explore
                     and d in kinds else c for d, c in enumerate(row.options()))
     if choices == row.options():
@@ -469,12 +471,7 @@ def _one_cold_explorer(rows: list[Row]) -> list[Row]:
                        if c and c.explore and not c.cold}
     out = []
     for row in rows:
-        choices = list(row.choices)
-        for d, c in enumerate(choices):
-            if c is not None and c.explore and c.cold:
-                if d in taken:
-                    choices[d] = dataclasses.replace(c, explore=False)
-                taken.add(d)
-        changed = choices != list(row.choices)  # most plans change nothing: no copies then
-        out.append(dataclasses.replace(row, choices=tuple(choices)) if changed else row)
+        cold = {d for d, c in enumerate(row.options()) if c and c.explore and c.cold}
+        out.append(_not_exploring(row, cold & taken))
+        taken |= cold
     return out
