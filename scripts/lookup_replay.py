@@ -83,6 +83,10 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=32.0)
     parser.add_argument("--token-ms", type=float, default=3.25)
     args = parser.parse_args()
+    if not Path(args.prompts).is_file():
+        parser.error(f"--prompts {args.prompts}: no such file")
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.k < 1:
+        parser.error("--num-prompts, --max-new-tokens and -k must be >= 1")
     pairs = answers(args.prompts, args.num_prompts, args.max_new_tokens)
     for shared in (None, "all", "answers"):
         per_token, share, speedup = replay(pairs, args.k, shared, step_ms=args.step_ms,
