@@ -3,6 +3,7 @@ with each way `batchspec.runtime.fastlinear` can compute the linear layers:
 
     usual  x @ W.T everywhere (plain nn.Linear)
     fixed  weight-major, fastlinear.DEFAULT_PLAN (one row computed as two)
+    packed the oneDNN-packed weight everywhere (fastlinear.PACKED)
     tuned  the plan fastlinear.tune times on this machine (what the services use)
 
     python3 scripts/step_times.py --model smollm2 --context 200 --tokens 1,3,4
@@ -17,7 +18,7 @@ import torch
 
 from batchspec.runtime import fastlinear, kvcache, models
 
-MODES = ("usual", "fixed", "tuned")
+MODES = ("usual", "fixed", "packed", "tuned")
 
 
 def linear_shapes(model) -> set[tuple]:
@@ -26,7 +27,8 @@ def linear_shapes(model) -> set[tuple]:
 
 
 def use_mode(model, mode: str, tuned: dict) -> None:
-    plans = {"usual": (fastlinear.USUAL,) * fastlinear.MAX_ROWS,
+    plans = {"usual": (fastlinear.USUAL,) * len(fastlinear.DEFAULT_PLAN),
+             "packed": (fastlinear.PACKED,) * len(fastlinear.DEFAULT_PLAN),
              "fixed": fastlinear.DEFAULT_PLAN}
     for key in linear_shapes(model):
         fastlinear._PLANS[key] = tuned[key] if mode == "tuned" else plans[mode]

@@ -1,5 +1,5 @@
-"""The weight-major linear computes the same product as nn.Linear, for every row count and
-every way the plan may choose."""
+"""The planned linear computes the same product as nn.Linear, for every row count and every
+way the plan may choose (weight-major, the oneDNN-packed weight, the usual product)."""
 import json
 
 import pytest
@@ -31,14 +31,16 @@ def test_patch_covers_every_linear_and_keeps_gradients():
     assert x.grad is not None and model[0].weight.grad is not None
 
 
-@pytest.mark.parametrize("rows", range(1, fastlinear.MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", [*range(1, fastlinear.MAX_ROWS + 1), 17, 64])
 def test_every_candidate_computes_the_same_product(rows):
     torch.manual_seed(rows)
     weight, flat = torch.randn(40, 24), torch.randn(rows, 24)
     expected = flat @ weight.T
     methods = fastlinear.candidates(rows)
-    assert methods[0] == fastlinear.USUAL and all(rows <= m <= fastlinear.MAX_ROWS
-                                                  for m in methods[1:])
+    packing = fastlinear.packing_works(torch.float32)
+    assert packing == torch.backends.mkldnn.is_available()  # the CPU wheels ship oneDNN
+    assert methods[0] == fastlinear.USUAL and (methods[-1] == fastlinear.PACKED) == packing
+    assert all(rows <= m <= fastlinear.MAX_ROWS for m in methods[1:len(methods) - packing])
     for method in methods:
         got = fastlinear._product(flat, weight, method)
         assert got.shape == (rows, 40) and got.is_contiguous()
@@ -57,8 +59,11 @@ def test_tune_times_big_models_and_gives_small_ones_the_default(monkeypatch):
         for rows in range(1, fastlinear.MAX_ROWS + 1):
             chosen = fastlinear.plan(out_features, in_features, torch.float32, rows)
             assert chosen in fastlinear.candidates(rows)
+        for rows in (fastlinear.MAX_ROWS + 1, 500):  # past MAX_ROWS: one entry, no padding
+            chosen = fastlinear.plan(out_features, in_features, torch.float32, rows)
+            assert chosen in (fastlinear.USUAL, fastlinear.PACKED)
     assert fastlinear.DEFAULT_PLAN == tuple(
-        max(2, rows) for rows in range(1, fastlinear.MAX_ROWS + 1))
+        max(2, rows) for rows in range(1, fastlinear.MAX_ROWS + 1)) + (fastlinear.USUAL,)
 
 
 def test_plans_timed_once_are_read_back_from_the_store(monkeypatch, tmp_path):
@@ -78,3 +83,57 @@ def test_plans_timed_once_are_read_back_from_the_store(monkeypatch, tmp_path):
     monkeypatch.setattr(fastlinear, "_timed_plan", lambda *key: fastlinear.DEFAULT_PLAN)
     assert fastlinear.tune(model, store) == 2
     assert len(json.loads(store.read_text())) == 2
+
+
+packing = pytest.mark.skipif(not fastlinear.packing_works(torch.float32),
+                             reason="this torch build has no oneDNN")
+
+
+@packing
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+def test_packed_plan_matches_linear_and_follows_the_weight(monkeypatch, rows):
+    """With every entry of the plan PACKED, a patched linear still computes x @ W.T + b (3-d
+    input, past MAX_ROWS too), and a weight changed in place is packed again."""
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(24, 40)
+    monkeypatch.setattr(fastlinear, "_PLANS",
+                        {(40, 24, torch.float32): (fastlinear.PACKED,) * len(
+                            fastlinear.DEFAULT_PLAN)})
+    x = torch.randn(1, rows, 24)
+    with torch.inference_mode():
+        expected = linear(x)
+        fastlinear.patch_linears(linear)
+        torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+        assert linear.weight._batchspec_packed is not None  # made once, kept with the weight
+    with torch.no_grad():
+        linear.weight.mul_(-2.0)
+    with torch.inference_mode():
+        got = linear(x)
+    torch.testing.assert_close(got, x @ linear.weight.T + linear.bias, rtol=1e-5, atol=1e-5)
+
+
+@packing
+def test_packed_plan_gives_way_where_gradients_are_needed(monkeypatch):
+    """The packed product has no backward: a product that needs gradients goes the usual way."""
+    linear = torch.nn.Linear(24, 40)
+    monkeypatch.setattr(fastlinear, "_PLANS",
+                        {(40, 24, torch.float32): (fastlinear.PACKED,) * len(
+                            fastlinear.DEFAULT_PLAN)})
+    fastlinear.patch_linears(linear)
+    x = torch.randn(3, 24, requires_grad=True)
+    linear(x).sum().backward()
+    torch.testing.assert_close(x.grad, linear.weight.sum(0).expand(3, 24))
+    assert linear.weight.grad is not None
+
+
+def test_a_stored_plan_of_another_format_is_timed_again(monkeypatch, tmp_path):
+    """Plans stored before the plan had its entry past MAX_ROWS are one entry short: timed anew
+    and rewritten, never read as they are."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 24))
+    store = tmp_path / "plans.json"
+    monkeypatch.setattr(fastlinear, "MIN_TIMED_BYTES", 0)
+    monkeypatch.setattr(fastlinear, "_PLANS", {})
+    name = f"{fastlinear._machine()} | 24x8 torch.float32"
+    store.write_text(json.dumps({name: [2] * fastlinear.MAX_ROWS}))
+    assert fastlinear.tune(model, store) == 1
+    assert len(json.loads(store.read_text())[name]) == fastlinear.MAX_ROWS + 1
