@@ -1,6 +1,14 @@
 """Draft kinds: each a draft the coordinator can ask for proposals (a model, the n-gram
 lookup), served by one or more replicas used one at a time, failing over in order."""
 
+# A draft asked before planning (a lookup) is asked every step while at least this share of
+# recent asks (an exponential average, DECAY per ask) had a row drafting with what it
+# offered; below, every IDLE_ASK_EVERY-th step, so it keeps gathering evidence. On prompts
+# it rarely matches, at large batches, that saves a command per step that no plan used.
+ASK_USE_FLOOR = 0.125
+ASK_USE_DECAY = 0.9
+IDLE_ASK_EVERY = 4
+
 
 class DraftKind:
     """One draft kind: its replicas and whether the current one is reachable.
@@ -19,10 +27,24 @@ class DraftKind:
         # seconds of its cheapest measured command (the order drafts are asked in a step)
         self.unit_cost = float("inf")
         self.name = self.replicas[0].address
+        self.ask_use = 1.0  # recent share of asks before planning that a plan drafted with
+        self.asks_skipped = 0  # steps since it was last asked before planning, while idle
 
     @property
     def client(self):
         return self.replicas[self.current]
+
+    def ask_due(self) -> bool:
+        """Whether to ask it before planning this step (called once per step)."""
+        if self.ask_use >= ASK_USE_FLOOR or self.asks_skipped + 1 >= IDLE_ASK_EVERY:
+            self.asks_skipped = 0
+            return True
+        self.asks_skipped += 1
+        return False
+
+    def asked(self, used: bool) -> None:
+        """Record whether the plan drafted any row with what it offered."""
+        self.ask_use = ASK_USE_DECAY * self.ask_use + (1 - ASK_USE_DECAY) * used
 
     def next_replica(self) -> None:
         self.current = (self.current + 1) % len(self.replicas)

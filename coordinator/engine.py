@@ -478,12 +478,18 @@ class Engine:
 
         Drafts that cost next to nothing (a lookup: the n-gram draft) are asked for every
         row before planning, so the plan knows which rows they have something for and
-        how much; what they offer costs nothing more to verify. Rows another draft proposed
+        how much; what they offer costs nothing more to verify. While plans seldom draft
+        with what one offers, it is asked only every few steps. Rows another draft proposed
         nothing for are planned again, among the drafts not called yet, before those are
         called; such a miss counts as a draft rejected at once."""
-        early, called = {}, set()
-        spent = []  # (Timing, round-trip seconds) of each draft call this step
-        for kind in self._asked_first():
+        first = self._asked_first()
+        # one not due this step (DraftKind.ask_due: plans seldom use its offers) sits it out,
+        # as if asked and offering nothing; never where a row samples (a seeded request's
+        # proposals must not depend on its group mates)
+        greedy = all(s.sampling.greedy for s in seqs)
+        called = {kind.index for kind in first if greedy and not kind.ask_due()}
+        early, spent = {}, []  # spent: (Timing, round-trip seconds) of each draft call
+        for kind in (kind for kind in first if kind.index not in called):
             # sampled rows too: a lookup's proposal depends on the sequence's tokens alone, so
             # a seeded request still repeats
             self._warm(kind, seqs)
@@ -521,6 +527,8 @@ class Engine:
                     misses.setdefault(i, []).append(kind.index)
                     missed = True
             spent += [(timing, seconds)] if timing is not None else []
+        for d in early:
+            self.kinds[d].asked(any(kind == d for kind, _ in drafted.values()))
         # _commit observes the kind a row ends with (its drafts, or its last miss); any
         # earlier miss is observed here
         asked = {i: drafted[i][0] if i in drafted else kinds[-1] for i, kinds in misses.items()}

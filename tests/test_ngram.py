@@ -4,6 +4,7 @@ import dataclasses
 import random
 import subprocess
 import sys
+import types
 from collections import Counter
 
 import pytest
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from batchspec import errors
 from batchspec.v1 import generate_pb2
+from coordinator import drafts as drafts_lib
 from coordinator import goodput
 from draft_service.ngram import NgramIndex, NgramStore
 
@@ -267,7 +269,9 @@ def test_an_offered_proposal_costs_nothing_more_and_counts_only_its_tokens():
         four.tokens_per_s * 2.0 / goodput.expected_tokens(0.9, 4))
 
 
-def test_the_lookup_is_asked_for_every_row_and_its_misses_are_no_rejections(model_dirs):
+def test_the_lookup_is_asked_for_every_row_and_its_misses_are_no_rejections(model_dirs,
+                                                                            monkeypatch):
+    monkeypatch.setattr(drafts_lib, "ASK_USE_FLOOR", 0.0)  # due every step (see below)
     target_dir, draft_dir = model_dirs["llama"]
     rng = random.Random(9)
     requests = [([rng.randrange(4, tiny_models.VOCAB) for _ in range(6)] * 4, 30)
@@ -307,3 +311,18 @@ def test_the_lookup_is_asked_for_every_row_and_its_misses_are_no_rejections(mode
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     for (prompt, max_new), (tokens, _) in zip(requests, results):
         assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
+
+
+def test_a_lookup_whose_offers_go_unused_is_asked_only_every_few_steps():
+    kind = drafts_lib.DraftKind(1, [types.SimpleNamespace(address="lookup:1")])
+    assert all(kind.ask_due() for _ in range(5))  # a fresh kind is asked every step
+    asks = 0
+    while kind.ask_use >= drafts_lib.ASK_USE_FLOOR:
+        assert kind.ask_due()
+        kind.asked(False)
+        asks += 1
+    assert asks > 10  # a run of unused asks, not one, makes it idle
+    due = [kind.ask_due() for _ in range(4 * drafts_lib.IDLE_ASK_EVERY)]
+    assert sum(due) == 4 and due[drafts_lib.IDLE_ASK_EVERY - 1]  # evidence keeps coming
+    kind.asked(True)  # one ask a plan drafted with: asked every step again
+    assert kind.ask_use >= drafts_lib.ASK_USE_FLOOR and all(kind.ask_due() for _ in range(5))
