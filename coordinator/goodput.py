@@ -60,15 +60,21 @@ class GoodputConfig:
     # once live timings flow, a step is plain when the target has run no plain step for this
     # many commands, so what every plan is weighed against is measured
     measure_plain_every: int = 128
+    # a cold row's prefill in a draft is charged to the step that picks it, spread over this
+    # many steps (it serves the steps after too): rows join a widened verify for the price
+    # of their prefill, not for free, so exploring with one row never prefills all of them
+    cold_horizon: int = 8
 
     def __post_init__(self):
         if not 1 <= self.max_k <= 32:
             raise ValueError("max_k must be in [1, 32]")
-        if min(self.explore_every, self.starve_every, self.measure_plain_every) < 1 \
+        if min(self.explore_every, self.starve_every, self.measure_plain_every,
+               self.cold_horizon) < 1 \
                 or not 0 < self.decay <= 1 or self.prior_weight <= 0 \
                 or not 0 < self.delivered_decay <= 1 or not 0 <= self.optimism < 1 \
                 or min(self.margin, self.explore_margin) < 0:
-            raise ValueError("explore_every, starve_every and measure_plain_every >= 1, decay "
+            raise ValueError("explore_every, starve_every, measure_plain_every and "
+                             "cold_horizon >= 1, decay "
                              "and delivered_decay in (0, 1], optimism in [0, 1), "
                              "prior_weight > 0, margins >= 0")
 
@@ -226,6 +232,7 @@ class Choice:
     catch_up: int = 1  # tokens that draft must be fed before proposing (>= 1)
     explore: bool = False  # not tried on this row for long: must draft this step
     cold: bool = False  # that draft holds nothing of the row yet (prefilled if picked)
+    prefill: int = 0  # tokens that prefill feeds (cold rows)
     # already proposed this step (a draft asked for every row before planning): its cost is
     # paid, and it has at most this many tokens to offer
     offered: int | None = None
@@ -318,16 +325,18 @@ class GoodputPolicy:
             return 1.0
         return min(1.5, max(0.25, got / hoped))
 
-    def choice(self, state: RowState, catch_up: int, kind: int, cold: bool = False) -> Choice:
+    def choice(self, state: RowState, catch_up: int, kind: int, cold: bool = False,
+               prefill: int = 0) -> Choice:
         """One row's standing with one kind (the rules: the module's docstring and
         GoodputConfig). Not forced but optimistic when idle, since forcing one row widens its
-        whole group's verify. cold: the draft holds nothing of the row yet; plan() lets at
-        most one cold row per kind explore, none if a held row does."""
+        whole group's verify. cold: the draft holds nothing of the row yet (picking it costs
+        a prefill of `prefill` tokens); plan() lets at most one cold row per kind explore,
+        none if a held row does."""
         short = self._means.get(kind, (0.0, 0.0))[1] < self.config.min_evidence
         starved = self._plans_since.get(kind, 0) >= self.config.starve_every
         acceptance = self.acceptance(state, kind)
         if cold:
-            return Choice(acceptance, 1, explore=short or starved, cold=True)
+            return Choice(acceptance, 1, explore=short or starved, cold=True, prefill=prefill)
         idle = state.idle_steps >= self.config.explore_every
         if idle:
             acceptance = max(acceptance, self.config.optimism)
@@ -402,7 +411,7 @@ class GoodputPolicy:
         verify_s = self.target.predict([(batch, 1 + k)])
         if k == 0 or not kinds:
             return Plan([0] * batch, batch / verify_s, [None] * batch)
-        pairs = []  # (required, gain, row, kind, catch_up)
+        pairs = []  # (required, gain, row, kind, catch_up, paid, prefill)
         for i, row in enumerate(rows):
             options = row.options()
             for d in kinds:
@@ -412,20 +421,26 @@ class GoodputPolicy:
                 required = row.forced_k is not None or c.explore
                 drafts = k if c.offered is None else min(k, c.offered)
                 gain = (expected_tokens(c.acceptance, drafts) - 1.0) * self.delivered(d)
-                pairs.append((required, gain, i, d, c.catch_up, c.offered is not None))
+                pairs.append((required, gain, i, d, c.catch_up, c.offered is not None,
+                              c.prefill if c.cold else 0))
         pairs.sort(key=lambda p: (not p[0], -p[1]))
         required = len({p[2] for p in pairs if p[0]})
-        counts, widths, draft_s = {}, {}, {}
+        counts, widths, draft_s, cold = {}, {}, {}, {}
         chosen, tokens, best = [], float(batch), None
-        for _, gain, i, d, catch_up, paid in pairs:
+        for _, gain, i, d, catch_up, paid, prefill in pairs:
             if any(i == j for j, _ in chosen):
                 continue
             chosen.append((i, d))
             tokens += gain
             counts[d] = counts.get(d, 0) + 1
             widths[d] = max(widths.get(d, 1), catch_up)
+            if prefill:  # (rows, longest prompt) of this kind's cold rows: one padded prefill
+                rows_cold, longest = cold.get(d, (0, 0))
+                cold[d] = (rows_cold + 1, max(longest, prefill))
             draft_s[d] = 0.0 if paid else \
-                self.drafts[d].predict(draft_calls(counts[d], widths[d], k))
+                self.drafts[d].predict(draft_calls(counts[d], widths[d], k)) \
+                + (self.drafts[d].predict([cold[d]]) / self.config.cold_horizon
+                   if d in cold else 0.0)
             rate = tokens / (verify_s + sum(draft_s.values()))
             if len(chosen) >= required and (best is None or rate > best[1]):
                 best = (len(chosen), rate)

@@ -372,6 +372,21 @@ def test_one_cold_row_explores_a_kind_starved_of_evidence():
     assert sum(k > 0 for k in p.plan([goodput.Row(choices=(starved,))] * 16).k) == 1
 
 
+def test_cold_rows_join_a_widened_verify_only_for_the_price_of_their_prefill():
+    """One row exploring widens a 32-row verify; the 31 rows the draft holds nothing of must
+    not all be prefilled to ride along for the one step (a 2-core CPU spent a second there),
+    unless they would pay for their prefill."""
+    p = policy(verify_per_token=0.002, verify_per_row_token=0.0002)
+    explorer = goodput.Row(choices=(goodput.Choice(0.45, explore=True),))
+
+    def drafting(acceptance, prefill):
+        cold = goodput.Row(choices=(goodput.Choice(acceptance, cold=True, prefill=prefill),))
+        return sum(k > 0 for k in p.plan([explorer] + [cold] * 31).k)
+    assert drafting(0.45, prefill=0) == 32  # were prefills free, all would join
+    assert drafting(0.45, prefill=200) == 1  # the explorer alone
+    assert drafting(0.95, prefill=200) == 32  # rows that pay for it still join
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_goodput_policy_over_grpc_is_exact(model_dirs, arch):
     """The default policy, with the costs the services measured at start-up."""
