@@ -14,16 +14,18 @@ The model of one step of a group of B rows, c of which draft K tokens:
   lookup's, deliver less than the geometric model says).
 The plan is the K and the set of drafting rows (those most likely to accept) with the most
 expected tokens per second. A row that has not drafted with a kind for long is planned at an
-optimistic acceptance for it (exploration), so an estimate never freezes at a value that
-turned K off; rows left idle draft together when enough of them would pay at that
-acceptance, so one widened verify buys the evidence of many. A kind with too little evidence
-over all rows must be tried. A row a draft holds nothing of yet ("cold": it is prefilled on
-first use) is priced as if the draft held it (the prefill is paid once, not per step); of
-cold rows, only one per kind at a time explores, and only when no row has drafted with that
-kind for long (or it lacks evidence), so exploring never buys a prefill per row, and no kind
-is starved of evidence. Evidence is bought only where it could change a plan: a kind is
-forced on no group where drafting would not clearly beat plain decoding even at that
-optimistic acceptance (wide verifies at their full price, as at large batches on a CPU).
+optimistic acceptance for it (exploration), so an estimate never freezes at a value that turned
+K off; rows left idle draft together when enough of them would pay at that acceptance, so one
+widened verify buys the evidence of many. A kind with too little evidence over all rows must be
+tried. A row a draft holds nothing of yet ("cold": it is prefilled on first use) is priced as if
+the draft held it (the prefill is paid once, not per step), but where a row must draft
+(exploring, or forced) and so widens the verify anyway, the cold rows riding along are charged
+their prefill spread over cold_horizon steps: they join only where they pay for it, never for
+free; of cold rows, only one per kind at a time explores, and only when no row has drafted with
+that kind for long (or it lacks evidence), so exploring never buys a prefill per row, and no
+kind is starved of evidence. Evidence is bought only where it could change a plan: a kind is
+forced on no group where drafting would not clearly beat plain decoding even at that optimistic
+acceptance (wide verifies at their full price, as at large batches on a CPU).
 
 Pure Python: the coordinator stays free of torch.
 """
@@ -60,9 +62,9 @@ class GoodputConfig:
     # once live timings flow, a step is plain when the target has run no plain step for this
     # many commands, so what every plan is weighed against is measured
     measure_plain_every: int = 128
-    # a cold row's prefill in a draft is charged to the step that picks it, spread over this
-    # many steps (it serves the steps after too): rows join a widened verify for the price
-    # of their prefill, not for free, so exploring with one row never prefills all of them
+    # cold rows joining a verify that a row forced to draft widens anyway are charged their
+    # prefill in the draft, spread over this many steps (it serves the steps after too): so
+    # one row exploring at a large batch never has the draft prefill all of them
     cold_horizon: int = 8
 
     def __post_init__(self):
@@ -434,7 +436,7 @@ class GoodputPolicy:
             tokens += gain
             counts[d] = counts.get(d, 0) + 1
             widths[d] = max(widths.get(d, 1), catch_up)
-            if prefill:  # (rows, longest prompt) of this kind's cold rows: one padded prefill
+            if prefill and required:  # riding on a verify forced wide: (rows, longest prompt)
                 rows_cold, longest = cold.get(d, (0, 0))
                 cold[d] = (rows_cold + 1, max(longest, prefill))
             draft_s[d] = 0.0 if paid else \

@@ -374,8 +374,8 @@ def test_one_cold_row_explores_a_kind_starved_of_evidence():
 
 def test_cold_rows_join_a_widened_verify_only_for_the_price_of_their_prefill():
     """One row exploring widens a 32-row verify; the 31 rows the draft holds nothing of must
-    not all be prefilled to ride along for the one step (a 2-core CPU spent a second there),
-    unless they would pay for their prefill."""
+    not all be prefilled to ride along (a 2-core CPU spent a second there, near the end of
+    the answers), unless they would pay for their prefill."""
     p = policy(verify_per_token=0.002, verify_per_row_token=0.0002)
     explorer = goodput.Row(choices=(goodput.Choice(0.45, explore=True),))
 
@@ -385,6 +385,10 @@ def test_cold_rows_join_a_widened_verify_only_for_the_price_of_their_prefill():
     assert drafting(0.45, prefill=0) == 32  # were prefills free, all would join
     assert drafting(0.45, prefill=200) == 1  # the explorer alone
     assert drafting(0.95, prefill=200) == 32  # rows that pay for it still join
+    # a lone row pays for widening its own verify: its prefill is priced as paid once (it
+    # serves the steps after), or a new request at batch 1 would seldom start drafting
+    lone = goodput.Row(choices=(goodput.Choice(0.5, cold=True, prefill=200),))
+    assert p.plan([lone]).k[0] > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
