@@ -18,10 +18,19 @@ def stop_children(children) -> None:
                 child.wait()
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now, and never one this process handed out before: the OS may
+    give a just-closed port again, and two services told the same port collide at start."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def wait_healthy(address: str, service: str, timeout: float, children=(),

@@ -378,7 +378,7 @@ class GrpcStack:
     def __init__(self, workload: Workload):
         from batchspec.processes import free_port, wait_healthy
 
-        self.procs = []
+        self.procs, self.logs = [], []
         self.ports = {role: free_port() for role in self.SERVICES}
         self.metrics = {role: free_port() for role in self.SERVICES}
         model_cmd = ["--model", workload.draft, "--dtype", workload.dtype] + (
@@ -389,13 +389,23 @@ class GrpcStack:
                                               "--dtype", workload.dtype]),
                 ("model", "draft_service", model_cmd),
                 ("ngram", "draft_service", ["--model", "ngram"])):
+            # its log kept, so a service that dies at start says why
+            log = tempfile.NamedTemporaryFile(prefix=f"batchspec-bench-{role}-", suffix=".log",
+                                              delete=False)
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", module, "--port", str(self.ports[role]),
                  "--metrics-port", str(self.metrics[role])] + extra,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                stdout=subprocess.DEVNULL, stderr=log))
+            log.close()
+            self.logs.append(log.name)
             name = "TargetService" if role == "target" else "DraftService"
-            wait_healthy(f"127.0.0.1:{self.ports[role]}", f"batchspec.v1.{name}", 600,
-                         self.procs)
+            try:
+                wait_healthy(f"127.0.0.1:{self.ports[role]}", f"batchspec.v1.{name}", 600,
+                             self.procs)
+            except RuntimeError as error:
+                tail = pathlib.Path(log.name).read_text(errors="replace")[-1500:]
+                raise RuntimeError(f"{error} (the {role} service; its log {log.name} "
+                                   f"ends:\n{tail})") from error
 
     @contextlib.contextmanager
     def coordinator(self, workload: Workload, batch_size: int, k: int,
@@ -471,6 +481,8 @@ class GrpcStack:
             proc.terminate()
         for proc in self.procs:
             proc.wait(timeout=30)
+        for log in self.logs:  # kept only when a service died at start (named in the error)
+            pathlib.Path(log).unlink(missing_ok=True)
 
 
 def scrape(port: int) -> dict:
