@@ -621,10 +621,9 @@ class Engine:
                 if not (i in drafted or kind.index not in called or tokens):
                     continue
                 # a cold row (the draft holds nothing of it) is prefilled there if picked
-                cold = state.cache_len is None
                 choice = self._policy.choice(state.spec, s.draft_append_need(kind.index),
-                                             kind.index, cold=cold,
-                                             prefill=s.committed_len - 1 if cold else 0)
+                                             kind.index, cold=state.cache_len is None,
+                                             prefill=s.committed_len - 1)
                 choices[kind.index] = dataclasses.replace(choice, offered=tokens) \
                     if tokens else choice
             forced_k, forced_kind = (None if s.sampling.greedy else max_k), up[0].index

@@ -332,8 +332,8 @@ class GoodputPolicy:
         """One row's standing with one kind (the rules: the module's docstring and
         GoodputConfig). Not forced but optimistic when idle, since forcing one row widens its
         whole group's verify. cold: the draft holds nothing of the row yet (picking it costs
-        a prefill of `prefill` tokens); plan() lets at most one cold row per kind explore,
-        none if a held row does."""
+        a prefill of `prefill` tokens, kept only then); plan() lets at most one cold row per
+        kind explore, none if a held row does."""
         short = self._means.get(kind, (0.0, 0.0))[1] < self.config.min_evidence
         starved = self._plans_since.get(kind, 0) >= self.config.starve_every
         acceptance = self.acceptance(state, kind)
