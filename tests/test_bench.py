@@ -112,6 +112,24 @@ def test_repeated_runs_report_the_median_run_and_exact_only_if_every_run_was():
     assert "tokens_per_s_runs" not in single and single["exact_match"] == 1.0
 
 
+def test_batch_one_ratios_are_taken_against_the_faster_of_the_two_batch_one_runs():
+    from batchspec.bench.run import add_ratios
+
+    rows = [{"method": "hf_batch1", "batch_size": 1, "tokens_per_s": 20.0},
+            {"method": "hf_batched", "batch_size": 1, "tokens_per_s": 25.0},
+            {"method": "hf_batched", "batch_size": 8, "tokens_per_s": 80.0},
+            {"method": "hf_stock_batch1", "batch_size": 1, "tokens_per_s": 16.0},
+            {"method": "grpc_router", "batch_size": 1, "tokens_per_s": 50.0},
+            {"method": "grpc_router", "batch_size": 8, "tokens_per_s": 100.0}]
+    add_ratios(rows)
+    router1, router8 = rows[4], rows[5]
+    assert router1["vs_batch1"] == 2.0  # 50 / 25, not 50 / 20
+    assert router1["vs_batched"] == 2.0 and router8["vs_batched"] == 1.25
+    assert router8["vs_batch1"] == 4.0
+    assert router1["vs_stock_batch1"] == 3.125  # no stock batched run: the one there is
+    assert "vs_stock_batched" not in router8
+
+
 @pytest.mark.slow
 def test_bench_repeats_the_sweep_in_turn(tmp_path):
     out = tmp_path / "report"
