@@ -10,8 +10,8 @@ same engine as gRPC, no extra hop.
   status of their kind: 400 bad input, 401 missing API key, 404 unknown model or path, 429
   queue full, 503 no target reachable.
 
-Requests are converted into a GenerateRequest and checked by the gRPC edge's `validate`, so
-both edges accept and refuse exactly the same things.
+Requests are converted into the requests part's `RequestInput` and checked by its `validate`,
+as the gRPC edge's are, so both edges accept and refuse exactly the same things.
 """
 import dataclasses
 import json
@@ -24,9 +24,8 @@ import uuid
 from aiohttp import web
 
 from batchspec import errors, security
-from batchspec.v1 import generate_pb2
+from coordinator.requests import Limits, RequestInput, stream_events, validate
 from coordinator.sequence import Finish
-from coordinator.servicer import Limits, stream_events, validate
 from coordinator.text import TextCodec
 
 log = logging.getLogger(__name__)
@@ -65,9 +64,9 @@ def error_response(status: int, message: str, param: str | None = None) -> web.R
 
 
 class HttpEdge:
-    def __init__(self, engine, limits: Limits, codec: TextCodec | None, models: ServedModels,
+    def __init__(self, router, limits: Limits, codec: TextCodec | None, models: ServedModels,
                  api_key: str | None = None):
-        self.engine = engine
+        self.router = router
         self.limits = limits
         self.codec = codec
         self.models = models
@@ -109,60 +108,54 @@ class HttpEdge:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
-        grpc_request = self._request(body)
-        grpc_request.messages.extend(chat_messages(body.get("messages")))
-        return await self._answer(request, body, grpc_request, chat=True)
+        given = self._request(body)
+        given = dataclasses.replace(given, messages=chat_messages(body.get("messages")))
+        return await self._answer(request, body, given, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
-        grpc_request = self._request(body)
+        given = self._request(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            grpc_request.prompt = prompt
+            given = dataclasses.replace(given, prompt=prompt)
         elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            grpc_request.prompt_token_ids.extend(prompt)
+            given = dataclasses.replace(given, prompt_token_ids=tuple(prompt))
         else:
             raise HttpError(400, "prompt must be a string, or a list of token ids", "prompt")
-        return await self._answer(request, body, grpc_request, chat=False)
+        return await self._answer(request, body, given, chat=False)
 
-    def _request(self, body: dict) -> generate_pb2.GenerateRequest:
-        """The sampling and length fields of an OpenAI request as a GenerateRequest."""
+    def _request(self, body: dict) -> RequestInput:
+        """The sampling and length fields of an OpenAI request."""
         model = body.get("model")
         if model not in (None, self.models.model_id, "batchspec"):
             raise HttpError(404, f"the model {model!r} is not served here; this server serves "
                                  f"{self.models.model_id!r}", "model")
         if body.get("n", 1) != 1:
             raise HttpError(400, "only n = 1 is supported", "n")
-        request = generate_pb2.GenerateRequest()
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        # 0: the default, which validate() sets once the prompt's length is known
-        request.max_new_tokens = 0 if max_tokens is None else number(
-            max_tokens, "max_tokens", int, 1)
-        # OpenAI samples at temperature 1 unless told otherwise
-        request.temperature = number(body.get("temperature", 1.0), "temperature", float, 0)
-        if body.get("top_p") is not None:
-            request.top_p = number(body["top_p"], "top_p", float, 0)
-        if body.get("top_k") is not None:  # an extension, as in vLLM
-            request.top_k = number(body["top_k"], "top_k", int, 0)
-        if body.get("seed") is not None:
-            request.seed = number(body["seed"], "seed", int, 0)
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
         if stop is not None and not (isinstance(stop, list)
                                      and all(isinstance(s, str) for s in stop)):
             raise HttpError(400, "stop must be a string or a list of strings", "stop")
-        request.stop.extend(stop or [])
-        return request
+        return RequestInput(
+            # 0: the default, which validate() sets once the prompt's length is known
+            max_new_tokens=0 if max_tokens is None else number(max_tokens, "max_tokens", int, 1),
+            # OpenAI samples at temperature 1 unless told otherwise
+            temperature=number(body.get("temperature", 1.0), "temperature", float, 0),
+            top_p=optional_number(body, "top_p", float),
+            top_k=optional_number(body, "top_k", int),  # an extension, as in vLLM
+            seed=optional_number(body, "seed", int), stop=tuple(stop or ()))
 
-    async def _answer(self, request: web.Request, body: dict,
-                      grpc_request: generate_pb2.GenerateRequest, chat: bool):
-        valid = validate(grpc_request, self.limits, self.codec,
+    async def _answer(self, request: web.Request, body: dict, given: RequestInput,
+                      chat: bool):
+        valid = validate(given, self.limits, self.codec,
                          default_max_new_tokens=DEFAULT_MAX_TOKENS)
         reply = Reply(self.models.model_id, chat, len(valid.prompt_token_ids))
-        events = stream_events(self.engine, valid, self.codec)
+        events = stream_events(self.router, valid, self.codec)
         try:
             if not body.get("stream"):
                 async for event in events:
@@ -276,8 +269,13 @@ def number(value, name: str, kind, minimum):
     return kind(value)
 
 
-def chat_messages(messages) -> list[generate_pb2.ChatMessage]:
-    """OpenAI chat messages (content a string, or a list of text parts) as ChatMessages."""
+def optional_number(body: dict, name: str, kind):
+    """body[name] checked as by number() with a minimum of 0; None when absent or null."""
+    return None if body.get(name) is None else number(body[name], name, kind, 0)
+
+
+def chat_messages(messages) -> tuple[tuple[str, str], ...]:
+    """OpenAI chat messages (content a string, or a list of text parts) as (role, content)."""
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, "messages must be a non-empty list", "messages")
     out = []
@@ -291,8 +289,8 @@ def chat_messages(messages) -> list[generate_pb2.ChatMessage]:
             content = "".join(p.get("text", "") for p in content)
         if not isinstance(content, str):
             raise HttpError(400, "each message needs a role and a content", "messages")
-        out.append(generate_pb2.ChatMessage(role=message["role"], content=content))
-    return out
+        out.append((message["role"], content))
+    return tuple(out)
 
 
 async def start(edge: HttpEdge, host: str, port: int, ssl=None):

@@ -3,53 +3,69 @@
 A sequence stays on the engine (and so the target replica and draft replica) that holds its
 caches. When a target replica is lost, its engine hands its requests to the live ones, which
 re-prefill them from the committed record; when it comes back it takes new work again.
+The router is built first and each engine receives it when built (`add` registers it).
 """
-import dataclasses
+import functools
+import operator
 import threading
 
 from batchspec import errors
-from coordinator.engine import Engine, EngineStats, RequestHandle
+from coordinator.engine import Engine
+from coordinator.requests import RequestHandle
+from coordinator.stats import EngineStats
+from coordinator.telemetry import Telemetry
 
 
 class Router:
-    def __init__(self, engines: list[Engine], max_queue: int, on_health=None):
-        if not engines:
-            raise ValueError("a router needs at least one engine")
-        self.engines = engines
+    def __init__(self, max_queue: int, telemetry: Telemetry | None = None):
+        self.engines: list[Engine] = []
         self.max_queue = max_queue
         self._lock = threading.Lock()
-        # on_health(bool): SERVING while some target is reachable. A lost draft only slows
-        # decoding (the engine decodes with the target alone, output unchanged), so a load
-        # balancer must keep sending work; the engine logs it and reconnects.
-        self.on_health = on_health or (lambda serving: None)
-        for engine in engines:
-            engine.handoff = self._handoff
-            engine.on_health = lambda _serving: self.on_health(self.healthy())
+        # told SERVING while some target is reachable, from start() on. A lost draft only
+        # slows decoding (the engine decodes with the target alone, output unchanged), so a
+        # load balancer must keep sending work; the engine logs it and reconnects.
+        self._on_health = None
+        if telemetry is not None:
+            telemetry.watch_queue(self.num_running, self.num_waiting)
+
+    def add(self, engine: Engine) -> Engine:
+        self.engines.append(engine)
+        return engine
 
     def healthy(self) -> bool:
         return any(e.target_up for e in self.engines)
 
+    def health_changed(self) -> None:
+        """An engine lost or regained a peer."""
+        if self._on_health is not None:
+            self._on_health(self.healthy())
+
     def submit(self, *args, **kwargs) -> RequestHandle:
+        """See RequestPool.submit; refused while too many wait over all engines."""
         with self._lock:
-            if sum(e.num_waiting() for e in self.engines) >= self.max_queue:
+            if self.num_waiting() >= self.max_queue:
                 raise errors.ResourceExhausted("too many requests wait already; retry later")
             live = [e for e in self.engines if e.target_up] or self.engines
-            engine = min(live, key=lambda e: e.load())
+            engine = min(live, key=lambda e: e.pool.load())
         return engine.submit(*args, **kwargs)
 
     def cancel(self, handle: RequestHandle) -> None:
         for engine in self.engines:
             engine.cancel(handle)
 
-    def _handoff(self, source: Engine, handles: list[RequestHandle]) -> bool:
-        live = [e for e in self.engines if e is not source and e.target_up]
+    def hand_off(self, source, handles: list[RequestHandle]) -> bool:
+        """Move `handles` from the engine whose peers are `source` to the live others;
+        False when there are none."""
+        live = [e for e in self.engines if e.peers is not source and e.target_up]
         if not live:
             return False
         for handle in handles:  # adopt() raises the adopter's load at once: this balances
-            min(live, key=lambda e: e.load()).adopt([handle])
+            min(live, key=lambda e: e.pool.load()).adopt([handle])
         return True
 
-    def start(self) -> None:
+    def start(self, on_health=None) -> None:
+        """Start every engine; on_health(serving: bool) is told whenever that changes."""
+        self._on_health = on_health
         for engine in self.engines:
             engine.start()
 
@@ -65,17 +81,12 @@ class Router:
         return any(e.stopping for e in self.engines)
 
     def num_running(self) -> int:
-        return sum(e.num_running() for e in self.engines)
+        return sum(e.pool.num_running() for e in self.engines)
 
     def num_waiting(self) -> int:
-        return sum(e.num_waiting() for e in self.engines)
+        return sum(e.pool.num_waiting() for e in self.engines)
 
     @property
     def stats(self) -> EngineStats:
         """Every engine's counters, added up."""
-        total = EngineStats()
-        for engine in self.engines:
-            for field in dataclasses.fields(EngineStats):
-                setattr(total, field.name,
-                        getattr(total, field.name) + getattr(engine.stats, field.name))
-        return total
+        return functools.reduce(operator.add, (e.stats for e in self.engines), EngineStats())

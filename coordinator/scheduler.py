@@ -15,15 +15,15 @@ always in the same row order. Invariants:
 import dataclasses
 from collections import defaultdict
 
-from coordinator.sequence import Sequence
+from coordinator.sequence import Sequence, mixed
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupPolicy:
-    batch_size: int = 32  # a step takes at most this many sequences (one cohort)
+class CohortPolicy:
+    batch_size: int = 32  # a cohort has at most this many sequences (one batch in the services)
     # False: no cohorts; every step takes the longest-waiting batch_size sequences, whatever
     # their lengths (the EQSPEC way, kept for comparison).
-    grouping: bool = True
+    cohorts: bool = True
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -31,26 +31,27 @@ class GroupPolicy:
 
 
 @dataclasses.dataclass(frozen=True)
-class Group:
+class Cohort:
+    """The sequences one step takes, in their row order."""
+
     sequences: list[Sequence]
-    mixed: bool  # rows have different committed lengths: the services must realign
+
+    @property
+    def mixed(self) -> bool:
+        return mixed(self.sequences)
 
 
-def pick_group(active: list[Sequence], policy: GroupPolicy, step: int) -> Group | None:
-    """The next group to step, or None when nothing is active. With grouping, places new
+def pick_cohort(active: list[Sequence], policy: CohortPolicy, step: int) -> Cohort | None:
+    """The next cohort to step, or None when nothing is active. With cohorts on, places new
     sequences into cohorts (sets `Sequence.cohort`)."""
     if not active:
         return None
-    if not policy.grouping:
+    if not policy.cohorts:
         by_age = sorted(active, key=lambda s: (s.last_step, s.seq_id))
-        return _group(by_age[:policy.batch_size])
+        return Cohort(by_age[:policy.batch_size])
     cohorts = _place(active, policy.batch_size)
     oldest = min(cohorts, key=lambda c: (min(s.last_step for s in c), c[0].seq_id))
-    return _group(oldest)
-
-
-def _group(sequences: list[Sequence]) -> Group:
-    return Group(sequences, mixed=len({s.committed_len for s in sequences}) > 1)
+    return Cohort(oldest)
 
 
 def _place(active: list[Sequence], batch_size: int) -> list[list[Sequence]]:

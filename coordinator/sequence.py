@@ -110,3 +110,9 @@ class Sequence:
     def draft_append_need(self, kind: int = 0) -> int:
         """Committed tokens draft `kind` must be fed before proposing (>= 1: the last one)."""
         return self.committed_len - min(self.drafts[kind].valid_len, self.committed_len - 1)
+
+
+def mixed(sequences: list[Sequence]) -> bool:
+    """Rows at different committed lengths: the services must realign them (copy their
+    caches into one padded batch) before a step; rows of one length never need it."""
+    return len({s.committed_len for s in sequences}) > 1

@@ -1,45 +1,25 @@
-"""gRPC edge of the coordinator: validates and converts the public API, streams events.
+"""gRPC edge of the coordinator: converts the public API to and from the requests part.
 The one module that converts between `batchspec.v1.generate` messages and engine records."""
 import asyncio
 import dataclasses
 import logging
-import math
-import random
 import time
 
 import grpc
 from google.protobuf import message
 
 from batchspec import errors
-from batchspec.params import SamplingParams
 from batchspec.v1 import generate_pb2, generate_pb2_grpc
-from coordinator.engine import Engine
+from coordinator.requests import Limits, RequestInput, stream_events, validate
 from coordinator.sequence import Finish
-from coordinator.text import TextCodec, TextStream
+from coordinator.text import TextCodec
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "batchspec.v1.Coordinator"
-MAX_STOP_STRINGS = 16
 
 _FINISH = {Finish.STOP: generate_pb2.FINISH_REASON_STOP,
            Finish.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
            Finish.STOP_STRING: generate_pb2.FINISH_REASON_STOP_STRING}
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    vocab_size: int
-    max_context_len: int
-    max_new_tokens: int = 4096
-
-
-@dataclasses.dataclass(frozen=True)
-class ValidRequest:
-    prompt_token_ids: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams
-    stop: list[str]
-    ignore_eos: bool
 
 
 class Undecodable(bytes):
@@ -67,132 +47,41 @@ def add_to_server(servicer, server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def validate(request: generate_pb2.GenerateRequest, limits: Limits,
-             codec: TextCodec | None, default_max_new_tokens: int | None = None) -> ValidRequest:
-    """Check a request; raises InvalidArgument saying what to fix. With
-    default_max_new_tokens, a max_new_tokens of 0 means that many, or what the context leaves
-    after the prompt if less (the HTTP edge's default); without, 0 is refused."""
-    bad = errors.InvalidArgument
+def to_input(request: generate_pb2.GenerateRequest) -> RequestInput:
+    """The request as the requests part reads it; undecodable bytes are refused here."""
     if isinstance(request, Undecodable):
-        raise bad(f"the request ({len(request)} bytes) does not parse as a "
-                  "batchspec.v1.GenerateRequest")
-    given = [name for name in ("prompt", "prompt_token_ids", "messages")
-             if getattr(request, name)]
-    if len(given) > 1:
-        raise bad(f"set one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
-    if (request.prompt or request.messages) and codec is None:
-        raise bad("this coordinator has no tokenizer: send prompt_token_ids, or start it "
-                  "with --tokenizer")
-    if request.messages:
-        prompt_ids = codec.encode_chat([(m.role, m.content) for m in request.messages])
-    elif request.prompt and request.chat and codec.chat_template is not None:
-        prompt_ids = codec.encode_chat([("user", request.prompt)])
-    elif request.prompt:
-        prompt_ids = codec.encode(request.prompt)
-    else:
-        prompt_ids = list(request.prompt_token_ids)
-    if not prompt_ids:
-        raise bad("the prompt is empty: send a non-empty prompt or prompt_token_ids")
-    outside = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
-    if outside:
-        raise bad(f"prompt_token_ids {outside[:5]} are outside the vocabulary "
-                  f"[0, {limits.vocab_size})")
-    max_new_tokens = request.max_new_tokens
-    if max_new_tokens == 0 and default_max_new_tokens is not None:
-        max_new_tokens = max(1, min(default_max_new_tokens, limits.max_new_tokens,
-                                    limits.max_context_len - len(prompt_ids)))
-    if max_new_tokens == 0:
-        raise bad("max_new_tokens must be >= 1")
-    if max_new_tokens > limits.max_new_tokens:
-        raise bad(f"max_new_tokens must be <= {limits.max_new_tokens}")
-    if len(prompt_ids) + max_new_tokens > limits.max_context_len:
-        raise bad(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
-                  f"({max_new_tokens}) exceeds the model's context of "
-                  f"{limits.max_context_len} tokens")
-    if request.stop and codec is None:
-        raise bad("stop strings need a tokenizer; this coordinator has none")
-    if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
-        raise bad(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
-    return ValidRequest(prompt_ids, max_new_tokens, to_sampling(request),
-                        list(request.stop), request.ignore_eos)
+        raise errors.InvalidArgument(f"the request ({len(request)} bytes) does not parse as a "
+                                     "batchspec.v1.GenerateRequest")
 
+    def optional(name):
+        return getattr(request, name) if request.HasField(name) else None
 
-def to_sampling(request: generate_pb2.GenerateRequest) -> SamplingParams:
-    bad = errors.InvalidArgument
-    temperature = request.temperature if request.HasField("temperature") else 0.0
-    if not math.isfinite(temperature) or temperature < 0:
-        raise bad(f"temperature must be a finite number >= 0, not {temperature}")
-    top_k = request.top_k if request.HasField("top_k") else 0
-    if top_k < 0:
-        raise bad(f"top_k must be >= 0 (0 means no limit), not {top_k}")
-    top_p = request.top_p if request.HasField("top_p") else 1.0
-    if not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise bad(f"top_p must be in (0, 1], not {top_p}")
-    seed = request.seed if request.HasField("seed") else random.getrandbits(63)
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-
-
-class LoopEvents:
-    """A request's event queue that the engine thread fills and an asyncio handler awaits:
-    `put` (any thread) hands the event to the event loop, which wakes the handler."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
-
-    def put(self, event) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-
-    async def get(self):
-        return await self._queue.get()
-
-
-async def stream_events(engine: Engine, valid: ValidRequest, codec: TextCodec | None, *,
-                        include_special_tokens: bool = False, deadline: float | None = None,
-                        on_admitted=None):
-    """Submit a valid request and yield its engine events until the one that finishes it;
-    raises the error that ends it. A consumer that stops early (the client went away)
-    cancels it, which frees its slot and caches at the next step. on_admitted(handle) is
-    called once it is queued (for the log line)."""
-    text = (TextStream(codec, valid.stop, skip_special_tokens=not include_special_tokens)
-            if codec else None)
-    events = LoopEvents(asyncio.get_running_loop())
-    handle = engine.submit(valid.prompt_token_ids, valid.max_new_tokens, valid.sampling,
-                           ignore_eos=valid.ignore_eos, deadline=deadline, text=text,
-                           events=events)
-    if on_admitted is not None:
-        on_admitted(handle)
-    finished = False
-    try:
-        while not finished:
-            event = await events.get()
-            if event.error is not None:
-                raise event.error
-            finished = event.finish is not None
-            yield event
-    finally:
-        if not finished:
-            engine.cancel(handle)
+    return RequestInput(
+        prompt=request.prompt, prompt_token_ids=tuple(request.prompt_token_ids),
+        messages=tuple((m.role, m.content) for m in request.messages), chat=request.chat,
+        max_new_tokens=request.max_new_tokens, temperature=optional("temperature"),
+        top_k=optional("top_k"), top_p=optional("top_p"), seed=optional("seed"),
+        stop=tuple(request.stop), ignore_eos=request.ignore_eos)
 
 
 class CoordinatorServicer(generate_pb2_grpc.CoordinatorServicer):
     """Generate on grpc.aio: an open stream is a suspended coroutine, not a thread, so the
     number of streams is bounded by admission (the pool and the queue), not by workers."""
 
-    def __init__(self, engine: Engine, limits: Limits, codec: TextCodec | None):
-        self.engine = engine
+    def __init__(self, router, limits: Limits, codec: TextCodec | None):
+        self.router = router
         self.limits = limits
         self.codec = codec
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         ending = Ending(request.request_id, time.monotonic())
         try:
-            valid = validate(request, self.limits, self.codec)
+            valid = validate(to_input(request), self.limits, self.codec)
             remaining = context.time_remaining()  # None when the client set no deadline
             if remaining is not None and remaining < 1e6:
                 ending.deadline = ending.started + remaining
             async for event in stream_events(
-                    self.engine, valid, self.codec,
+                    self.router, valid, self.codec,
                     include_special_tokens=request.include_special_tokens,
                     deadline=ending.deadline, on_admitted=ending.admitted):
                 response = generate_pb2.GenerateResponse(

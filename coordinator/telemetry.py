@@ -7,15 +7,12 @@ from batchspec.metrics import CoordinatorMetrics
 class Telemetry:
     def __init__(self, metrics: CoordinatorMetrics | None = None):
         self.metrics = metrics
-        # Several engines share one Telemetry: the gauges show the totals of this source.
-        self.source = None
 
-    def queue(self, running: int, waiting: int) -> None:
+    def watch_queue(self, num_running, num_waiting) -> None:
+        """The queue gauges read these functions (over every engine) when scraped."""
         if self.metrics:
-            if self.source is not None:
-                running, waiting = self.source.num_running(), self.source.num_waiting()
-            self.metrics.requests_running.set(running)
-            self.metrics.requests_waiting.set(waiting)
+            self.metrics.requests_running.set_function(num_running)
+            self.metrics.requests_waiting.set_function(num_waiting)
 
     def admitted(self, num_prompt_tokens: int) -> None:
         if self.metrics:

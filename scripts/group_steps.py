@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from batchspec.bench import run as bench
+from batchspec_tools.bench import run as bench
 from batchspec.runtime import kvcache
 from batchspec.runtime import runner as runner_lib
 from batchspec.server import parse_config

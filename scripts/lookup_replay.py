@@ -21,7 +21,7 @@ from draft_service.ngram import NgramConfig, NgramIndex  # noqa: E402
 def answers(prompts_file: str, count: int, max_new_tokens: int):
     import torch
 
-    from batchspec.data import bench_prompts
+    from batchspec_tools.data import bench_prompts
     from batchspec.runtime import fastlinear, models
 
     tokenizer = models.load_tokenizer("smollm2")

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from batchspec.data import read_jsonl
+from batchspec_tools.data import read_jsonl
 from batchspec.params import SamplingParams
 from batchspec.runtime import models
 

@@ -21,7 +21,7 @@ def load(name: str):
 
 
 def child(case: str, name: str, repeats: int) -> None:
-    from batchspec.drafting.evaluate import decode_step_seconds
+    from batchspec_tools.drafting.evaluate import decode_step_seconds
     from batchspec.runtime import compute
 
     if case == "same":

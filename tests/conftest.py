@@ -13,7 +13,7 @@ from batchspec.runtime import service  # noqa: E402
 from batchspec.v1 import draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc  # noqa: E402
 from coordinator import __main__ as coordinator_main  # noqa: E402
 from coordinator import scheduler  # noqa: E402
-from coordinator.engine import EngineConfig  # noqa: E402
+from coordinator.config import CoordinatorConfig, EngineConfig  # noqa: E402
 from draft_service.servicer import SERVICE_NAME as DRAFT_NAME  # noqa: E402
 from draft_service.servicer import DraftServicer
 from target_service.servicer import SERVICE_NAME as TARGET_NAME  # noqa: E402
@@ -34,7 +34,7 @@ class Stack:
     target_port: int
     draft_port: int
     port: int
-    engine: object
+    router: object  # coordinator.router.Router
     target_runner: object
     draft_runner: object
     target_server: object
@@ -101,9 +101,9 @@ def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, me
     # services share a CPU: every test through the services exercises it
     engine_kwargs.setdefault("overlap", "on")
     engine_config = EngineConfig(num_draft_tokens=num_draft_tokens,
-                                 policy=scheduler.GroupPolicy(batch_size=batch_size),
+                                 cohort_policy=scheduler.CohortPolicy(batch_size=batch_size),
                                  reconnect_backoff_s=(0.05, 0.5), **engine_kwargs)
-    config = coordinator_main.CoordinatorConfig(
+    config = CoordinatorConfig(
         targets=(f"127.0.0.1:{target_port}",),
         drafts=tuple(f"127.0.0.1:{port}" for _, port, _, _ in started), port=0,
         engine=engine_config, connect_timeout_s=10, metrics_port=metrics_port,
@@ -111,7 +111,7 @@ def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, me
         api_key_file=api_key_file)
     running = coordinator_main.start(config)
     try:
-        yield Stack(target_port, draft_port, running.port, running.engine, target_runner,
+        yield Stack(target_port, draft_port, running.port, running.router, target_runner,
                     draft_runner, target_server, draft_server, running.metrics_port,
                     [(server, port, runner) for server, port, _, runner in started],
                     running.http_port)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from batchspec.bench.run import GRPC_DRAFTS, METHODS, USES_BATCH, USES_K
+from batchspec_tools.bench.run import GRPC_DRAFTS, METHODS, USES_BATCH, USES_K
 
 
 @pytest.mark.slow
@@ -77,7 +77,7 @@ def test_bench_by_category_reports_each_draft_and_the_router_per_category(tmp_pa
 
 
 def test_poisson_arrivals_and_percentiles():
-    from batchspec.bench import arrivals
+    from batchspec_tools.bench import arrivals
 
     offsets = arrivals.poisson_offsets(rate=4.0, count=4000, seed=1)
     assert offsets == sorted(offsets)
@@ -89,7 +89,7 @@ def test_poisson_arrivals_and_percentiles():
 
 
 def test_bench_refuses_bad_load_settings_and_missing_prompts():
-    from batchspec.bench.run import BenchConfig
+    from batchspec_tools.bench.run import BenchConfig
 
     for bad in ({"arrival_rates": (0.0,)}, {"arrival_rates": (-1.0,)}, {"load_batch_size": 0},
                 {"prompts": "/no/such/prompts.jsonl"},
@@ -99,7 +99,7 @@ def test_bench_refuses_bad_load_settings_and_missing_prompts():
 
 
 def test_repeated_runs_report_the_median_run_and_exact_only_if_every_run_was():
-    from batchspec.bench.run import Run, summarise_runs
+    from batchspec_tools.bench.run import Run, summarise_runs
 
     reference = [[1, 2, 3], [4, 5]]
     runs = [Run(reference, seconds=2.0), Run(reference, seconds=5.0),
@@ -113,7 +113,7 @@ def test_repeated_runs_report_the_median_run_and_exact_only_if_every_run_was():
 
 
 def test_batch_one_ratios_are_taken_against_the_faster_of_the_two_batch_one_runs():
-    from batchspec.bench.run import add_ratios
+    from batchspec_tools.bench.run import add_ratios
 
     rows = [{"method": "hf_batch1", "batch_size": 1, "tokens_per_s": 20.0},
             {"method": "hf_batched", "batch_size": 1, "tokens_per_s": 25.0},

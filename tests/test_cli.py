@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from batchspec import cli, cliargs
-from batchspec.processes import free_port
+from batchspec import cliargs
+from batchspec_tools import cli
+from batchspec_tools.processes import free_port
 from batchspec.runtime import service
 
 
@@ -19,10 +20,10 @@ def all_parsers() -> dict[str, argparse.ArgumentParser]:
     service.add_service_arguments(service_parser, 0)
     parsers = {"serve": cli.serve_parser(), "generate": cli.generate_parser(),
                "coordinator": coordinator_main.build_parser(), "target/draft": service_parser}
-    for name, module in (("bench", "batchspec.bench.run"),
-                         ("distill", "batchspec.drafting.distill"),
-                         ("evaluate-draft", "batchspec.drafting.evaluate"),
-                         ("loadtest", "batchspec.bench.loadtest")):
+    for name, module in (("bench", "batchspec_tools.bench.run"),
+                         ("distill", "batchspec_tools.drafting.distill"),
+                         ("evaluate-draft", "batchspec_tools.drafting.evaluate"),
+                         ("loadtest", "batchspec_tools.bench.loadtest")):
         parsers[name] = importlib.import_module(module).build_parser()
     return parsers
 
@@ -40,8 +41,43 @@ def test_every_flag_has_help_that_shows_its_default(name):
             assert "default" in action.help or shown in text, (name, action.option_strings)
 
 
+def test_serve_passes_the_coordinator_its_own_flags_with_their_values():
+    """A coordinator flag `serve` takes is the coordinator's declaration itself: same name,
+    same default, and what serve forwards parses back to the values serve was given."""
+    import coordinator.__main__ as coordinator_main
+    from coordinator import config
+
+    serve, coordinator = cli.serve_parser(), coordinator_main.build_parser()
+    defaults = serve.parse_args([])
+    base = ["--target", "127.0.0.1:1"]
+    for flag in cli.serve_flags():
+        assert getattr(defaults, flag.dest) == getattr(coordinator.parse_args(base), flag.dest)
+    given = serve.parse_args(["-k", "6", "--batch-size", "5", "--draft-policy", "fixed",
+                              "--max-queue", "7", "--min-draft-confidence", "0.25"])
+    forwarded = coordinator.parse_args(base + config.forward(given, cli.serve_flags()))
+    assert (forwarded.num_draft_tokens, forwarded.batch_size, forwarded.draft_policy,
+            forwarded.max_queue, forwarded.min_draft_confidence) == (6, 5, "fixed", 7, 0.25)
+    assert config.engine_config_from_args(forwarded) == config.engine_config_from_args(given)
+
+
+def test_coordinator_flag_defaults_are_the_config_defaults():
+    """Defaults are declared once, in the config dataclasses: parsing no flags builds the
+    same config as the dataclasses' own defaults."""
+    import coordinator.__main__ as coordinator_main
+    from coordinator import config
+
+    args = coordinator_main.build_parser().parse_args(["--target", "127.0.0.1:1"])
+    assert config.config_from_args(args) == config.CoordinatorConfig(targets=("127.0.0.1:1",))
+
+
+def test_serve_refuses_a_bad_coordinator_value_before_starting_anything(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.serve(["--draft-model", "none", "-k", "0"])
+    assert exit_.value.code == 2 and "num_draft_tokens" in capsys.readouterr().err
+
+
 def run(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "batchspec", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "batchspec_tools", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -10,7 +10,9 @@ import pytest
 from batchspec import errors
 from coordinator import scheduler
 from coordinator.clients import ModelInfo
-from coordinator.engine import Engine, EngineConfig
+from coordinator.config import EngineConfig
+from coordinator.engine import Engine
+from coordinator.peers import Peers
 from coordinator.router import Router
 from coordinator.sequence import DraftState, Finish, Sequence
 
@@ -54,7 +56,7 @@ def ids(group):
 
 def step_round(active, policy, step):
     """Pick a group and advance it as the engine would (one token each, this step)."""
-    group = scheduler.pick_group(active, policy, step)
+    group = scheduler.pick_cohort(active, policy, step)
     for s in group.sequences:
         s.token_ids.append(50)
         s.last_step = step
@@ -63,18 +65,18 @@ def step_round(active, policy, step):
 
 def test_new_sequences_form_cohorts_of_equal_length_first():
     active = [seq(1, 5), seq(2, 7), seq(3, 7), seq(4, 9), seq(5, 7), seq(6, 7), seq(7, 6)]
-    group = scheduler.pick_group(active, scheduler.GroupPolicy(batch_size=4), step=1)
+    group = scheduler.pick_cohort(active, scheduler.CohortPolicy(batch_size=4), step=1)
     assert ids(group) == [1, 4, 7] and group.mixed  # the leftovers, holding the lowest id
     sevens = {s.cohort for s in active if s.committed_len == 7}
     assert len(sevens) == 1 and sevens.isdisjoint({s.cohort for s in group.sequences})
     for s in group.sequences:
         s.last_step = 1
-    group = scheduler.pick_group(active, scheduler.GroupPolicy(batch_size=4), step=2)
+    group = scheduler.pick_cohort(active, scheduler.CohortPolicy(batch_size=4), step=2)
     assert ids(group) == [2, 3, 5, 6] and not group.mixed  # the four of length 7 (EXSPEC)
 
 
 def test_a_cohort_keeps_its_rows_and_order_while_lengths_diverge():
-    policy = scheduler.GroupPolicy(batch_size=3)
+    policy = scheduler.CohortPolicy(batch_size=3)
     active = [seq(i, 6) for i in range(1, 7)]
     seen = []
     for step in range(1, 9):
@@ -82,11 +84,11 @@ def test_a_cohort_keeps_its_rows_and_order_while_lengths_diverge():
         seen.append(ids(group))
         group.sequences[0].token_ids.append(51)  # it accepted one token more than the others
     assert seen[0::2] == [[1, 2, 3]] * 4 and seen[1::2] == [[4, 5, 6]] * 4  # turns, unchanged
-    assert scheduler.pick_group(active, policy, 9).mixed  # different lengths, same rows
+    assert scheduler.pick_cohort(active, policy, 9).mixed  # different lengths, same rows
 
 
 def test_cohorts_take_turns_so_none_waits_longer_than_a_round():
-    policy = scheduler.GroupPolicy(batch_size=4)
+    policy = scheduler.CohortPolicy(batch_size=4)
     active = [seq(i, 4 + i % 5) for i in range(1, 21)]
     last = {}
     for step in range(1, 31):
@@ -98,22 +100,22 @@ def test_cohorts_take_turns_so_none_waits_longer_than_a_round():
 
 
 def test_short_cohorts_merge_and_newcomers_fill_them():
-    policy = scheduler.GroupPolicy(batch_size=4)
+    policy = scheduler.CohortPolicy(batch_size=4)
     active = [seq(i, 6) for i in range(1, 9)]
-    scheduler.pick_group(active, policy, 1)
+    scheduler.pick_cohort(active, policy, 1)
     assert len({s.cohort for s in active}) == 2
     active = [s for s in active if s.seq_id not in (1, 2, 7)]  # finished: both cohorts short
-    group = scheduler.pick_group(active, policy, 2)
+    group = scheduler.pick_cohort(active, policy, 2)
     assert len({s.cohort for s in active}) == 2 and len(group.sequences) == 4
     active.append(seq(9, 6))  # an arrival joins the short cohort
-    scheduler.pick_group(active, policy, 3)
+    scheduler.pick_cohort(active, policy, 3)
     sizes = sorted(sum(s.cohort == c for s in active) for c in {s.cohort for s in active})
     assert sizes == [2, 4]
 
 
-def test_without_grouping_the_longest_waiting_go_first():
+def test_without_cohorts_the_longest_waiting_go_first():
     active = [seq(1, 5, last_step=3), seq(2, 6, last_step=1), seq(3, 7, last_step=2)]
-    group = scheduler.pick_group(active, scheduler.GroupPolicy(batch_size=2, grouping=False),
+    group = scheduler.pick_cohort(active, scheduler.CohortPolicy(batch_size=2, cohorts=False),
                                  step=4)
     assert ids(group) == [2, 3] and group.mixed
 
@@ -162,21 +164,27 @@ def test_a_hung_service_is_probed_off_the_engine_thread():
     target, draft = FakeService("target"), FakeService("draft")
     target.answering.set()
     health = []
-    engine = Engine(target, [[draft]], EngineConfig(reconnect_backoff_s=(0.0, 0.0)), [3])
-    router = Router([engine], max_queue=4, on_health=health.append)
-    engine._draft_lost(engine.kinds[0], "the draft stopped answering")
-    assert health == [True] and router.healthy()  # still serving, with the target alone
-    started = time.monotonic()
-    for _ in range(5):
-        assert engine._ensure_services()  # the target is up: decoding goes on
-        assert not engine.draft_up
-    assert time.monotonic() - started < 1.0  # the probe left hanging blocked nothing
-    draft.answering.set()
-    end = time.monotonic() + 5
-    while not engine.draft_up and time.monotonic() < end:
-        engine._ensure_services()
-        time.sleep(0.01)
-    assert engine.draft_up  # it answers again: reconnected
+    router = Router(max_queue=4)
+    engine = router.add(Engine(target, [[draft]], EngineConfig(reconnect_backoff_s=(0.0, 0.0)),
+                               [3], router=router))
+    router.start(on_health=health.append)
+    peers = engine.peers
+    try:
+        peers.draft_lost(peers.kinds[0], "the draft stopped answering")
+        assert health == [True] and router.healthy()  # still serving, with the target alone
+        started = time.monotonic()
+        for _ in range(5):
+            assert peers.ensure()  # the target is up: decoding goes on
+            assert not peers.draft_up
+        assert time.monotonic() - started < 1.0  # the probe left hanging blocked nothing
+        draft.answering.set()
+        end = time.monotonic() + 5
+        while not peers.draft_up and time.monotonic() < end:
+            peers.ensure()
+            time.sleep(0.01)
+        assert peers.draft_up  # it answers again: reconnected
+    finally:
+        router.stop()
 
 
 class HoldingService(FakeService):
@@ -196,14 +204,14 @@ class HoldingService(FakeService):
 
 
 def test_stale_sequences_are_released_in_one_command_or_one_by_one():
-    engine = Engine(FakeService("target"), [], EngineConfig(), [3])
+    forget_stale = Peers.forget_stale
     service = HoldingService({1, 2, 3, 9})
-    engine._forget_stale(service, {1, 2, 3})
+    forget_stale(service, {1, 2, 3})
     assert service.releases == [[1, 2, 3]] and service.held == {9}
     service = HoldingService({1, 3, 9})  # 2 is gone already: the rest one by one
-    engine._forget_stale(service, {1, 2, 3})
+    forget_stale(service, {1, 2, 3})
     assert service.releases == [[1, 2, 3], [1], [2], [3]] and service.held == {9}
-    engine._forget_stale(service, set())
+    forget_stale(service, set())
     assert len(service.releases) == 4  # nothing to release, no command
 
 
@@ -220,18 +228,19 @@ def test_admission_and_resync_prefill_in_bounded_commands():
     engine = Engine(target, [[draft]], EngineConfig(max_prefill_tokens=10), [3])
     for length in (5, 5, 5, 30):  # prefixes of 4 tokens, and one of 29
         engine.submit(list(range(10, 10 + length)), 4)
+    pool, peers = engine.pool, engine.peers
     engine._admit()
-    assert target.prefills == [[4, 4]] and engine.num_running() == 2 and engine.num_waiting() == 2
+    assert target.prefills == [[4, 4]] and pool.num_running() == 2 and pool.num_waiting() == 2
     assert draft.prefills == []  # a draft is prefilled with a row when a step first picks it
     engine._admit()
     engine._admit()
-    assert target.prefills == [[4, 4], [4], [29]] and engine.num_running() == 4
+    assert target.prefills == [[4, 4], [4], [29]] and pool.num_running() == 4
     target.prefills.clear()
-    engine._resync_target()  # after a restart: the same bounded runs
+    peers._resync_target()  # after a restart: the same bounded runs
     assert target.prefills == [[4, 4], [4], [29]]
-    seqs = [h.seq for h in engine._active.values()]
-    engine._warm(engine.kinds[0], seqs[:2])
-    engine._warm(engine.kinds[0], seqs)  # only the rows it holds nothing of yet
+    seqs = pool.active_sequences()
+    peers.warm(peers.kinds[0], seqs[:2])
+    peers.warm(peers.kinds[0], seqs)  # only the rows it holds nothing of yet
     assert draft.prefills == [[4, 4], [4], [29]]
     assert all(s.drafts[0].cache_len == s.drafts[0].valid_len == s.committed_len - 1
                for s in seqs)
@@ -252,6 +261,7 @@ def test_a_flag_value_the_config_refuses_is_a_usage_error_not_a_traceback(capsys
 
 @pytest.mark.slow
 def test_coordinator_does_not_import_torch():
-    code = ("import sys, coordinator.__main__, coordinator.engine, coordinator.servicer; "
+    code = ("import sys, coordinator.__main__, coordinator.engine, coordinator.servicer, "
+            "coordinator.http; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -14,10 +14,11 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from batchspec.metrics import scrape
-from batchspec.processes import free_port, wait_healthy
+from batchspec_tools.processes import free_port, wait_healthy
 from batchspec.runtime import service
 from batchspec.v1 import generate_pb2_grpc
 from coordinator import __main__ as coordinator_main
+from coordinator.config import split_addresses
 
 import tiny_models
 from test_e2e import batchspec_command
@@ -112,8 +113,7 @@ def test_compose_services_gpus_health_and_wiring(files):
     args = coordinator_main.build_parser().parse_args(coordinator["command"][2:])
     assert coordinator["ports"] == [f"50051:{args.port}"]
     check_healthcheck(coordinator, args.port, SERVICE_NAMES["coordinator"])
-    peers = coordinator_main.split_addresses(args.target) + coordinator_main.split_addresses(
-        args.draft)
+    peers = split_addresses(args.target) + split_addresses(args.draft)
     assert sorted(h for h, _ in (p.split(":") for p in peers)) == sorted(model_services)
     for peer in peers:
         host, port = peer.split(":")
@@ -156,7 +156,7 @@ def test_only_the_coordinator_publishes_a_port(files):
 
 
 def test_tls_override_turns_on_tls_mutual_tls_and_the_api_key_everywhere():
-    from batchspec.cli import add_client_tls_arguments
+    from batchspec_tools.cli import add_client_tls_arguments
 
     services = load_compose("compose.yaml", "compose.tls.yaml")["services"]
     for name in ("target", "draft", "draft-ngram"):

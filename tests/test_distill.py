@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from batchspec.data import train_prompts
+from batchspec_tools.data import train_prompts
 from batchspec.runtime import draft_model, models, tiny
 from batchspec.runtime import runner as runner_lib
 
@@ -74,7 +74,7 @@ def test_distill_shows_progress_resumes_and_records(tiny_target, tmp_path):
     assert torch.isinf(logits).sum() == tiny.VOCAB - len(vocab)
 
     # evaluate-draft --training-data: agreement on the draft's own training answers
-    from batchspec.drafting import evaluate as draft_eval
+    from batchspec_tools.drafting import evaluate as draft_eval
 
     rows = [json.loads(line) for line in (out / "data.jsonl").read_text().splitlines()]
     pairs = draft_eval.training_pairs(str(out), max_new_tokens=3, every=5)
@@ -95,7 +95,7 @@ def test_distill_shows_progress_resumes_and_records(tiny_target, tmp_path):
 
 
 def test_training_prompts_grow_by_appending_and_never_include_a_benchmark_prompt():
-    from batchspec.data import bench_prompts, train_prompts
+    from batchspec_tools.data import bench_prompts, train_prompts
 
     first = train_prompts.training_prompts(1440)
     grown = train_prompts.training_prompts(3440)
@@ -110,7 +110,7 @@ def test_training_prompts_grow_by_appending_and_never_include_a_benchmark_prompt
 
 
 def test_distill_config_rejects_an_unknown_device():
-    from batchspec.drafting.distill import DistillConfig
+    from batchspec_tools.drafting.distill import DistillConfig
 
     with pytest.raises(ValueError, match="torch device"):
         DistillConfig(device="gpu0")

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from transformers import AutoModelForCausalLM
 
-from batchspec.processes import free_port, wait_healthy
+from batchspec_tools.processes import free_port, wait_healthy
 from batchspec.v1 import generate_pb2_grpc
 
 import tiny_models

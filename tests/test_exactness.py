@@ -54,7 +54,7 @@ def test_greedy_output_is_the_targets_own(model_dirs, references, arch, batch_si
     with running_stack(target_dir, draft_dir, batch_size=batch_size,
                        num_draft_tokens=num_draft_tokens) as stack:
         results = generate_all(stack.stub(), requests)
-        assert stack.engine.stats.num_steps > 0
+        assert stack.router.stats.num_steps > 0
         # released just after the last tokens are streamed
         assert wait_for(lambda: not stack.target_runner.caches and not stack.draft_runner.caches)
     mismatches = [i for i, ((prompt, max_new), (tokens, _)) in enumerate(zip(requests, results))
@@ -94,7 +94,7 @@ def test_both_grouped_and_realigned_steps_happen_and_stay_exact(model_dirs, refe
     target_dir, draft_dir = model_dirs["gpt2"]
     with running_stack(target_dir, draft_dir, batch_size=6, num_draft_tokens=3) as stack:
         results = generate_all(stack.stub(), requests)
-        stats = stack.engine.stats
+        stats = stack.router.stats
     assert stats.num_grouped_steps > 0 and stats.num_realigned_steps > 0
     assert all(tokens == references("gpt2", p, m) for (p, m), (tokens, _) in zip(requests, results))
 

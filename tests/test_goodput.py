@@ -7,11 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchspec.bench.inprocess import InProcessDraft, InProcessTarget
+from batchspec_tools.bench.inprocess import InProcessDraft, InProcessTarget
 from batchspec.runtime import runner as runner_lib
 from coordinator import goodput
-from coordinator.engine import Engine, EngineConfig
-from coordinator.scheduler import GroupPolicy
+from coordinator.config import EngineConfig
+from coordinator.engine import Engine
+from coordinator.scheduler import CohortPolicy
 
 import tiny_models
 from conftest import running_stack
@@ -271,16 +272,15 @@ def engine_for(target_dir, draft_dir, script, batch_size, **config):
                for m, d in zip(loaded, (target_dir, draft_dir))]
     engine = Engine(InProcessTarget(runners[0], "target"), [[InProcessDraft(runners[1], "draft")]],
                     EngineConfig(num_draft_tokens=4,
-                                 policy=GroupPolicy(batch_size=batch_size),
+                                 cohort_policy=CohortPolicy(batch_size=batch_size),
                                  max_num_seqs=64, max_queue=64, **config),
-                    eos)
-    engine._policy = Scripted(script)
+                    eos, policy=Scripted(script))
     return engine, runners
 
 
 def run_all(engine, requests, ignore_eos=False):
     handles = [engine.submit(p, m, ignore_eos=ignore_eos) for p, m in requests]
-    while engine.load():
+    while engine.pool.load():
         engine.step()
     out = []
     for handle in handles:
@@ -399,7 +399,7 @@ def test_goodput_policy_over_grpc_is_exact(model_dirs, arch):
     with running_stack(target_dir, draft_dir, batch_size=8, num_draft_tokens=4,
                        draft_policy="goodput") as stack:
         results = generate_all(stack.stub(), requests)
-        assert stack.engine.engines[0]._policy.calibrated
+        assert stack.router.engines[0].drafter.policy.calibrated
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     for (prompt, max_new), (tokens, _) in zip(requests, results):
         assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
@@ -436,13 +436,13 @@ def test_overlapped_pipeline_survives_a_draft_lost_mid_proposal(model_dirs, arch
     target_dir, draft_dir = model_dirs[arch]
     engine, runners = engine_for(target_dir, draft_dir, lambda step, batch: [3] * batch,
                                  batch_size=2, overlap="on", reconnect_backoff_s=(0.0, 0.0))
-    engine.kinds[0].replicas = [FlakyDraft(runners[1], lose_at={4, 9, 15})]
+    engine.peers.kinds[0].replicas = [FlakyDraft(runners[1], lose_at={4, 9, 15})]
     requests = random_requests(seed=23, count=10)
     outputs, handles = run_all(engine, requests)
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     for (prompt, max_new), tokens in zip(requests, outputs):
         assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
-    assert engine.kinds[0].client.calls > 15  # lost three times, back each time
+    assert engine.peers.kinds[0].client.calls > 15  # lost three times, back each time
     assert engine.stats.num_overlapped_steps > 10
     assert engine.stats.num_draft_fallback_steps > 0
     assert not runners[0].caches and not runners[1].caches
@@ -451,11 +451,12 @@ def test_overlapped_pipeline_survives_a_draft_lost_mid_proposal(model_dirs, arch
 def test_overlap_auto_is_off_when_both_services_share_the_cpu(model_dirs):
     target_dir, draft_dir = model_dirs["llama"]
     engine, _ = engine_for(target_dir, draft_dir, lambda step, batch: [1] * batch, batch_size=1)
-    assert engine.config.overlap == "auto" and not engine._overlap()
-    gpu = dataclasses.replace(engine.target.describe(), device="cuda:0")
-    engine.target.describe = lambda timeout=0.0: gpu
-    engine._overlapping = None
-    assert engine._overlap()
+    engine.configure()
+    assert engine.config.overlap == "auto" and not engine.overlapping()
+    gpu = dataclasses.replace(engine.peers.target.describe(), device="cuda:0")
+    engine.peers.target.describe = lambda timeout=0.0: gpu
+    engine.configure()
+    assert engine.overlapping()
 
 
 def test_a_calibration_wrong_in_its_slope_is_corrected_per_command_size():

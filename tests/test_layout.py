@@ -1,6 +1,9 @@
-"""The package layout keeps its layers: no import cycle between modules or packages, and the
-coordinator and the shared basics never reach the torch runtime. Imports inside functions
-count too: a lazy import is still a dependency."""
+"""The package layout keeps its floors, read top-down: the tools (`batchspec_tools`: the CLI,
+the benchmark, draft training) drive the three processes (`coordinator`, `draft_service`,
+`target_service`), which stand on what every process shares (`batchspec`, with the model
+runtime in `batchspec.runtime`). Nothing imports a floor above its own, there is no import
+cycle, and the coordinator and the shared basics never reach the torch runtime. Imports inside
+functions count too: a lazy import is still a dependency."""
 import ast
 import importlib.metadata
 import pathlib
@@ -10,21 +13,26 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FIRST_PARTY = ("batchspec", "coordinator", "draft_service", "target_service")
-SUBPACKAGES = ("runtime", "drafting", "bench", "data")
+FIRST_PARTY = ("batchspec", "batchspec_tools", "coordinator", "draft_service", "target_service")
+SUBPACKAGES = {"batchspec": ("runtime",), "batchspec_tools": ("drafting", "bench", "data")}
+SHARED = ("batchspec", "batchspec.runtime")
+PROCESSES = ("coordinator", "draft_service", "target_service")
 
 # What each package may import (besides itself). Anything else is a layering error.
 ALLOWED = {
-    "batchspec": set(),  # the shared basics: errors, params, server, security, metrics, ...
-    "batchspec.data": {"batchspec"},
+    # the shared floor: errors, params, server, security, metrics, ...; the model runtime
+    "batchspec": set(),
     "batchspec.runtime": {"batchspec"},
+    # the processes
     "coordinator": {"batchspec"},
     "target_service": {"batchspec", "batchspec.runtime"},
     "draft_service": {"batchspec", "batchspec.runtime"},
-    "batchspec.drafting": {"batchspec", "batchspec.data", "batchspec.runtime"},
-    "batchspec.bench": {"batchspec", "batchspec.data", "batchspec.runtime", "coordinator",
-                        "draft_service", "target_service"},
-    "batchspec.cli": {"batchspec", "batchspec.runtime", "coordinator"},
+    # the tools
+    "batchspec_tools.data": set(),
+    "batchspec_tools": {"batchspec", "batchspec.runtime", "coordinator"},
+    "batchspec_tools.drafting": {"batchspec", "batchspec_tools.data", "batchspec.runtime"},
+    "batchspec_tools.bench": {"batchspec", "batchspec_tools", "batchspec_tools.data",
+                              "batchspec.runtime", *PROCESSES},
 }
 
 
@@ -48,7 +56,9 @@ def imports(path: pathlib.Path, known: set[str]) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         names = []
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+            # `from pkg import mod` depends on mod (and pkg's __init__, which for every package
+            # here is a docstring or imports only within its own package)
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         for name in names:
@@ -63,13 +73,9 @@ def imports(path: pathlib.Path, known: set[str]) -> set[str]:
 
 def package_of(module: str) -> str:
     parts = module.split(".")
-    if parts[0] != "batchspec":
-        return parts[0]
-    if len(parts) > 1 and parts[1] in SUBPACKAGES:
-        return f"batchspec.{parts[1]}"
-    if len(parts) > 1 and parts[1] in ("cli", "__main__"):
-        return "batchspec.cli"
-    return "batchspec"
+    if len(parts) > 1 and parts[1] in SUBPACKAGES.get(parts[0], ()):
+        return f"{parts[0]}.{parts[1]}"
+    return parts[0]
 
 
 def graph() -> dict[str, set[str]]:
@@ -109,6 +115,13 @@ def test_the_graph_sees_real_imports():
 
 def test_no_module_imports_itself_back():
     assert find_cycle(graph()) is None
+
+
+def test_the_shared_floor_imports_no_process_and_no_tool():
+    upward = [f"{module} -> {target}" for module, targets in graph().items()
+              if package_of(module) in SHARED for target in targets
+              if package_of(target) not in SHARED]
+    assert not upward, upward
 
 
 def test_packages_keep_their_layers():
@@ -156,16 +169,17 @@ def requirement_names(path: pathlib.Path) -> set[str]:
 
 def test_the_coordinator_requirement_set_covers_its_imports_and_holds_no_torch():
     """requirements/coordinator.txt installs the coordinator alone: every third-party module
-    that the coordinator, the shared basics, the generated code and the CLI's entry module
+    that the coordinator, the shared basics, the generated code and the CLI's entry modules
     import at all is provided by a distribution it lists, and it lists no model runtime."""
     listed = requirement_names(ROOT / "requirements" / "coordinator.txt")
     assert not listed & {"torch", "transformers", "numpy", "safetensors", "accelerate"}
     paths = [*(ROOT / "coordinator").rglob("*.py"), *(ROOT / "batchspec" / "v1").rglob("*.py"),
-             *(p for p in (ROOT / "batchspec").glob("*.py") if p.name != "cli.py")]
+             *(ROOT / "batchspec").glob("*.py")]
     used = set().union(*map(imported_anywhere, paths))
-    # the CLI's entry module: only what it imports at module level (its commands import
+    # the CLI's entry modules: only what they import at module level (its commands import
     # the runtime lazily, and `batchspec coordinator` never reaches those)
-    used |= top_level_imports(ast.parse((ROOT / "batchspec" / "cli.py").read_text()).body)
+    for entry in ("__init__.py", "cli.py", "processes.py"):
+        used |= top_level_imports(ast.parse((ROOT / "batchspec_tools" / entry).read_text()).body)
     third_party = used - set(sys.stdlib_module_names) - set(FIRST_PARTY)
     providers = importlib.metadata.packages_distributions()
     missing = {}

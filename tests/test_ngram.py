@@ -161,23 +161,24 @@ def test_the_router_uses_both_drafts_and_survives_losing_one(model_dirs):
     requests = [([rng.randrange(4, tiny_models.VOCAB) for _ in range(6)] * 4, 30)
                 for _ in range(8)] + random_requests(seed=31, count=8)
     with running_stack(target_dir, draft_dir, batch_size=8, drafts=("model", "ngram")) as stack:
-        engine = stack.engine.engines[0]
+        engine = stack.router.engines[0]
+        drafter = engine.drafter
         counts = Counter()
-        original = engine._propose
+        original = drafter._propose
 
-        def counting(kind, seqs, *args):
-            counts[kind.index] += len(seqs)
-            return original(kind, seqs, *args)
-        engine._propose = counting
+        def counting(kind, step, rows, *args):
+            counts[kind.index] += len(rows)
+            return original(kind, step, rows, *args)
+        drafter._propose = counting
         generate_all(stack.stub(), requests)
         # the n-gram draft does poorly on a tiny random model, but it was tried
-        assert counts[0] > 0 and counts[1] >= engine._policy.config.min_evidence
+        assert counts[0] > 0 and counts[1] >= drafter.policy.config.min_evidence
         stack.drafts[1][0].stop(0)  # the n-gram service goes away
         # new rows are cold there and it drafts poorly: let a starved kind be tried soon, so
         # the next round calls it and finds it gone
-        engine._policy.config = dataclasses.replace(engine._policy.config, starve_every=4)
+        drafter.policy.config = dataclasses.replace(drafter.policy.config, starve_every=4)
         results = generate_all(stack.stub(), requests)
-        assert not engine.kinds[1].up and engine.kinds[0].up
+        assert not engine.peers.kinds[1].up and engine.peers.kinds[0].up
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     for (prompt, max_new), (tokens, _) in zip(requests, results):
         assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
@@ -190,7 +191,7 @@ def test_sampling_with_point_mass_proposals_follows_the_target(model_dirs, draft
     with running_stack(target_dir, draft_dir, batch_size=16, num_draft_tokens=3,
                        drafts=drafts) as stack:
         ours = sample_service(stack.stub(), range(NUM_SAMPLES), prompt=prompt)
-        drafted = stack.engine.stats.num_sampled_rows
+        drafted = stack.router.stats.num_sampled_rows
     assert drafted > 0  # point-mass distributions were sent and verified
     assert_follows_the_target(ours, target_dir, prompt)
 
@@ -215,7 +216,7 @@ def test_sampled_rows_draft_with_the_lookup_alone_under_goodput_and_repeat(model
         with running_stack(target_dir, draft_dir, batch_size=batch_size, drafts=("ngram",),
                            draft_policy="goodput") as stack:
             runs.append(sample_service(stack.stub(), seeds, prompt=prompt)[:2])
-            assert stack.engine.stats.num_sampled_rows > 0  # proposals went to sampled rows
+            assert stack.router.stats.num_sampled_rows > 0  # proposals went to sampled rows
     assert runs[0] == runs[1]
 
 
@@ -232,6 +233,7 @@ def test_a_draft_whose_vocabulary_does_not_fit_is_refused_at_start(model_dirs, t
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from coordinator import __main__ as coordinator_main
+    from coordinator.config import CoordinatorConfig
 
     from conftest import start_draft, start_ngram, start_target
 
@@ -241,7 +243,7 @@ def test_a_draft_whose_vocabulary_does_not_fit_is_refused_at_start(model_dirs, t
     target, target_port, _, _ = start_target(model_dirs["llama"][0])
     drafts = [start_ngram(), start_draft(str(wide))]
     try:
-        config = coordinator_main.CoordinatorConfig(
+        config = CoordinatorConfig(
             targets=(f"127.0.0.1:{target_port}",),
             drafts=tuple(f"127.0.0.1:{port}" for _, port, _, _ in drafts), port=0,
             connect_timeout_s=10)
@@ -278,31 +280,30 @@ def test_the_lookup_is_asked_for_every_row_and_its_misses_are_no_rejections(mode
                 for _ in range(6)] + random_requests(seed=32, count=6)
     with running_stack(target_dir, draft_dir, batch_size=6, drafts=("model", "ngram"),
                        draft_policy="goodput") as stack:
-        engine = stack.engine.engines[0]
-        engine._configure()
-        assert [k.index for k in engine._asked_first()] == [1]  # the lookup, not the model
+        drafter = stack.router.engines[0].drafter
+        assert [k.index for k in drafter.asked_first()] == [1]  # the lookup, not the model
         counts = Counter()
-        propose, draft, commit = engine._propose, engine._draft, engine._commit
-        observe = engine._policy.observe
+        propose, draft, verified = drafter._propose, drafter.draft, drafter.observe
+        observe = drafter.policy.observe
 
-        def counting_propose(kind, seqs, *args):
-            counts[f"asked {kind.index}"] += len(seqs)
-            return propose(kind, seqs, *args)
+        def counting_propose(kind, step, rows, *args):
+            counts[f"asked {kind.index}"] += len(rows)
+            return propose(kind, step, rows, *args)
 
         def counting_draft(seqs, *args):
             counts["rows"] += len(seqs)
             return draft(seqs, *args)
 
-        def counting_commit(seq, outcome, num_drafts, kind, proposal):
-            counts["verified lookups"] += kind == 1 and num_drafts > 0
-            return commit(seq, outcome, num_drafts, kind, proposal)
+        def counting_verified(row, outcome):
+            counts["verified lookups"] += row.kind_index == 1 and row.num_drafts > 0
+            return verified(row, outcome)
 
         def counting_observe(state, num_drafts, num_accepted, kind=0):
             counts["lookup evidence"] += kind == 1 and num_drafts > 0
             return observe(state, num_drafts, num_accepted, kind)
-        engine._propose, engine._draft, engine._commit = (counting_propose, counting_draft,
-                                                          counting_commit)
-        engine._policy.observe = counting_observe
+        drafter._propose, drafter.draft, drafter.observe = (counting_propose, counting_draft,
+                                                            counting_verified)
+        drafter.policy.observe = counting_observe
         results = generate_all(stack.stub(), requests)
         # every row of every step was looked up once, before planning
         assert counts["asked 1"] == counts["rows"] > 0

@@ -37,7 +37,7 @@ def run_with_outage(stack, restart, count=8):
     stub = stack.stub()
     with concurrent.futures.ThreadPoolExecutor(count) as pool:
         futures = [pool.submit(stream, stub, p, LONG) for p in prompts(count)]
-        assert wait_for(lambda: stack.engine.stats.num_steps > 5)
+        assert wait_for(lambda: stack.router.stats.num_steps > 5)
         restart()
         return [f.result(timeout=120) for f in futures]
 
@@ -49,14 +49,14 @@ def test_draft_loss_falls_back_to_the_target_and_recovers(model_dirs, llama_mode
 
         def restart():
             stack.draft_server.stop(0).wait()
-            assert wait_for(lambda: stack.engine.stats.num_draft_fallback_steps > 3)
-            restarted["speculative_steps"] = (stack.engine.stats.num_steps
-                                              - stack.engine.stats.num_draft_fallback_steps)
+            assert wait_for(lambda: stack.router.stats.num_draft_fallback_steps > 3)
+            restarted["speculative_steps"] = (stack.router.stats.num_steps
+                                              - stack.router.stats.num_draft_fallback_steps)
             server, _, _, runner = start_draft(draft_dir, port=stack.draft_port)
             restarted["server"], restarted["runner"] = server, runner
 
         outputs = run_with_outage(stack, restart)
-        stats = stack.engine.stats
+        stats = stack.router.stats
         speculative_after = stats.num_steps - stats.num_draft_fallback_steps
         assert speculative_after > restarted["speculative_steps"]  # speculating again
         # released right after the last tokens are streamed, so possibly just after the client
@@ -78,15 +78,15 @@ def test_a_hung_draft_is_dropped_and_decoding_goes_on(model_dirs, llama_model):
 
         def hang():
             with stack.draft_runner.lock:
-                fallback = stack.engine.stats.num_draft_fallback_steps
+                fallback = stack.router.stats.num_draft_fallback_steps
                 # target-only steps go on while the draft hangs (probes do not block them)
-                assert wait_for(lambda: stack.engine.stats.num_draft_fallback_steps
+                assert wait_for(lambda: stack.router.stats.num_draft_fallback_steps
                                 > fallback + 20, timeout=20)
-                seen["speculative_steps"] = (stack.engine.stats.num_steps
-                                             - stack.engine.stats.num_draft_fallback_steps)
+                seen["speculative_steps"] = (stack.router.stats.num_steps
+                                             - stack.router.stats.num_draft_fallback_steps)
 
         outputs = run_with_outage(stack, hang)
-        stats = stack.engine.stats
+        stats = stack.router.stats
         assert stats.num_steps - stats.num_draft_fallback_steps > seen["speculative_steps"]
         assert wait_for(lambda: not stack.draft_runner.caches and not stack.target_runner.caches)
     for prompt, tokens in zip(prompts(8), outputs):
@@ -100,7 +100,7 @@ def test_target_restart_loses_nothing_and_stays_exact(model_dirs, llama_model):
 
         def restart():
             stack.target_server.stop(0).wait()
-            assert wait_for(lambda: not stack.engine.healthy())  # the loss was seen
+            assert wait_for(lambda: not stack.router.healthy())  # the loss was seen
             server, _, _, runner = start_target(target_dir, port=stack.target_port)
             restarted["server"], restarted["runner"] = server, runner
 
@@ -131,8 +131,8 @@ def test_a_request_ended_while_a_live_target_is_unreachable_is_released_later(mo
     while the coordinator cannot reach it is released there once it answers again."""
     target_dir, draft_dir = model_dirs["llama"]
     with running_stack(target_dir, draft_dir, batch_size=2, num_draft_tokens=2) as stack:
-        engine = stack.engine.engines[0]
-        target = engine.target
+        engine = stack.router.engines[0]
+        target = engine.peers.target
         reachable = threading.Event()
         real_verify, real_describe = target.verify, target.describe
 
@@ -152,7 +152,7 @@ def test_a_request_ended_while_a_live_target_is_unreachable_is_released_later(mo
         target.describe, target.verify = describe, broken_verify
         assert wait_for(lambda: not engine.target_up)
         call.cancel()
-        assert wait_for(lambda: engine.num_running() == 0)
+        assert wait_for(lambda: engine.pool.num_running() == 0)
         assert stack.target_runner.caches  # the target never heard of the cancel
         reachable.set()
         assert len(stream(stub, [5, 6, 7], 10)) == 10  # served after the reconnection
@@ -170,7 +170,7 @@ def test_cancelled_stream_is_released_from_both_services(model_dirs):
         call.cancel()
         assert wait_for(lambda: not stack.target_runner.caches
                         and not stack.draft_runner.caches, timeout=5)
-        assert stack.engine.num_running() == 0
+        assert stack.router.num_running() == 0
 
 
 def test_deadline_ends_the_request_and_frees_its_caches(model_dirs):
@@ -219,10 +219,10 @@ def test_shutdown_finishes_in_flight_work_and_refuses_new(model_dirs):
         stub = stack.stub()
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(stream, stub, p, 120) for p in prompts(4)]
-            assert wait_for(lambda: stack.engine.stats.num_steps > 2)
-            stopper = threading.Thread(target=stack.engine.stop, args=(30,))
+            assert wait_for(lambda: stack.router.stats.num_steps > 2)
+            stopper = threading.Thread(target=stack.router.stop, args=(30,))
             stopper.start()
-            assert wait_for(lambda: stack.engine.stopping)
+            assert wait_for(lambda: stack.router.stopping)
             with pytest.raises(grpc.RpcError) as caught:
                 stream(stub, [5, 6], 5)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE

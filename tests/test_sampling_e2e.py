@@ -76,7 +76,7 @@ def test_sampled_tokens_follow_the_target_distribution(model_dirs, arch):
     target_dir, draft_dir = model_dirs[arch]
     with running_stack(target_dir, draft_dir, batch_size=16, num_draft_tokens=3) as stack:
         ours = sample_service(stack.stub(), range(NUM_SAMPLES))
-        drafted = stack.engine.stats.num_steps
+        drafted = stack.router.stats.num_steps
     assert drafted > 0
     assert_follows_the_target(ours, target_dir)
 
@@ -118,6 +118,6 @@ def test_draft_distributions_travel_sparse_under_top_k(model_dirs):
     num_drafts = 4
     with running_stack(target_dir, draft_dir, batch_size=8, num_draft_tokens=num_drafts) as st:
         sample_service(st.stub(), range(16))
-        stats = st.engine.stats
+        stats = st.router.stats
     per_row = stats.num_draft_probs_bytes / stats.num_sampled_rows
     assert num_drafts * TOP_K * 3 <= per_row <= num_drafts * 24

@@ -12,12 +12,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM
 
 from batchspec import security
-from batchspec.bench import loadtest
+from batchspec_tools.bench import loadtest
 from batchspec.runtime import service
 from batchspec.v1 import cache_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, target_pb2_grpc
 from coordinator import __main__ as coordinator_main
 from coordinator import scheduler
-from coordinator.engine import EngineConfig
+from coordinator.config import CoordinatorConfig, EngineConfig
 from coordinator.text import TextCodec, TextStream
 from draft_service.servicer import SERVICE_NAME as DRAFT_NAME
 from draft_service.servicer import DraftServicer
@@ -131,7 +131,7 @@ def test_beyond_pool_and_queue_requests_are_refused_and_health_answers_meanwhile
         with concurrent.futures.ThreadPoolExecutor(150) as pool:
             futures = [pool.submit(one, p) for p in prompts]
             while not all(f.done() for f in futures):
-                running.append(stack.engine.num_running())
+                running.append(stack.router.num_running())
                 health.append(health_check(stack.port))  # raises if it takes 2 s
             outcomes = [f.result() for f in futures]
         assert wait_for(lambda: not stack.target_runner.caches and not stack.draft_runner.caches)
@@ -149,7 +149,7 @@ def test_a_failing_step_fails_only_the_requests_it_touched(model_dirs, caplog):
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
     with running_stack(target_dir, draft_dir, batch_size=1, num_draft_tokens=2) as stack:
-        target = stack.engine.engines[0].target
+        target = stack.router.engines[0].peers.target
         real_verify = target.verify
         poisoned = {}
 
@@ -165,7 +165,7 @@ def test_a_failing_step_fails_only_the_requests_it_touched(model_dirs, caplog):
                 prompt_token_ids=[20, 21], max_new_tokens=100, ignore_eos=True))
             first = next(victim)
             assert first.token_ids
-            poisoned["id"] = max(stack.engine.engines[0]._active)  # the victim's sequence
+            poisoned["id"] = max(stack.router.engines[0].pool.active)  # the victim's sequence
             others = [pool.submit(generate, stub, p, 40) for p in prompts]
             with pytest.raises(grpc.RpcError) as caught:
                 list(victim)
@@ -176,15 +176,15 @@ def test_a_failing_step_fails_only_the_requests_it_touched(model_dirs, caplog):
         assert tokens == tiny_models.reference_greedy(model, prompt, 40, ignore_eos=True)
 
 
-def test_a_group_waits_for_its_last_deadline_not_its_first():
-    from coordinator.engine import Engine, RequestHandle
+def test_a_cohort_waits_for_its_last_deadline_not_its_first():
+    from coordinator.engine import cohort_timeout
+    from coordinator.requests import RequestHandle
     from coordinator.sequence import Sequence
 
-    engine = Engine(None, [], EngineConfig(), [3])
     seq = Sequence(1, [5], 4, frozenset())
     soon, later = RequestHandle(seq, 10.0), RequestHandle(seq, 1e12)
-    assert engine._group_timeout([soon, RequestHandle(seq, None)]) is None
-    assert engine._group_timeout([soon, later]) > 1e6
+    assert cohort_timeout([soon, RequestHandle(seq, None)]) is None
+    assert cohort_timeout([soon, later]) > 1e6
 
 
 def test_every_ended_request_leaves_one_log_line_with_its_reason(model_dirs, caplog):
@@ -202,13 +202,13 @@ def test_every_ended_request_leaves_one_log_line_with_its_reason(model_dirs, cap
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             gone = stub.Generate(generate_pb2.GenerateRequest(
                 prompt_token_ids=[5, 6], max_new_tokens=20, request_id="gone"))
-            assert wait_for(lambda: stack.engine.num_waiting() == 1)  # the queue is full
+            assert wait_for(lambda: stack.router.num_waiting() == 1)  # the queue is full
             with pytest.raises(grpc.RpcError) as caught:
                 generate(stub, [8], 5, request_id="full")
             assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             gone.cancel()
             assert wait_for(lambda: "request gone" in caplog.text, timeout=5)
-        assert wait_for(lambda: stack.engine.num_waiting() == 0)
+        assert wait_for(lambda: stack.router.num_waiting() == 0)
         assert len(generate(stub, [7], 5, request_id="after")) == 5
     lines = {line.split()[1]: line for line in caplog.messages if line.startswith("request ")}
     assert "ended=finished (length)" in lines["done"] and "tokens=5" in lines["done"]
@@ -287,9 +287,9 @@ def test_tls_mutual_tls_and_api_key(model_dirs, tmp_path):
     key_file.write_text("s3cret\n")
     peer = security.ClientTls(certs["ca"] + ".pem", certs["client"] + ".pem",
                               certs["client"] + ".key")
-    config = coordinator_main.CoordinatorConfig(
+    config = CoordinatorConfig(
         targets=(f"127.0.0.1:{target_port}",), drafts=(f"127.0.0.1:{draft_port}",), port=0,
-        engine=EngineConfig(num_draft_tokens=2, policy=scheduler.GroupPolicy(batch_size=2)),
+        engine=EngineConfig(num_draft_tokens=2, cohort_policy=scheduler.CohortPolicy(batch_size=2)),
         connect_timeout_s=10, peer_tls=peer, api_key_file=str(key_file),
         tls=security.ServerTls(certs["server"] + ".pem", certs["server"] + ".key"))
     running = coordinator_main.start(config)

@@ -16,8 +16,9 @@ import statistics
 import sys
 import time
 
-from batchspec import cliargs, data
-from batchspec.data import read_jsonl
+from batchspec import cliargs
+from batchspec_tools import data
+from batchspec_tools.data import read_jsonl
 
 log = logging.getLogger("batchspec.evaluate")
 
@@ -25,7 +26,7 @@ log = logging.getLogger("batchspec.evaluate")
 def target_answers(target, tokenizer, prompts: list[str], max_new_tokens: int,
                    batch_size: int = 16) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy answer ids up to EOS) for each prompt."""
-    from batchspec.drafting.distill import answer_batches
+    from batchspec_tools.drafting.distill import answer_batches
     from batchspec.runtime.models import chat_ids
 
     ids = [chat_ids(tokenizer, p) for p in prompts]
@@ -66,7 +67,7 @@ def decode_step_seconds(model, context: int = 200, repeats: int = 40) -> float:
 def training_pairs(directory: str, max_new_tokens: int, every: int = 14):
     """(prompt ids, answer ids) of every `every`-th sequence a `distill` directory trained on,
     answers cut to max_new_tokens: how well a draft fits its own training data."""
-    from batchspec.drafting.distill import DATA_FILE
+    from batchspec_tools.drafting.distill import DATA_FILE
 
     path = pathlib.Path(directory) / DATA_FILE
     if not path.is_file():

@@ -7,7 +7,8 @@ import subprocess
 import sys
 import time
 
-from batchspec import cliargs, processes
+from batchspec import cliargs
+from batchspec_tools import processes
 
 log = logging.getLogger("batchspec")
 DEFAULT_DRAFT_LAYERS = 4  # without a distilled draft for the target: its first layers
@@ -16,10 +17,10 @@ DEFAULT_DRAFT_LAYERS = 4  # without a distilled draft for the target: its first 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"serve": serve, "generate": generate, "health": health,
-                "distill": _module_main("batchspec.drafting.distill"),
-                "evaluate-draft": _module_main("batchspec.drafting.evaluate"),
-                "bench": _module_main("batchspec.bench.run"),
-                "loadtest": _module_main("batchspec.bench.loadtest"),
+                "distill": _module_main("batchspec_tools.drafting.distill"),
+                "evaluate-draft": _module_main("batchspec_tools.drafting.evaluate"),
+                "bench": _module_main("batchspec_tools.bench.run"),
+                "loadtest": _module_main("batchspec_tools.bench.loadtest"),
                 "target": _service("target_service"), "draft": _service("draft_service"),
                 "coordinator": _service("coordinator")}
     if argv and argv[0] in ("-V", "--version"):
@@ -75,70 +76,74 @@ def _service(module: str):
 
 # ---- serve --------------------------------------------------------------------------------------
 def serve_parser() -> argparse.ArgumentParser:
-    from coordinator.engine import EngineConfig
-    from coordinator.scheduler import GroupPolicy
+    from coordinator import config
 
     parser = cliargs.parser("batchspec serve", (
         "Start the target and draft services and the coordinator on loopback; serve until "
         "stopped (Ctrl-C or SIGTERM)."))
     parser.add_argument("--target-model", default="smollm2",
-                        help="target model: HF dir, .gguf file, hub id, or 'smollm2' (default)")
+                        help="target model: HF dir, .gguf file, hub id, or 'smollm2'")
     parser.add_argument("--draft-model", default="auto,ngram",
                         help="drafts, comma-separated, each served by its own draft service and "
                              "chosen per sequence: a model (HF dir, .gguf file, hub id), 'auto' "
                              "(the packaged distilled draft for smollm2, else the target's "
                              f"first {DEFAULT_DRAFT_LAYERS} layers), 'ngram' (prompt lookup, no "
-                             "model), or 'none' (the target alone) (default %(default)s)")
+                             "model), or 'none' (the target alone)")
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="keep only the draft models' first N layers")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer.json or dir (default: the target's own, if it has one)")
-    parser.add_argument("--port", type=int, default=50051, help="coordinator port (0: a free one)")
-    parser.add_argument("--http-port", type=int, default=None,
-                        help="also serve the OpenAI-compatible HTTP API and the chat page on "
-                             "this port")
     parser.add_argument("--device", default="cpu", help="device of both models")
     parser.add_argument("--target-device", default=None, help="overrides --device for the target")
     parser.add_argument("--draft-device", default=None,
                         help="overrides --device for the draft models")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="parameter dtype of the models")
-    parser.add_argument("--num-draft-tokens", "-k", type=int,
-                        default=EngineConfig.num_draft_tokens,
-                        help="most tokens a step drafts per sequence (K; default %(default)s)")
-    parser.add_argument("--draft-policy", choices=("goodput", "fixed"), default=None,
-                        help="goodput: each step drafts what pays, 0 to K tokens per sequence; "
-                             "fixed: always K (default: the coordinator's, goodput)")
-    parser.add_argument("--min-draft-confidence", type=float, default=None,
-                        help="greedy groups stop drafting below this draft probability "
-                             "(default: the coordinator's)")
-    parser.add_argument("--batch-size", type=int, default=GroupPolicy.batch_size,
-                        help="most sequences per step (default %(default)s)")
-    parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help="sequences in the pool (default: the coordinator's)")
-    parser.add_argument("--max-queue", type=int, default=None,
-                        help="requests that may wait for the pool before RESOURCE_EXHAUSTED "
-                             "(default: the coordinator's)")
-    parser.add_argument("--api-key-file", default=None,
-                        help="clients must send the key in this file as 'authorization: "
-                             "Bearer <key>' (health stays open)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds to wait for each service to become healthy")
+    coordinator = parser.add_argument_group("coordinator (as `batchspec coordinator`)")
+    config.add_flags(coordinator, serve_flags())
     return parser
 
 
+def serve_flags():
+    """The coordinator's flags that `serve` takes and passes on to the coordinator it starts."""
+    from coordinator import config
+
+    return config.PUBLIC_FLAGS + config.ENGINE_FLAGS
+
+
 def serve(argv) -> int:
+    from coordinator import config
+
     parser = serve_parser()
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.draft_model.split(",") if n.strip()]
     if not names or ("none" in names and len(names) > 1) or len(set(names)) != len(names):
         parser.error("--draft-model: one or more distinct drafts, or 'none' alone")
+    try:  # refused here, before any service starts, as the coordinator would refuse them
+        config.engine_config_from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
     # port 0 means a free one: pick it here, so that what is announced is what is served
     args.port = args.port or processes.free_port()
     if args.http_port == 0:
         args.http_port = processes.free_port()
+    services = serve_services(args, names)
+    coordinator_cmd = [sys.executable, "-m", "coordinator",
+                       "--target", f"127.0.0.1:{services[0][1]}"]
+    for _, port, _ in services[1:]:
+        coordinator_cmd += ["--draft", f"127.0.0.1:{port}"]
     tokenizer = args.tokenizer or find_tokenizer(args.target_model)
+    if tokenizer:
+        coordinator_cmd += ["--tokenizer", tokenizer]
+    coordinator_cmd += config.forward(args, serve_flags())
+    return run_services(args, services, coordinator_cmd)
+
+
+def serve_services(args, names: list[str]) -> list[tuple[list[str], int, str]]:
+    """(command, port, gRPC service name) of the target, then of each draft."""
     target_port = processes.free_port()
     target_cmd = [sys.executable, "-m", "target_service", "--model", args.target_model,
                   "--port", str(target_port), "--device", args.target_device or args.device,
@@ -147,17 +152,12 @@ def serve(argv) -> int:
     for name in names if names != ["none"] else []:
         port = processes.free_port()
         services.append((draft_command(args, name, port), port, "batchspec.v1.DraftService"))
-    coordinator_cmd = [sys.executable, "-m", "coordinator", "--target",
-                       f"127.0.0.1:{target_port}", "--port", str(args.port),
-                       "-k", str(args.num_draft_tokens), "--batch-size", str(args.batch_size)]
-    for _, port, _ in services[1:]:
-        coordinator_cmd += ["--draft", f"127.0.0.1:{port}"]
-    if tokenizer:
-        coordinator_cmd += ["--tokenizer", tokenizer]
-    for flag in ("draft_policy", "min_draft_confidence", "max_num_seqs", "max_queue",
-                 "api_key_file", "http_port"):
-        if getattr(args, flag) is not None:
-            coordinator_cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    return services
+
+
+def run_services(args, services, coordinator_cmd: list[str]) -> int:
+    """Start the services one after the other, then the coordinator; serve until a signal or
+    a child's exit; stop them all. 1 when a child failed."""
     children = []
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))

@@ -118,7 +118,7 @@ class Processes:
     """Target, draft and coordinator as processes on free loopback ports."""
 
     def __init__(self, config: LoadConfig, target_dir: str, draft_dir: str):
-        from batchspec.processes import free_port
+        from batchspec_tools.processes import free_port
 
         self.config = config
         self.models = {"target": target_dir, "draft": draft_dir}
@@ -127,7 +127,7 @@ class Processes:
         self.procs: list[subprocess.Popen] = []
 
     def __enter__(self):
-        from batchspec.processes import wait_healthy
+        from batchspec_tools.processes import wait_healthy
 
         try:
             for role, name in (("target", "TargetService"), ("draft", "DraftService")):
@@ -217,7 +217,7 @@ class HealthProber:
 
     def __init__(self, address: str):
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", f"from batchspec.bench.loadtest import probe_health; "
+            [sys.executable, "-c", f"from batchspec_tools.bench.loadtest import probe_health; "
                                    f"probe_health({address!r})"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 

@@ -21,9 +21,9 @@ import tempfile
 import time
 
 from batchspec import cliargs
-from coordinator.engine import EngineConfig
+from coordinator.config import EngineConfig
 
-log = logging.getLogger("batchspec.bench.run")
+log = logging.getLogger("batchspec_tools.bench.run")
 
 METHODS = {
     "hf_stock_batch1": "0a. stock transformers: the target alone, batch 1, unpatched model "
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", default=None,
                         help="JSONL file of {\"prompt\": ..., \"category\": ...} chat prompts "
                              "(default: the packaged benchmark prompts; the packaged "
-                             "copy-heavy set is batchspec/data/category_prompts.jsonl)")
+                             "copy-heavy set is batchspec_tools/data/category_prompts.jsonl)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the whole sweep N times in turn and report each setting's "
                              "median run (its tok/s of every run kept in results.json)")
@@ -237,7 +237,7 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
                         config.min_draft_confidence, config.draft_policy,
                         categories=["repeating" if i % 2 else "random"
                                     for i in range(len(prompts))])
-    from batchspec.data import bench_prompts
+    from batchspec_tools.data import bench_prompts
     from batchspec.runtime.models import chat_ids, load_tokenizer
 
     tokenizer = load_tokenizer(config.target)
@@ -309,27 +309,27 @@ def run_hf(models_, workload: Workload, method: str, batch_size: int, k: int) ->
 
 
 # ---- methods 4-5: the engine in-process ------------------------------------------------------
-def run_engine(runners, workload: Workload, batch_size: int, k: int, grouping: bool) -> Run:
-    from batchspec.bench.inprocess import InProcessDraft, InProcessTarget
+def run_engine(runners, workload: Workload, batch_size: int, k: int, cohorts: bool) -> Run:
+    from batchspec_tools.bench.inprocess import InProcessDraft, InProcessTarget
     from coordinator.engine import Engine
-    from coordinator.scheduler import GroupPolicy
+    from coordinator.scheduler import CohortPolicy
 
     count = len(workload.prompts)
     for runner in runners.values():  # EQSPEC re-pads every step: no batch is reused
-        runner.reuse_batches = grouping
+        runner.reuse_batches = cohorts
     engine = Engine(InProcessTarget(runners["target"], "target"),
                     [[InProcessDraft(runners["draft"], "draft")]],
                     EngineConfig(num_draft_tokens=k, draft_policy=workload.draft_policy,
                                  overlap="off",  # both models in this one process
                                  min_draft_confidence=workload.min_draft_confidence,
-                                 policy=GroupPolicy(batch_size=batch_size, grouping=grouping),
+                                 cohort_policy=CohortPolicy(batch_size=batch_size, cohorts=cohorts),
                                  max_num_seqs=count, max_queue=count),
                     workload.eos_token_ids)
     started = time.perf_counter()
     handles = [engine.submit(p, workload.max_new_tokens) for p in workload.prompts]
     # Stepped on this thread, which ran every other method's torch work: a second thread
     # running torch costs ~15% on CPU (see batchspec.runtime.compute).
-    while engine.load():
+    while engine.pool.load():
         engine.step()
     outputs = [drain(h) for h in handles]
     seconds = time.perf_counter() - started
@@ -376,7 +376,7 @@ class GrpcStack:
     SERVICES = ("target", "model", "ngram")
 
     def __init__(self, workload: Workload):
-        from batchspec.processes import free_port, wait_healthy
+        from batchspec_tools.processes import free_port, wait_healthy
 
         self.procs, self.logs = [], []
         self.ports = {role: free_port() for role in self.SERVICES}
@@ -413,7 +413,7 @@ class GrpcStack:
         """A coordinator process over the running services: yields (port, metrics port).
         drafts: "model" and/or "ngram"; none: the target alone (plain batched decoding, the
         same server otherwise)."""
-        from batchspec.processes import free_port, wait_healthy
+        from batchspec_tools.processes import free_port, wait_healthy
 
         port, metrics_port = free_port(), free_port()
         command = [sys.executable, "-m", "coordinator",
@@ -572,7 +572,7 @@ def arrival_load(stack, workload: Workload, rate: float, config: BenchConfig,
     decoding with the target alone; one row each."""
     import grpc
 
-    from batchspec.bench import arrivals
+    from batchspec_tools.bench import arrivals
     from batchspec.v1 import generate_pb2_grpc
 
     offsets = arrivals.poisson_offsets(rate, len(workload.prompts), seed=int(rate * 1000))
@@ -606,7 +606,7 @@ def warm_up(hf, runners, workload: Workload) -> None:
     run_hf(hf, short, "hf_batch1", 1, 0)
     if "stock" in hf:
         run_hf(hf, short, "hf_stock_batch1", 1, 0)
-    run_engine(runners, short, 2, 2, grouping=True)
+    run_engine(runners, short, 2, 2, cohorts=True)
 
 
 def run_one(method, batch_size, k, hf, runners, workload, stack) -> Run:
@@ -614,7 +614,7 @@ def run_one(method, batch_size, k, hf, runners, workload, stack) -> Run:
         return run_hf(hf, workload, method, batch_size, k)
     if method in GRPC_DRAFTS:
         return stack.run(workload, batch_size, k, GRPC_DRAFTS[method])
-    return run_engine(runners, workload, batch_size, k, grouping=method == "engine_grouped")
+    return run_engine(runners, workload, batch_size, k, cohorts=method == "engine_grouped")
 
 
 def summarise_runs(method, batch_size, k, runs: list[Run], reference) -> dict:

@@ -3,7 +3,7 @@ chat answers.
 
 Stages, each resumable (re-run the same command after a stop):
 0. self-instruct (with --self-instruct N): the target writes N more training prompts by
-   sampling (batchspec.data.train_prompts.SELF_INSTRUCT); saved to self_instruct.jsonl.
+   sampling (batchspec_tools.data.train_prompts.SELF_INSTRUCT); saved to self_instruct.jsonl.
 1. generate: the target answers training prompts greedily (chat template); saved to data.jsonl.
 2. vocabulary: the most frequent answer tokens (plus every EOS id) become the draft's head.
 3. train: the target's first layers plus low-rank deltas, trained with cross-entropy on the
@@ -25,10 +25,10 @@ import time
 from collections import Counter
 
 from batchspec import cliargs
-from batchspec.data import read_jsonl
+from batchspec_tools.data import read_jsonl
 from batchspec.runtime import models
 
-log = logging.getLogger("batchspec.drafting.distill")
+log = logging.getLogger("batchspec_tools.drafting.distill")
 DATA_FILE = "data.jsonl"  # the target's answers, one JSON object per line, appended as made
 SELF_INSTRUCT_FILE = "self_instruct.jsonl"  # the target's sampled requests and prompts
 
@@ -105,7 +105,7 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
     started = time.time()
     target = models.load_causal_lm(config.target, device=config.device)
     tokenizer = models.load_tokenizer(config.target)
-    from batchspec.data.train_prompts import training_prompts
+    from batchspec_tools.data.train_prompts import training_prompts
 
     fixed = training_prompts(config.num_prompts, seed=config.seed)
     written = self_instruct_prompts(config, target, tokenizer, out / SELF_INSTRUCT_FILE, fixed)
@@ -127,7 +127,7 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
         "num_layers": config.num_layers, "lora_rank": config.lora_rank,
         "lora_alpha": config.lora_alpha,
         "training": {"command": command, "config": dataclasses.asdict(config),
-                     "data": {"prompts": "batchspec.data.train_prompts (templates x topics, "
+                     "data": {"prompts": "batchspec_tools.data.train_prompts (templates x topics, "
                                          "then tasks on passages and functions of the Python "
                                          f"{platform.python_version()} standard library; "
                                          "disjoint from the benchmark prompts)" + (
@@ -197,7 +197,7 @@ def self_instruct_prompts(config: DistillConfig, target, tokenizer, path: pathli
     repeats a fixed training prompt or is a benchmark prompt."""
     from tqdm import tqdm
 
-    from batchspec.data import bench_prompts, train_prompts
+    from batchspec_tools.data import bench_prompts, train_prompts
 
     done = read_jsonl(path) if path.exists() else []
     requests = train_prompts.self_instruct_requests(config.self_instruct, seed=config.seed)

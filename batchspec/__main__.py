@@ -1,5 +1,0 @@
-import sys
-
-from batchspec.cli import main
-
-sys.exit(main())

@@ -1,0 +1,56 @@
+"""Committing one row's verification: its tokens, its text, and the event its client reads.
+
+Invariant kept: after `commit`, the target's record equals what the target answered, and the
+sequence holds every token the target committed (up to a stop token or max_new_tokens).
+"""
+from batchspec import errors
+from coordinator.clients import VerifyOutcome
+from coordinator.requests import Event, RequestHandle
+from coordinator.sequence import Finish, Sequence
+from coordinator.telemetry import Telemetry
+
+
+def check(seq: Sequence, outcome: VerifyOutcome) -> None:
+    """The target answered this row, and holds what it should: committed_len - 1 positions
+    before the step, plus the drafts it accepted."""
+    expected = seq.committed_len + outcome.num_accepted
+    if outcome.seq_id != seq.seq_id or outcome.cache_len != expected:
+        raise errors.FailedPrecondition(
+            f"target answered seq {outcome.seq_id} with cache {outcome.cache_len}; expected "
+            f"seq {seq.seq_id} with {expected}")
+
+
+def commit(handle: RequestHandle, outcome: VerifyOutcome, num_drafts: int, step: int,
+           telemetry: Telemetry) -> bool:
+    """Apply a checked verification to its sequence and stream it out; True when the
+    sequence finished. num_drafts: the drafts the row verified."""
+    seq = handle.seq
+    seq.target.cache_len = outcome.cache_len
+    seq.stats.num_drafted_tokens += num_drafts
+    seq.stats.num_accepted_tokens += outcome.num_accepted
+    seq.stats.num_target_forward_passes += 1
+    seq.last_step = step
+    committed = seq.commit(outcome.output_token_ids)
+    accepted = min(outcome.num_accepted, len(committed))
+    draft_text = text_of(seq, committed[:accepted], last=False) if accepted else ""
+    text = draft_text + text_of(seq, committed[accepted:])
+    telemetry.committed(handle, len(committed), num_drafts, outcome.num_accepted)
+    handle.events.put(Event(committed, finish=seq.finish, text=text, num_drafted=num_drafts,
+                            num_accepted=accepted, draft_text=draft_text))
+    if seq.finish is not None:
+        telemetry.finished(handle)
+    return seq.finish is not None
+
+
+def text_of(seq: Sequence, committed: list[int], last: bool = True) -> str:
+    """The text of newly committed tokens (O(new tokens)); a stop string ends the
+    sequence, and the end of a sequence sends the text held back until then (on the
+    step's last call: `last`)."""
+    if seq.text is None:
+        return ""
+    text = seq.text.feed(committed)
+    if seq.text.stopped:
+        seq.finish = seq.finish or Finish.STOP_STRING
+    elif seq.finish is not None and last:
+        text += seq.text.flush()
+    return text

@@ -1,0 +1,209 @@
+"""The coordinator's configuration: frozen dataclasses, and every command-line flag that sets
+them, declared once here with its default taken from the dataclass. `batchspec coordinator`
+adds all of them; `batchspec serve` adds the ones it passes on and forwards them to the
+coordinator it starts (`forward`), so a flag, its help and its default exist in one place."""
+import argparse
+import dataclasses
+
+from batchspec import security
+from coordinator.scheduler import CohortPolicy
+
+DEFAULT_PORT = 50051
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    # K, the most tokens a step drafts. With the goodput policy each greedy row drafts what
+    # pays (0 to K); sampled rows always draft K, so a seeded request's tokens never depend on
+    # timings or cohort mates.
+    num_draft_tokens: int = 4
+    # "goodput": per row and step, the K with the most expected tokens per second (0: plain
+    # decoding), from the services' measured costs and each row's acceptance;
+    # "fixed": every row drafts num_draft_tokens.
+    draft_policy: str = "goodput"
+    # Greedy cohorts stop drafting early once every row's draft is less sure than this (0: off).
+    min_draft_confidence: float = 0.0
+    # Draft for the next cohort while the target verifies this one, so both services work at
+    # once: "on", "off", or "auto": on unless both services run on CPU (then they share the
+    # host's cores, and running both at once slows each down).
+    overlap: str = "auto"
+    cohort_policy: CohortPolicy = CohortPolicy()
+    max_num_seqs: int = 64  # sequences stepped concurrently (the pool)
+    max_queue: int = 1024  # requests waiting for a pool slot; beyond it RESOURCE_EXHAUSTED
+    reconnect_backoff_s: tuple[float, float] = (0.2, 5.0)  # first and longest retry delay
+    # Prompt tokens per prefill command (a longer prompt goes alone): bounds how long one
+    # command runs, so a slow prefill is not taken for a hung service, and lets decoding steps
+    # interleave with a large admission.
+    max_prefill_tokens: int = 16384
+
+    def __post_init__(self):
+        if not 1 <= self.num_draft_tokens <= 32:
+            raise ValueError("num_draft_tokens must be in [1, 32]")
+        if self.overlap not in ("auto", "on", "off"):
+            raise ValueError("overlap must be 'auto', 'on' or 'off'")
+        if self.draft_policy not in ("goodput", "fixed"):
+            raise ValueError("draft_policy must be 'goodput' or 'fixed'")
+        if not 0.0 <= self.min_draft_confidence <= 1.0:
+            raise ValueError("min_draft_confidence must be in [0, 1]")
+        if self.max_num_seqs < 1 or self.max_queue < 0:
+            raise ValueError("max_num_seqs must be >= 1 and max_queue >= 0")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorConfig:
+    targets: tuple[str, ...]
+    drafts: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    tokenizer: str | None = None
+    engine: EngineConfig = EngineConfig()
+    max_new_tokens: int = 4096
+    connect_timeout_s: float = 60.0
+    # a service that leaves a command unanswered this long (whatever the request deadlines)
+    # is taken for hung and dropped like a lost one
+    stall_timeout_s: float = 120.0
+    grace_s: float = 10.0
+    metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: a free port
+    tls: security.ServerTls | None = None  # TLS on the public API
+    peer_tls: security.ClientTls | None = None  # (mutual) TLS to the model services
+    api_key_file: str | None = None  # clients must send `authorization: Bearer <key>`
+    # the OpenAI-compatible HTTP edge and its chat page; None: off, 0: a free port
+    http_port: int | None = None
+
+    def __post_init__(self):
+        if not self.targets:
+            raise ValueError("at least one --target is needed")
+        for name, port in (("port", self.port), ("http_port", self.http_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], not {port}")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if self.stall_timeout_s <= 0:
+            raise ValueError("stall_timeout_s must be > 0")
+        if self.api_key_file is not None:
+            security.read_api_key(self.api_key_file)
+
+    def peer_credentials(self):
+        return self.peer_tls.credentials() if self.peer_tls else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One command-line flag: its names, help, default and parsing (argparse's keywords)."""
+
+    names: tuple[str, ...]
+    help: str
+    default: object = None
+    type: object = None
+    choices: tuple | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.names[0].lstrip("-").replace("-", "_")
+
+    def add_to(self, parser) -> None:
+        keywords = {"default": self.default, "help": self.help, "dest": self.dest}
+        if self.type is not None:
+            keywords["type"] = self.type
+        if self.choices is not None:
+            keywords["choices"] = self.choices
+        parser.add_argument(*self.names, **keywords)
+
+
+# What a client sees of the coordinator: where it listens, and the API key.
+PUBLIC_FLAGS = (
+    Flag(("--port",), "gRPC port of the public API (0: a free one)", DEFAULT_PORT, int),
+    Flag(("--http-port",), "also serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
+         "/v1/completions, /v1/models) and a chat page (/) on this port (0: a free one; HTTPS "
+         "with --tls-cert, the same API key)", CoordinatorConfig.http_port, int),
+    Flag(("--api-key-file",), "file holding the API key clients must send as 'authorization: "
+         "Bearer <key>' (health stays open)", CoordinatorConfig.api_key_file),
+)
+
+# How the coordinator decodes and what it admits.
+ENGINE_FLAGS = (
+    Flag(("--batch-size",), "most sequences per step (one cohort)", CohortPolicy.batch_size, int),
+    Flag(("--num-draft-tokens", "-k"), "most tokens a step drafts per sequence (K)",
+         EngineConfig.num_draft_tokens, int),
+    Flag(("--draft-policy",), "goodput: per sequence and step the K (0 to -k) with the most "
+         "expected tokens per second, from measured costs and acceptance; fixed: always -k",
+         EngineConfig.draft_policy, str, ("goodput", "fixed")),
+    Flag(("--overlap",), "draft for the next cohort while the target verifies this one; auto: "
+         "unless both services run on CPU", EngineConfig.overlap, str, ("auto", "on", "off")),
+    Flag(("--min-draft-confidence",), "greedy cohorts stop drafting once every row's draft "
+         "probability falls below this (0: off)", EngineConfig.min_draft_confidence, float),
+    Flag(("--max-num-seqs",), "sequences in the pool", EngineConfig.max_num_seqs, int),
+    Flag(("--max-queue",), "requests that may wait for the pool before RESOURCE_EXHAUSTED",
+         EngineConfig.max_queue, int),
+    Flag(("--max-prefill-tokens",), "prompt tokens per prefill command (a longer prompt goes "
+         "alone)", EngineConfig.max_prefill_tokens, int),
+    Flag(("--max-new-tokens",), "largest max_new_tokens a request may ask for",
+         CoordinatorConfig.max_new_tokens, int),
+    Flag(("--stall-timeout",), "seconds a service may leave a command unanswered before it is "
+         "taken for hung and dropped", CoordinatorConfig.stall_timeout_s, float),
+    Flag(("--grace",), "seconds to finish in-flight requests on SIGTERM",
+         CoordinatorConfig.grace_s, float),
+)
+
+# Only `batchspec coordinator` takes these (`serve` wires its own services on loopback).
+CONNECTION_FLAGS = (
+    Flag(("--host",), "address to bind", CoordinatorConfig.host),
+    Flag(("--tokenizer",), "tokenizer.json or a directory holding it (enables text prompts)",
+         CoordinatorConfig.tokenizer),
+    Flag(("--connect-timeout",), "seconds to wait for the services at start-up",
+         CoordinatorConfig.connect_timeout_s, float),
+    Flag(("--metrics-port",), "serve Prometheus metrics on this port (0: a free one)",
+         CoordinatorConfig.metrics_port, int),
+)
+
+
+def add_flags(parser, flags) -> None:
+    for flag in flags:
+        flag.add_to(parser)
+
+
+def forward(args: argparse.Namespace, flags) -> list[str]:
+    """The command line that gives a coordinator the values `args` holds for `flags`
+    (those left unset, None, are left out)."""
+    argv = []
+    for flag in flags:
+        value = getattr(args, flag.dest)
+        if value is not None:
+            argv += [flag.names[0], str(value)]
+    return argv
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    return EngineConfig(num_draft_tokens=args.num_draft_tokens,
+                        draft_policy=args.draft_policy, overlap=args.overlap,
+                        min_draft_confidence=args.min_draft_confidence,
+                        cohort_policy=CohortPolicy(batch_size=args.batch_size),
+                        max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
+                        max_prefill_tokens=args.max_prefill_tokens)
+
+
+def peer_tls_from_args(args) -> security.ClientTls | None:
+    """The model services' CA and the certificate shown to them: --client-cert/--client-key,
+    else the public --tls-cert/--tls-key."""
+    if args.client_cert is None and args.client_key is None and args.tls_ca is not None:
+        return security.client_tls(args.tls_ca, args.tls_cert, args.tls_key)
+    return security.client_tls(args.tls_ca, args.client_cert, args.client_key)
+
+
+def config_from_args(args) -> CoordinatorConfig:
+    return CoordinatorConfig(targets=split_addresses(args.target),
+                             drafts=split_addresses(args.draft), host=args.host,
+                             port=args.port, tokenizer=args.tokenizer,
+                             engine=engine_config_from_args(args),
+                             max_new_tokens=args.max_new_tokens,
+                             connect_timeout_s=args.connect_timeout,
+                             stall_timeout_s=args.stall_timeout, grace_s=args.grace,
+                             metrics_port=args.metrics_port, http_port=args.http_port,
+                             tls=security.server_tls(args.tls_cert, args.tls_key),
+                             peer_tls=peer_tls_from_args(args), api_key_file=args.api_key_file)
+
+
+def split_addresses(values: list[str]) -> tuple[str, ...]:
+    return tuple(a.strip() for v in values for a in v.split(",") if a.strip())

@@ -1,0 +1,332 @@
+"""The drafting part: which draft kind each row of a cohort drafts with, how many tokens, and
+the proposals, as a typed `DraftedCohort` for the step loop to verify.
+
+Drafts that cost next to nothing (a lookup: the n-gram draft) are asked for every row before
+planning, so the plan knows which rows they have something for and how much; what they offer
+costs nothing more to verify. While plans seldom draft with what one offers, it is asked only
+every few steps. The other kinds are called cheapest first; rows a kind proposed nothing for
+are planned again, among the kinds not called yet, before those are called; such a miss counts
+as a draft rejected at once. After the verify, `observe` feeds each row's outcome back to the
+policy and moves the draft's record of its valid cache.
+"""
+import dataclasses
+import functools
+import operator
+import time
+
+from batchspec import errors
+from coordinator import goodput, scheduler
+from coordinator.clients import ModelInfo, Proposal, ProposeSpec, Timing, VerifyOutcome
+from coordinator.drafts import DraftKind
+from coordinator.peers import Peers
+from coordinator.sequence import Sequence, mixed
+from coordinator.stats import Recorder
+
+# A draft whose cheapest command costs at most this share of the target's (a lookup, not a
+# model) is asked for every row before the step is planned.
+ASK_FIRST_SHARE = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftingConfig:
+    num_draft_tokens: int  # K, the most a row drafts in a step
+    draft_policy: str  # "goodput" or "fixed" (see EngineConfig)
+    min_draft_confidence: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RowDraft:
+    """One row of a drafted cohort: what it verifies this step."""
+
+    seq: Sequence
+    num_drafts: int = 0  # drafts it verifies (0: plain decoding)
+    # the kind it drafts with, or whose miss it records (None: no kind was asked for it)
+    kind_index: int | None = None
+    proposal: Proposal | None = None  # what that kind answered (None: nothing arrived)
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.proposal.draft_token_ids[:self.num_drafts] if self.proposal else []
+
+    @property
+    def draft_probs(self) -> list:
+        return self.proposal.draft_probs[:self.num_drafts] if self.proposal else []
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftedCohort:
+    """A cohort whose drafts are ready to verify."""
+
+    rows: list[RowDraft]
+    timing: Timing | None = None  # the draft services' own account, summed; None: no call
+    round_trip_s: float = 0.0  # coordinator-side, every draft call of the step
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [row.seq for row in self.rows]
+
+    @property
+    def mixed(self) -> bool:
+        return mixed(self.seqs)
+
+    @property
+    def plain(self) -> bool:
+        """No row has a proposal: the step decodes plainly."""
+        return all(row.proposal is None for row in self.rows)
+
+    def still_open(self, active) -> "DraftedCohort | None":
+        """The cohort less the rows that ended since (not in `active`); None if none is left."""
+        rows = [row for row in self.rows if row.seq.seq_id in active]
+        return dataclasses.replace(self, rows=rows) if rows else None
+
+
+@dataclasses.dataclass
+class _Step:
+    """One step's drafting in progress, every map keyed by row index."""
+
+    seqs: list[Sequence]
+    called: set[int] = dataclasses.field(default_factory=set)  # kinds asked this step
+    offers: dict[int, dict[int, Proposal]] = dataclasses.field(default_factory=dict)  # kind ->
+    drafted: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # (kind, k)
+    misses: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # kinds with none
+    answers: dict[int, Proposal] = dataclasses.field(default_factory=dict)  # planned calls'
+    spent: list[tuple[Timing, float]] = dataclasses.field(default_factory=list)
+
+    def offered(self) -> dict[int, dict[int, int]]:
+        """{row: {kind: tokens}} the kinds asked before planning offered."""
+        return {i: {d: len(got[i].draft_token_ids) for d, got in self.offers.items() if i in got}
+                for i in range(len(self.seqs))}
+
+    def asked(self) -> dict[int, int]:
+        """Each row's kind to observe: the one it drafts with, else its last miss."""
+        asked = {i: kinds[-1] for i, kinds in self.misses.items()}
+        asked.update((i, kind) for i, (kind, _) in self.drafted.items())
+        return asked
+
+    def result(self) -> DraftedCohort:
+        asked = self.asked()
+        rows = [RowDraft(seq, self.drafted[i][1] if i in self.drafted else 0, asked.get(i),
+                         self.answers.get(i)) for i, seq in enumerate(self.seqs)]
+        timing = functools.reduce(operator.add, (t for t, _ in self.spent)) \
+            if self.spent else None
+        return DraftedCohort(rows, timing, sum(s for _, s in self.spent))
+
+
+class Drafter:
+    def __init__(self, peers: Peers, config: DraftingConfig, recorder: Recorder,
+                 policy: goodput.GoodputPolicy | None = None):
+        """policy: one to use as it is (a test's scripted one); else one is built from the
+        services' measured costs at `calibrate`."""
+        self.peers = peers
+        self.config = config
+        self.recorder = recorder
+        self.policy = policy
+        self._target_unit_cost: float | None = None  # seconds of its cheapest measured command
+
+    @property
+    def kinds(self) -> list[DraftKind]:
+        return self.peers.kinds
+
+    def calibrate(self, target: ModelInfo | None, infos: list[ModelInfo | None]) -> None:
+        """Start from what each service measured of its forwards at start-up: the goodput
+        policy's costs (without them every row drafts K) and the order kinds are asked in."""
+        fixed = self.config.draft_policy == "fixed"
+
+        def cost(info):
+            return None if fixed or info is None else \
+                goodput.ServiceCost(goodput.ForwardCosts(info.step_costs))
+
+        self._target_unit_cost = min((s for _, _, s in target.step_costs), default=None) \
+            if target is not None else None
+        for kind, info in zip(self.kinds, infos):
+            kind.cost = cost(info)
+            if info is not None and info.step_costs:
+                kind.unit_cost = min(seconds for _, _, seconds in info.step_costs)
+        if self.policy is None:
+            self.policy = goodput.GoodputPolicy(
+                goodput.GoodputConfig(max_k=self.config.num_draft_tokens),
+                [kind.cost for kind in self.kinds], cost(target))
+
+    # ---- a step's drafts ------------------------------------------------------------------------
+    def draft(self, seqs: list[Sequence], timeout: float | None) -> DraftedCohort:
+        """Plan the cohort and call the drafts, the cheapest first."""
+        step = _Step(seqs)
+        early = self._ask_first(step, timeout)
+        plan, missed = self.plan(step), False
+        for kind in sorted(self.kinds, key=lambda kind: kind.unit_cost):
+            if missed:  # what was proposed is kept; the rows that missed may go elsewhere
+                plan, missed = self.plan(step), False
+            rows = [i for i in range(len(seqs))
+                    if i not in step.drafted and plan.kind(i) == kind.index]
+            if not rows:
+                continue
+            if kind.index in early:  # asked already: take what it offered
+                for i in rows:
+                    step.drafted[i] = (kind.index, plan.k[i])
+                    step.answers[i] = step.offers[kind.index][i]
+                continue
+            missed = self._call(kind, step, rows, plan, timeout)
+        for d in early:
+            self.kinds[d].asked(any(kind == d for kind, _ in step.drafted.values()))
+        self._observe_earlier_misses(step)
+        return step.result()
+
+    def _ask_first(self, step: _Step, timeout: float | None) -> list[int]:
+        """Ask the kinds due before planning for every row; the kinds asked. One not due this
+        step (DraftKind.ask_due: plans seldom use its offers) sits it out, as if asked and
+        offering nothing; never where a row samples (a seeded request's proposals must not
+        depend on its cohort mates)."""
+        greedy = all(s.sampling.greedy for s in step.seqs)
+        asked = []
+        for kind in self.asked_first():
+            step.called.add(kind.index)
+            if greedy and not kind.ask_due():
+                continue
+            # sampled rows too: a lookup's proposal depends on the sequence's tokens alone,
+            # so a seeded request still repeats
+            got = self._propose(kind, step, range(len(step.seqs)), self.config.num_draft_tokens,
+                                timeout)
+            step.offers[kind.index] = {i: p for i, p in got.items() if p.draft_token_ids}
+            asked.append(kind.index)
+        return asked
+
+    def _call(self, kind: DraftKind, step: _Step, rows: list[int], plan: goodput.Plan,
+              timeout: float | None) -> bool:
+        """Call `kind` for the rows planned with it; True when some row got nothing."""
+        step.called.add(kind.index)
+        got = self._propose(kind, step, rows, max(plan.k[i] for i in rows), timeout)
+        step.answers.update(got)
+        missed = False
+        for i in rows:
+            if i in got and got[i].draft_token_ids:
+                step.drafted[i] = (kind.index, plan.k[i])
+            else:
+                step.misses.setdefault(i, []).append(kind.index)
+                missed = True
+        return missed
+
+    def _observe_earlier_misses(self, step: _Step) -> None:
+        """`observe` sees the kind a row ends with (its drafts, or its last miss); any
+        earlier miss is observed here."""
+        asked = step.asked()
+        for i, kinds in step.misses.items():
+            for d in kinds:
+                if d != asked[i]:
+                    self.policy.observe(step.seqs[i].drafts[d].spec, 1, 0, d)
+
+    def asked_first(self) -> list[DraftKind]:
+        """The reachable drafts asked for every row before planning: with the goodput policy,
+        those whose cheapest command costs at most ASK_FIRST_SHARE of the target's."""
+        if not self.policy.calibrated or self._target_unit_cost is None:
+            return []
+        return [kind for kind in self.kinds if kind.up
+                and kind.unit_cost <= ASK_FIRST_SHARE * self._target_unit_cost]
+
+    def _propose(self, kind: DraftKind, step: _Step, rows, num_drafts: int,
+                 timeout: float | None) -> dict[int, Proposal]:
+        """{row: Proposal} from `kind` for those of `rows` that can draft together (a row
+        the draft holds nothing of is prefilled first); {} when none can or the service is
+        lost. A proposal's tokens are what the service drafted (and cached, but the last),
+        which may be more than the row verifies (or fewer: a lookup proposes what it finds)."""
+        seqs = [step.seqs[i] for i in rows]
+        if not self.peers.warm(kind, seqs) or not num_drafts:
+            return {}
+        ready, width = scheduler.draft_plan(seqs, kind.index)
+        if not ready:
+            return {}
+        try:
+            proposals, timing, round_trip = self._send(kind, ready, width, num_drafts, timeout)
+        except errors.Unavailable as error:
+            self.peers.draft_lost(kind, error)
+            return {}
+        except errors.DeadlineExceeded:
+            return {}
+        step.spent.append((timing, round_trip))
+        for seq, proposal in zip(ready, proposals):
+            seq.drafts[kind.index].cache_len = proposal.cache_len
+            if proposal.probs_bytes:
+                self.recorder.sampled_row(proposal.probs_bytes)
+        row_of = {step.seqs[i].seq_id: i for i in rows}
+        return {row_of[p.seq_id]: p for p in proposals}
+
+    def _send(self, kind: DraftKind, seqs: list[Sequence], width: int, num_drafts: int,
+              timeout: float | None) -> tuple[list[Proposal], Timing, float]:
+        """One propose command; every row appends `width` committed tokens first."""
+        specs = [ProposeSpec(s.seq_id, s.drafts[kind.index].cache_len, s.committed_len - width,
+                             s.token_ids[s.committed_len - width:], s.sampling) for s in seqs]
+        started = time.perf_counter()
+        proposals, timing = kind.client.propose(
+            num_drafts, mixed(seqs), specs, timeout=timeout,
+            min_confidence=self.config.min_draft_confidence)
+        round_trip = time.perf_counter() - started
+        if kind.cost is not None and self.policy.calibrated:
+            drafted = max(len(p.draft_token_ids) for p in proposals)
+            kind.cost.observe(goodput.draft_calls(len(seqs), width, drafted),
+                              timing.forward_seconds, round_trip)
+        return proposals, timing, round_trip
+
+    # ---- planning -------------------------------------------------------------------------------
+    def plan(self, step: _Step) -> goodput.Plan:
+        """Each row's draft kind and tokens to draft this step (0: none), by the policy.
+        A sampled row always drafts K with the first reachable kind, so a seeded request's
+        tokens depend on nothing but the request (while its draft stays up). Rows drafted
+        already this step keep their kind and K; kinds called already are not asked again,
+        except for what they offered before planning (a choice whose cost is paid)."""
+        up = [kind for kind in self.kinds if kind.up]
+        if not up:
+            return goodput.Plan([0] * len(step.seqs), 0.0, [None] * len(step.seqs))
+        offered = step.offered()
+        rows = [self._row(step, i, up, offered[i]) for i in range(len(step.seqs))]
+        plan = self.policy.plan(rows)
+        # a kind not offered for the row (not reachable, asked already) cannot draft for it
+        kinds = [plan.kind(i) for i in range(len(rows))]
+        kinds = [d if d is not None and rows[i].choices[d] is not None else None
+                 for i, d in enumerate(kinds)]
+        return goodput.Plan([n if d is not None else 0 for n, d in zip(plan.k, kinds)],
+                            plan.tokens_per_s, kinds)
+
+    def _row(self, step: _Step, i: int, up: list[DraftKind],
+             offered: dict[int, int]) -> goodput.Row:
+        """Row i as the policy sees it: a choice per kind that may still draft for it."""
+        s = step.seqs[i]
+        choices = [None] * len(self.kinds)
+        for kind in up:
+            state, tokens = s.drafts[kind.index], offered.get(kind.index)
+            if not (i in step.drafted or kind.index not in step.called or tokens):
+                continue
+            # a cold row (the draft holds nothing of it) is prefilled there if picked
+            choice = self.policy.choice(state.spec, s.draft_append_need(kind.index),
+                                        kind.index, cold=state.cache_len is None,
+                                        prefill=s.committed_len - 1)
+            choices[kind.index] = dataclasses.replace(choice, offered=tokens) \
+                if tokens else choice
+        forced_k, forced_kind = (None if s.sampling.greedy else self.config.num_draft_tokens,
+                                 up[0].index)
+        if i in step.drafted:
+            forced_kind, forced_k = step.drafted[i]
+        return goodput.Row(choices=tuple(choices), forced_k=forced_k, forced_kind=forced_kind)
+
+    # ---- after the verify -----------------------------------------------------------------------
+    def observe_verify(self, num_rows: int, width: int, timing: Timing, seconds: float) -> None:
+        """The target's measured cost of a verify of num_rows rows of 1 + width tokens."""
+        if self.policy.calibrated:
+            self.policy.target.observe([(num_rows, 1 + width)], timing.forward_seconds, seconds)
+
+    def observe(self, row: RowDraft, outcome: VerifyOutcome) -> None:
+        """Before the row's tokens are committed: what its draft got right, for the policy,
+        and how much of the draft's cache now holds committed tokens."""
+        seq, kind = row.seq, row.kind_index
+        answered = kind is not None and row.proposal is not None
+        drafted = len(row.proposal.draft_token_ids) if answered else 0
+        if answered and row.proposal.cache_len == seq.drafts[kind].cache_len and drafted:
+            # The draft cached committed[:before] and drafts 1..D-1 (D = drafted); those up to
+            # the first rejection are now committed (a row verifies at most D of them). A
+            # draft lost or re-prefilled since holds none of them (its cache_len moved on).
+            seq.drafts[kind].valid_len = seq.committed_len + min(outcome.num_accepted,
+                                                                 drafted - 1)
+        for d, state in enumerate(seq.drafts):
+            if d != kind:
+                self.policy.observe(state.spec, 0, 0, d)  # not asked: its evidence fades
+            elif answered:
+                # a kind that found nothing to propose is as good as one rejected at once
+                self.policy.observe(state.spec, max(row.num_drafts, 1), outcome.num_accepted, d)

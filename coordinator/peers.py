@@ -1,0 +1,280 @@
+"""The peers part: the model services one engine talks to, and what it does when one is lost.
+
+It owns the target client and the draft kinds (each a list of replicas), knows which are
+reachable, and handles every way a service comes and goes: a loss (the stream is dropped, every
+sequence must be prefilled there again), a probe off the engine thread while it is down, the
+reconnection (what it still holds of ours released first, the target refilled from the
+committed record), the hand-off of a lost target's requests to another engine, and releases
+(a release that fails is retried once the service answers again). Live membership grows here.
+
+Invariant: for every service and active sequence, the sequence's record of that service's
+cache (`Sequence.target`, `Sequence.drafts[i]`) is None unless the service holds exactly that
+many of its committed tokens; after a loss every record of that service is None.
+"""
+import dataclasses
+import logging
+import time
+
+from batchspec import errors
+from coordinator import scheduler
+from coordinator.clients import ModelInfo, Probe
+from coordinator.drafts import DraftKind
+from coordinator.pool import RequestPool
+from coordinator.sequence import DraftState, Sequence
+from coordinator.stats import Recorder
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeersConfig:
+    reconnect_backoff_s: tuple[float, float]  # first and longest retry delay
+    max_prefill_tokens: int  # prompt tokens per prefill command when refilling a cache
+
+
+class Peers:
+    def __init__(self, target, kinds: list[DraftKind], pool: RequestPool, config: PeersConfig,
+                 recorder: Recorder, router=None):
+        """router: the engines' Router (hand-off to other target replicas, health), or None
+        for a lone engine."""
+        self.target = target
+        self.kinds = kinds
+        self.pool = pool
+        self.config = config
+        self.recorder = recorder
+        self.router = router
+        self.target_up = True
+        # service address -> ids of sequences that may still hold caches there although we
+        # lost the stream (a release that failed, or a loss while they were cached); released
+        # when the service answers again, unless it restarted empty
+        self._stale: dict[str, set[int]] = {}
+        self._probes: dict[str, Probe] = {}  # service address -> its probe in flight
+        self._next_retry = 0.0
+        self._retry_delay = config.reconnect_backoff_s[0]
+
+    @property
+    def draft_up(self) -> bool:
+        """Some draft kind is reachable."""
+        return any(kind.up for kind in self.kinds)
+
+    def all_up(self) -> bool:
+        return self.target_up and all(kind.up for kind in self.kinds)
+
+    def describe(self) -> tuple[ModelInfo | None, list[ModelInfo | None]]:
+        """The target's and each draft kind's ModelInfo (None, logged, where one does not
+        answer); each kind takes the model name its service reported."""
+        target = _describe(self.target)
+        infos = [_describe(kind.client) for kind in self.kinds]
+        for kind, info in zip(self.kinds, infos):
+            kind.name = info.model if info is not None else kind.name
+        return target, infos
+
+    # ---- caches ---------------------------------------------------------------------------------
+    def prefill_target(self, seqs: list[Sequence]) -> None:
+        """Prefill newly admitted rows in the target (one command) and give each a fresh
+        record of every draft: drafts are prefilled only when a step first uses them."""
+        with self.recorder.prefill():
+            self.target.prefill([s.prefill_entry() for s in seqs])
+        for s in seqs:
+            s.target.cache_len = s.committed_len - 1
+            s.drafts = [DraftState() for _ in self.kinds]
+
+    def warm(self, kind: DraftKind, seqs: list[Sequence]) -> bool:
+        """Prefill, from the committed record, the rows draft `kind` holds nothing of;
+        False when the draft was lost doing so."""
+        cold = [s for s in seqs if s.drafts[kind.index].cache_len is None]
+        if not kind.up or not cold:
+            return kind.up
+        try:
+            with self.recorder.prefill():
+                self._prefill_in_runs(kind.client, cold)
+        except errors.Unavailable as error:
+            self.draft_lost(kind, error)
+            return False
+        for s in cold:
+            s.drafts[kind.index] = DraftState(s.committed_len - 1, s.committed_len - 1,
+                                              s.drafts[kind.index].spec)
+        return True
+
+    def release(self, seqs: list[Sequence]) -> None:
+        """Free what every reachable service holds of `seqs` (no longer active)."""
+        if not seqs:
+            return
+        if self.target_up:
+            self._release_in(self.target, [s for s in seqs if s.target.cache_len is not None])
+        self._release_drafts(seqs)
+
+    def _release_drafts(self, seqs: list[Sequence]) -> None:
+        for kind in self.kinds:
+            if kind.up:
+                self._release_in(kind.client, [s for s in seqs
+                                               if s.drafts[kind.index].cache_len is not None])
+
+    def _release_in(self, client, seqs: list[Sequence]) -> None:
+        if not seqs:
+            return
+        try:
+            client.release([s.seq_id for s in seqs])
+        except errors.Unavailable as error:
+            log.warning("release on %s failed (%s); retried when it answers again",
+                        client.address, error)
+            self._mark_stale(client, seqs)
+
+    def _mark_stale(self, client, seqs: list[Sequence]) -> None:
+        self._stale.setdefault(client.address, set()).update(s.seq_id for s in seqs)
+
+    def _prefill_in_runs(self, client, seqs: list[Sequence]) -> None:
+        """Prefill from the committed record, one bounded command per run. If a run fails,
+        those before it stay cached there: the next reconnection releases them first."""
+        for run in scheduler.split_by_tokens(seqs, self.config.max_prefill_tokens):
+            client.prefill([s.prefill_entry() for s in run])
+
+    # ---- losses ---------------------------------------------------------------------------------
+    def draft_lost(self, kind: DraftKind, error) -> None:
+        log.warning("draft %s (%s) lost (%s): decoding %s", kind.client.address, kind.name,
+                    error, "with the other drafts" if self.draft_up else "with the target alone")
+        kind.up = False
+        self._health_changed()
+        self._lost(kind.client, lambda seq: seq.drafts[kind.index])
+
+    def target_lost(self, error) -> None:
+        self.target_up = False
+        self._health_changed()
+        self._lost(self.target, lambda seq: seq.target)
+        if self._hand_off():
+            log.warning("target %s lost (%s): its requests moved to other replicas",
+                        self.target.address, error)
+        else:
+            log.warning("target %s lost (%s): requests wait for it", self.target.address, error)
+
+    def _health_changed(self) -> None:
+        if self.router is not None:
+            self.router.health_changed()
+
+    def _lost(self, client, cache_of) -> None:
+        """What losing any service means. Its stream is dropped; what it may still hold of
+        ours is stale (released when it is back); every sequence must be prefilled there again
+        (cache_of(seq) is the sequence's record of that service's cache); a retry is due."""
+        client.reset()
+        seqs = self.pool.active_sequences()
+        self._mark_stale(client, [s for s in seqs if cache_of(s).cache_len is not None])
+        for seq in seqs:
+            cache_of(seq).forget()
+        self._schedule_retry()
+
+    def _hand_off(self) -> bool:
+        """Give every request to other engines, if there are any to take them."""
+        handles = self.pool.handles()
+        if not handles or self.router is None:
+            return False
+        # Drafts may be shared with the adopting engines (one n-gram draft for every target
+        # replica): release ours before another engine can prefill the same ids there.
+        active = self.pool.active_sequences()
+        self._release_drafts(active)
+        for seq in active:
+            for state in seq.drafts:
+                state.forget()
+        if not self.router.hand_off(self, handles):
+            return False  # nobody took them: they wait here (drafts refilled on first use)
+        self.pool.take_all(handles)
+        return True
+
+    # ---- reconnection ---------------------------------------------------------------------------
+    def _schedule_retry(self) -> None:
+        self._next_retry = time.monotonic() + self._retry_delay
+        self._retry_delay = min(self._retry_delay * 2, self.config.reconnect_backoff_s[1])
+
+    def ensure(self) -> bool:
+        """Reconnect lost services when their retry is due; True when the target is usable."""
+        if self.all_up() or time.monotonic() < self._next_retry:
+            return self.target_up
+        if not self.target_up:
+            self.target_up = self._reconnect(self.target, self._resync_target)
+            if self.target_up:
+                self._health_changed()
+        for kind in self.kinds:
+            if not kind.up:
+                kind.up = self._reconnect_draft(kind)
+        if self.all_up():
+            self._retry_delay = self.config.reconnect_backoff_s[0]
+        else:
+            self._schedule_retry()
+        return self.target_up
+
+    def retry_pause(self) -> float:
+        """How long the engine waits before asking `ensure` again while the target is down."""
+        return min(0.05, self._retry_delay)
+
+    def _reconnect_draft(self, kind: DraftKind) -> bool:
+        """Try the kind's replicas in turn, starting with the current one."""
+        for _ in range(len(kind.replicas)):
+            # nothing to refill now: every row is cold there and prefilled when next picked
+            if self._reconnect(kind.client, lambda: None):
+                return True
+            kind.next_replica()
+        return False
+
+    def _reconnect(self, client, resync) -> bool:
+        info = self._probe_answer(client)
+        if info is None:
+            return False
+        try:
+            client.reset()
+            if info.num_sequences:
+                self.forget_stale(client, self._stale.get(client.address, set())
+                                  | set(self.pool.active))
+            self._stale.pop(client.address, None)
+            resync()
+        except errors.Unavailable as error:
+            log.info("%s still unavailable: %s", client.address, error)
+            client.reset()
+            return False
+        log.info("%s is back: caches refilled from the coordinator's record", client.address)
+        return True
+
+    def _probe_answer(self, client) -> ModelInfo | None:
+        """The service's ModelInfo once a probe found it taking commands again; else None,
+        with a probe in flight (a new one when the last went unanswered). gRPC carries the
+        probes, so a hung service cannot stall decoding while we wait."""
+        probe = self._probes.get(client.address)
+        if probe is not None and not probe.done():
+            return None
+        info = self._probes.pop(client.address).info() if probe is not None else None
+        if info is None:
+            self._probes[client.address] = client.probe()
+        return info
+
+    @staticmethod
+    def forget_stale(client, seq_ids: set[int]) -> None:
+        """The service kept running while its stream broke: drop what it still holds of
+        ours (finished, cancelled or active sequences), since the record here is the truth.
+        One command for all of them; a release is all-or-nothing, so if some are gone
+        already, the rest go one by one."""
+        if not seq_ids:
+            return
+        try:
+            client.release(sorted(seq_ids))
+            return
+        except errors.NotFound:
+            pass
+        for seq_id in sorted(seq_ids):
+            try:
+                client.release([seq_id])
+            except errors.NotFound:
+                pass
+
+    def _resync_target(self) -> None:
+        seqs = self.pool.active_sequences()
+        self._prefill_in_runs(self.target, seqs)
+        for s in seqs:
+            s.target.cache_len = s.committed_len - 1
+
+
+def _describe(client) -> ModelInfo | None:
+    """The service's ModelInfo, or None (logged) when it does not answer."""
+    try:
+        return client.describe()
+    except errors.BatchspecError as error:
+        log.warning("%s did not describe itself (%s): drafting K every step, no overlap",
+                    client.address, error)
+        return None

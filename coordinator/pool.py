@@ -1,0 +1,110 @@
+"""The request pool of one engine: requests waiting for a slot, and the active ones.
+
+Request threads submit and cancel; the engine thread admits, steps and ends. Invariants:
+- a handle is in at most one of `waiting` and `active`; `active` is keyed by sequence id;
+- only the engine thread adds to or removes from `active`; `waiting` changes under the lock;
+- at most `max_num_seqs` sequences are active, at most `max_queue` wait (beyond it a submit is
+  refused at once with RESOURCE_EXHAUSTED).
+"""
+import itertools
+import threading
+
+from batchspec import errors
+from batchspec.params import SamplingParams
+from coordinator import scheduler
+from coordinator.requests import RequestHandle
+from coordinator.sequence import Sequence
+
+
+class RequestPool:
+    def __init__(self, max_num_seqs: int, max_queue: int, eos_token_ids: list[int],
+                 seq_ids=None):
+        self.max_num_seqs = max_num_seqs
+        self.max_queue = max_queue
+        self.eos_token_ids = frozenset(eos_token_ids)
+        # sequence ids are unique across every engine of a router (they share the counter)
+        self._ids = seq_ids if seq_ids is not None else itertools.count(1)
+        self.lock = threading.Condition()
+        self.waiting: list[RequestHandle] = []
+        self.active: dict[int, RequestHandle] = {}
+        self.stopping = False  # new requests are refused
+
+    def submit(self, prompt_token_ids: list[int], max_new_tokens: int,
+               sampling: SamplingParams = SamplingParams(), *, ignore_eos: bool = False,
+               deadline: float | None = None, text=None, events=None) -> RequestHandle:
+        """Queue a request. text: a coordinator.text.TextStream that turns its tokens into
+        text and finds its stop strings, on the engine thread; events: see RequestHandle."""
+        seq = Sequence(next(self._ids), list(prompt_token_ids), max_new_tokens,
+                       frozenset() if ignore_eos else self.eos_token_ids, sampling, text=text)
+        handle = RequestHandle(seq, deadline, events)
+        with self.lock:
+            if self.stopping:
+                raise errors.Unavailable("the coordinator is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise errors.ResourceExhausted(
+                    f"{len(self.waiting)} requests already wait; retry later")
+            self.waiting.append(handle)
+            self.lock.notify_all()
+        return handle
+
+    def wake(self) -> None:
+        """Wake the engine thread (a cancellation, a stop)."""
+        with self.lock:
+            self.lock.notify_all()
+
+    def requeue(self, handles: list[RequestHandle]) -> None:
+        """Put handles back at the head of the queue (adopted, or not admitted after all)."""
+        with self.lock:
+            self.waiting = list(handles) + self.waiting
+            self.lock.notify_all()
+
+    def next_admission(self, max_prefill_tokens: int) -> list[RequestHandle]:
+        """Take the next run of waiting requests that fits the pool and one prefill command."""
+        with self.lock:
+            room = self.max_num_seqs - len(self.active)
+            runs = scheduler.split_by_tokens([h.seq for h in self.waiting[:room]],
+                                             max_prefill_tokens)
+            count = len(runs[0]) if runs else 0
+            taken, self.waiting = self.waiting[:count], self.waiting[count:]
+        return taken
+
+    def activate(self, handle: RequestHandle) -> None:
+        self.active[handle.seq.seq_id] = handle
+
+    def deactivate(self, seq: Sequence) -> None:
+        self.active.pop(seq.seq_id, None)
+
+    def unqueue(self, handle: RequestHandle) -> None:
+        with self.lock:
+            if handle in self.waiting:
+                self.waiting.remove(handle)
+
+    def handles(self) -> list[RequestHandle]:
+        """Every request, active first."""
+        with self.lock:
+            return list(self.active.values()) + self.waiting
+
+    def take_all(self, handles: list[RequestHandle]) -> None:
+        """Remove `handles` (moved to another engine) from this pool."""
+        with self.lock:
+            for handle in handles:
+                self.active.pop(handle.seq.seq_id, None)
+            self.waiting = [h for h in self.waiting if h not in handles]
+
+    def handles_of(self, seqs: list[Sequence]) -> list[RequestHandle]:
+        return [self.active[s.seq_id] for s in seqs if s.seq_id in self.active]
+
+    def active_sequences(self) -> list[Sequence]:
+        return [h.seq for h in self.active.values()]
+
+    def num_running(self) -> int:
+        return len(self.active)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def load(self) -> int:
+        return len(self.active) + len(self.waiting)
+
+    def idle(self) -> bool:
+        return not (self.active or self.waiting)

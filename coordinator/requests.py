@@ -1,0 +1,200 @@
+"""The requests part: what a request is on its way in and out, shared by both public edges.
+
+An edge (gRPC or HTTP) turns its own wire format into a `RequestInput`, `validate` checks it
+against the served model's `Limits` and gives a `ValidRequest`, and `stream_events` submits it
+and yields its `Event`s. Neither edge imports the other; nothing here knows either wire format.
+"""
+import asyncio
+import dataclasses
+import math
+import queue
+import random
+import threading
+import time
+
+from batchspec import errors
+from batchspec.params import SamplingParams
+from coordinator.sequence import Finish, Sequence
+from coordinator.text import TextCodec, TextStream
+
+MAX_STOP_STRINGS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the served model and the coordinator allow a request."""
+
+    vocab_size: int
+    max_context_len: int
+    max_new_tokens: int = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestInput:
+    """A request as an edge received it, before any check. Exactly one of prompt,
+    prompt_token_ids and messages should be set; None: the field was not given."""
+
+    prompt: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content)
+    chat: bool = False  # send `prompt` as one user message through the chat template
+    max_new_tokens: int = 0  # 0: not given
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidRequest:
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    ignore_eos: bool
+
+
+def validate(request: RequestInput, limits: Limits, codec: TextCodec | None,
+             default_max_new_tokens: int | None = None) -> ValidRequest:
+    """Check a request; raises InvalidArgument saying what to fix. With
+    default_max_new_tokens, a max_new_tokens of 0 means that many, or what the context leaves
+    after the prompt if less (the HTTP edge's default); without, 0 is refused."""
+    bad = errors.InvalidArgument
+    prompt_ids = _prompt_token_ids(request, codec)
+    outside = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
+    if outside:
+        raise bad(f"prompt_token_ids {outside[:5]} are outside the vocabulary "
+                  f"[0, {limits.vocab_size})")
+    max_new_tokens = request.max_new_tokens
+    if max_new_tokens == 0 and default_max_new_tokens is not None:
+        max_new_tokens = max(1, min(default_max_new_tokens, limits.max_new_tokens,
+                                    limits.max_context_len - len(prompt_ids)))
+    if max_new_tokens < 1:
+        raise bad("max_new_tokens must be >= 1")
+    if max_new_tokens > limits.max_new_tokens:
+        raise bad(f"max_new_tokens must be <= {limits.max_new_tokens}")
+    if len(prompt_ids) + max_new_tokens > limits.max_context_len:
+        raise bad(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
+                  f"({max_new_tokens}) exceeds the model's context of "
+                  f"{limits.max_context_len} tokens")
+    if request.stop and codec is None:
+        raise bad("stop strings need a tokenizer; this coordinator has none")
+    if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
+        raise bad(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+    return ValidRequest(prompt_ids, max_new_tokens, to_sampling(request),
+                        list(request.stop), request.ignore_eos)
+
+
+def _prompt_token_ids(request: RequestInput, codec: TextCodec | None) -> list[int]:
+    """The prompt as token ids: given, or encoded (chat messages through the template)."""
+    bad = errors.InvalidArgument
+    given = [name for name in ("prompt", "prompt_token_ids", "messages")
+             if getattr(request, name)]
+    if len(given) > 1:
+        raise bad(f"set one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
+    if (request.prompt or request.messages) and codec is None:
+        raise bad("this coordinator has no tokenizer: send prompt_token_ids, or start it "
+                  "with --tokenizer")
+    if request.messages:
+        prompt_ids = codec.encode_chat(list(request.messages))
+    elif request.prompt and request.chat and codec.chat_template is not None:
+        prompt_ids = codec.encode_chat([("user", request.prompt)])
+    elif request.prompt:
+        prompt_ids = codec.encode(request.prompt)
+    else:
+        prompt_ids = list(request.prompt_token_ids)
+    if not prompt_ids:
+        raise bad("the prompt is empty: send a non-empty prompt or prompt_token_ids")
+    return prompt_ids
+
+
+def to_sampling(request: RequestInput) -> SamplingParams:
+    """Sampling parameters, the unset ones at their defaults (greedy; a random seed)."""
+    bad = errors.InvalidArgument
+    temperature = 0.0 if request.temperature is None else request.temperature
+    if not math.isfinite(temperature) or temperature < 0:
+        raise bad(f"temperature must be a finite number >= 0, not {temperature}")
+    top_k = 0 if request.top_k is None else request.top_k
+    if top_k < 0:
+        raise bad(f"top_k must be >= 0 (0 means no limit), not {top_k}")
+    top_p = 1.0 if request.top_p is None else request.top_p
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise bad(f"top_p must be in (0, 1], not {top_p}")
+    seed = random.getrandbits(63) if request.seed is None else request.seed
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What a request's stream receives: new tokens, and at the end a finish or an error."""
+
+    token_ids: list[int]
+    finish: Finish | None = None
+    error: errors.BatchspecError | None = None
+    text: str = ""  # their text, when the request has a TextStream
+    num_drafted: int = 0  # drafts verified in the step that committed these tokens
+    num_accepted: int = 0  # the first this many of token_ids were accepted draft tokens
+    draft_text: str = ""  # the part of `text` they gave (a prefix of it)
+
+
+class RequestHandle:
+    """One submitted request: its sequence, its deadline, where its events go."""
+
+    def __init__(self, seq: Sequence, deadline: float | None, events=None):
+        self.seq = seq
+        self.deadline = deadline  # time.monotonic() value, or None
+        # where the engine thread puts this request's events: anything with put(Event)
+        # (a queue.Queue by default; the public edges pass LoopEvents)
+        self.events = events if events is not None else queue.Queue()
+        self.cancelled = threading.Event()
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+
+    def fail(self, error: errors.BatchspecError) -> None:
+        self.events.put(Event([], error=error))
+
+
+class LoopEvents:
+    """A request's event queue that the engine thread fills and an asyncio handler awaits:
+    `put` (any thread) hands the event to the event loop, which wakes the handler."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, event) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    async def get(self):
+        return await self._queue.get()
+
+
+async def stream_events(router, valid: ValidRequest, codec: TextCodec | None, *,
+                        include_special_tokens: bool = False, deadline: float | None = None,
+                        on_admitted=None):
+    """Submit a valid request to `router` and yield its events until the one that finishes
+    it; raises the error that ends it. A consumer that stops early (the client went away)
+    cancels it, which frees its slot and caches at the next step. on_admitted(handle) is
+    called once it is queued (for the log line)."""
+    text = (TextStream(codec, valid.stop, skip_special_tokens=not include_special_tokens)
+            if codec else None)
+    events = LoopEvents(asyncio.get_running_loop())
+    handle = router.submit(valid.prompt_token_ids, valid.max_new_tokens, valid.sampling,
+                           ignore_eos=valid.ignore_eos, deadline=deadline, text=text,
+                           events=events)
+    if on_admitted is not None:
+        on_admitted(handle)
+    finished = False
+    try:
+        while not finished:
+            event = await events.get()
+            if event.error is not None:
+                raise event.error
+            finished = event.finish is not None
+            yield event
+    finally:
+        if not finished:
+            router.cancel(handle)
