@@ -19,6 +19,7 @@ FROM ${PYTHON_IMAGE} AS source
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY batchspec batchspec
+COPY batchspec_tools batchspec_tools
 COPY coordinator coordinator
 COPY draft_service draft_service
 COPY target_service target_service

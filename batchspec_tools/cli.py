@@ -264,6 +264,8 @@ def health(argv) -> int:
 
 # ---- generate -----------------------------------------------------------------------------------
 def generate_parser() -> argparse.ArgumentParser:
+    from coordinator.config import DEFAULT_PORT
+
     parser = cliargs.parser("batchspec generate", "Stream an answer to the terminal.")
     parser.add_argument("prompt", nargs="?", default=None,
                         help="what to ask (sent as a chat message when the model has a chat "
@@ -272,7 +274,8 @@ def generate_parser() -> argparse.ArgumentParser:
                         help="send the prompt as plain text to continue, not as a chat message")
     parser.add_argument("--token-ids", default=None, type=token_ids,
                         help="comma-separated prompt token ids instead of text")
-    parser.add_argument("--address", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    parser.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORT}",
+                        help="coordinator HOST:PORT")
     parser.add_argument("--max-new-tokens", type=bounded(int, 1), default=128,
                         help="most tokens to generate")
     parser.add_argument("--temperature", type=bounded(float, 0.0), default=None,

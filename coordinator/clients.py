@@ -118,10 +118,10 @@ class CommandStream:
         if result.command_id != command_id:
             raise errors.Unavailable(f"result {result.command_id} answers no command "
                                      f"(expected {command_id})")
-        kind = result.WhichOneof("result")
-        if kind == "error":
+        result_type = result.WhichOneof("result")
+        if result_type == "error":
             raise errors.from_status_code(result.error.code, result.error.message)
-        return getattr(result, kind)
+        return getattr(result, result_type)
 
     def close(self):
         self._watchdog.close()

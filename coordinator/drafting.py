@@ -86,21 +86,27 @@ class _Step:
 
     seqs: list[Sequence]
     called: set[int] = dataclasses.field(default_factory=set)  # kinds asked this step
-    offers: dict[int, dict[int, Proposal]] = dataclasses.field(default_factory=dict)  # kind ->
-    drafted: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # (kind, k)
-    misses: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # kinds with none
-    answers: dict[int, Proposal] = dataclasses.field(default_factory=dict)  # planned calls'
+    # kind index -> row -> what the kind, asked before planning, offered (non-empty only)
+    offers: dict[int, dict[int, Proposal]] = dataclasses.field(default_factory=dict)
+    # row -> (kind index, drafts it verifies), for rows that have their drafts
+    drafted: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # row -> the kind indices that proposed nothing for it, in call order
+    misses: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # row -> the latest answer a call planned for it gave (empty ones too)
+    answers: dict[int, Proposal] = dataclasses.field(default_factory=dict)
+    # (the service's own timing, round-trip seconds) of each draft call
     spent: list[tuple[Timing, float]] = dataclasses.field(default_factory=list)
 
     def offered(self) -> dict[int, dict[int, int]]:
         """{row: {kind: tokens}} the kinds asked before planning offered."""
-        return {i: {d: len(got[i].draft_token_ids) for d, got in self.offers.items() if i in got}
+        return {i: {index: len(got[i].draft_token_ids)
+                    for index, got in self.offers.items() if i in got}
                 for i in range(len(self.seqs))}
 
     def asked(self) -> dict[int, int]:
         """Each row's kind to observe: the one it drafts with, else its last miss."""
-        asked = {i: kinds[-1] for i, kinds in self.misses.items()}
-        asked.update((i, kind) for i, (kind, _) in self.drafted.items())
+        asked = {i: indices[-1] for i, indices in self.misses.items()}
+        asked.update((i, index) for i, (index, _) in self.drafted.items())
         return asked
 
     def result(self) -> DraftedCohort:
@@ -166,8 +172,8 @@ class Drafter:
                     step.answers[i] = step.offers[kind.index][i]
                 continue
             missed = self._call(kind, step, rows, plan, timeout)
-        for d in early:
-            self.kinds[d].asked(any(kind == d for kind, _ in step.drafted.values()))
+        for index in early:
+            self.kinds[index].asked(any(d == index for d, _ in step.drafted.values()))
         self._observe_earlier_misses(step)
         return step.result()
 
@@ -209,10 +215,10 @@ class Drafter:
         """`observe` sees the kind a row ends with (its drafts, or its last miss); any
         earlier miss is observed here."""
         asked = step.asked()
-        for i, kinds in step.misses.items():
-            for d in kinds:
-                if d != asked[i]:
-                    self.policy.observe(step.seqs[i].drafts[d].spec, 1, 0, d)
+        for i, indices in step.misses.items():
+            for index in indices:
+                if index != asked[i]:
+                    self.policy.observe(step.seqs[i].drafts[index].spec, 1, 0, index)
 
     def asked_first(self) -> list[DraftKind]:
         """The reachable drafts asked for every row before planning: with the goodput policy,
@@ -279,11 +285,11 @@ class Drafter:
         rows = [self._row(step, i, up, offered[i]) for i in range(len(step.seqs))]
         plan = self.policy.plan(rows)
         # a kind not offered for the row (not reachable, asked already) cannot draft for it
-        kinds = [plan.kind(i) for i in range(len(rows))]
-        kinds = [d if d is not None and rows[i].choices[d] is not None else None
-                 for i, d in enumerate(kinds)]
-        return goodput.Plan([n if d is not None else 0 for n, d in zip(plan.k, kinds)],
-                            plan.tokens_per_s, kinds)
+        indices = [plan.kind(i) for i in range(len(rows))]
+        indices = [d if d is not None and rows[i].choices[d] is not None else None
+                   for i, d in enumerate(indices)]
+        return goodput.Plan([n if d is not None else 0 for n, d in zip(plan.k, indices)],
+                            plan.tokens_per_s, indices)
 
     def _row(self, step: _Step, i: int, up: list[DraftKind],
              offered: dict[int, int]) -> goodput.Row:
@@ -315,17 +321,17 @@ class Drafter:
     def observe(self, row: RowDraft, outcome: VerifyOutcome) -> None:
         """Before the row's tokens are committed: what its draft got right, for the policy,
         and how much of the draft's cache now holds committed tokens."""
-        seq, kind = row.seq, row.kind_index
-        answered = kind is not None and row.proposal is not None
+        seq, index = row.seq, row.kind_index
+        answered = index is not None and row.proposal is not None
         drafted = len(row.proposal.draft_token_ids) if answered else 0
-        if answered and row.proposal.cache_len == seq.drafts[kind].cache_len and drafted:
+        if answered and row.proposal.cache_len == seq.drafts[index].cache_len and drafted:
             # The draft cached committed[:before] and drafts 1..D-1 (D = drafted); those up to
             # the first rejection are now committed (a row verifies at most D of them). A
             # draft lost or re-prefilled since holds none of them (its cache_len moved on).
-            seq.drafts[kind].valid_len = seq.committed_len + min(outcome.num_accepted,
-                                                                 drafted - 1)
+            seq.drafts[index].valid_len = seq.committed_len + min(outcome.num_accepted,
+                                                                  drafted - 1)
         for d, state in enumerate(seq.drafts):
-            if d != kind:
+            if d != index:
                 self.policy.observe(state.spec, 0, 0, d)  # not asked: its evidence fades
             elif answered:
                 # a kind that found nothing to propose is as good as one rejected at once

@@ -1,5 +1,10 @@
 """Draft kinds: each a draft the coordinator can ask for proposals (a model, the n-gram
-lookup), served by one or more replicas used one at a time, failing over in order."""
+lookup), served by one or more replicas used one at a time, failing over in order.
+
+Words: a *draft kind* is a `DraftKind` (named `kind`); its *index* (`kind.index`) is its
+place in every per-kind list (`Sequence.drafts`, the goodput policy's costs, whose pure code
+knows kinds only by index and so calls an index `kind`). A *cohort* is the sequences one step
+takes; the services run a cohort's rows as one *batch*."""
 
 # A draft asked before planning (a lookup) is asked every step while at least this share of
 # recent asks (an exponential average, DECAY per ask) had a row drafting with what it

@@ -113,15 +113,12 @@ class Engine:
 
     def stop(self, grace_s: float = 0.0) -> None:
         """Stop admitting; finish in-flight work for up to grace_s seconds; fail the rest."""
-        with self.pool.lock:
-            self.pool.stopping = True
-            self.pool.lock.notify_all()
+        self.pool.refuse_new()
         end = time.monotonic() + grace_s
         while not self.pool.idle() and time.monotonic() < end:
             time.sleep(0.05)
-        with self.pool.lock:
-            self._thread_exit = True
-            self.pool.lock.notify_all()
+        self._thread_exit = True
+        self.pool.wake()
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._verifier.shutdown(wait=False)
@@ -131,8 +128,8 @@ class Engine:
     def configure(self) -> None:
         """Ask each service once what its forwards cost and what device it runs on: the
         drafter calibrates from the costs, and overlap "auto" is on unless every service
-        runs on CPU (then they share the host's cores, and running both at once made each
-        much slower on a small CPU)."""
+        runs on CPU (then they share the host's cores, and running both at once slows each
+        down)."""
         target, infos = self.peers.describe()
         self.drafter.calibrate(target, infos)
         self._overlapping = self.config.overlap == "on"
@@ -148,14 +145,11 @@ class Engine:
         return self._overlapping and self.peers.draft_up
 
     def _run(self) -> None:
-        pool = self.pool
         while True:
-            with pool.lock:
-                # a lost service is retried even with nothing to do, so it can take work again
-                while pool.idle() and not self._thread_exit and self.peers.target_up:
-                    pool.lock.wait(timeout=1.0)
-                if self._thread_exit:
-                    return
+            # a lost service is retried even with nothing to do, so it can take work again
+            self.pool.wait_for_work(lambda: not self._thread_exit and self.peers.target_up)
+            if self._thread_exit:
+                return
             try:
                 self.step()
             except Exception:  # outside any request's part of the step (reaping, reconnection)

@@ -1,7 +1,7 @@
 """Draft length by goodput: per sequence and step, the K that maximises expected committed
 tokens per second, K = 0 (plain decoding, no draft call) included.
 
-The model of one step of a group of B rows, c of which draft K tokens:
+The model of one step of a cohort of B rows, c of which draft K tokens:
 - draft time: one forward of c rows feeding W tokens (W >= 1: the last committed token, plus
   any the draft missed while a row was at K = 0), then K - 1 forwards of one token; none when
   c = 0;
@@ -24,7 +24,7 @@ their prefill spread over cold_horizon steps: they join only where they pay for 
 free; of cold rows, only one per kind at a time explores, and only when no row has drafted with
 that kind for long (or it lacks evidence), so exploring never buys a prefill per row, and no
 kind is starved of evidence. Evidence is bought only where it could change a plan: a kind is
-forced on no group where drafting would not clearly beat plain decoding even at that optimistic
+forced on no cohort where drafting would not clearly beat plain decoding even at that optimistic
 acceptance (wide verifies at their full price, as at large batches on a CPU).
 
 Pure Python: the coordinator stays free of torch.
@@ -55,7 +55,7 @@ class GoodputConfig:
     # drafting must promise this much more than plain decoding (timings are noisy, and a
     # wrong bet costs more than a missed one)
     margin: float = 0.05
-    # evidence is bought (a kind forced on a group) only where drafting could beat plain
+    # evidence is bought (a kind forced on a cohort) only where drafting could beat plain
     # decoding by this much at the optimistic acceptance: the calibration is noisy, and near
     # break-even even a good acceptance would barely move a plan
     explore_margin: float = 0.2
@@ -242,7 +242,7 @@ class Choice:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One row of a group as the planner sees it. With one draft kind, `acceptance`,
+    """One row of a cohort as the planner sees it. With one draft kind, `acceptance`,
     `catch_up` and `explore` describe it; with several, `choices` has one entry per kind
     (None: that kind cannot draft for this row now)."""
 
@@ -259,7 +259,7 @@ class Row:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    k: list[int]  # per row, in the group's order
+    k: list[int]  # per row, in the cohort's order
     tokens_per_s: float  # the expected goodput of this plan
     kinds: list[int | None] | None = None  # per row, the draft kind (None: all kind 0)
 
@@ -331,7 +331,7 @@ class GoodputPolicy:
                prefill: int = 0) -> Choice:
         """One row's standing with one kind (the rules: the module's docstring and
         GoodputConfig). Not forced but optimistic when idle, since forcing one row widens its
-        whole group's verify. cold: the draft holds nothing of the row yet (picking it costs
+        whole cohort's verify. cold: the draft holds nothing of the row yet (picking it costs
         a prefill of `prefill` tokens, kept only then); plan() lets at most one cold row per
         kind explore, none if a held row does."""
         short = self._means.get(kind, (0.0, 0.0))[1] < self.config.min_evidence
@@ -378,7 +378,7 @@ class GoodputPolicy:
         return best
 
     def _could_pay(self, kind: int, rows: list[Row]) -> bool:
-        """Whether drafting with `kind` could beat plain decoding for this group if every
+        """Whether drafting with `kind` could beat plain decoding for this cohort if every
         row it can draft for accepted at `optimism` (its best case as exploration sees it).
         Where even that loses (wide verifies at their full price, as at large batches on a
         CPU, or a lookup with something to offer for few of many rows), no acceptance

@@ -24,7 +24,7 @@ class RequestPool:
         self.eos_token_ids = frozenset(eos_token_ids)
         # sequence ids are unique across every engine of a router (they share the counter)
         self._ids = seq_ids if seq_ids is not None else itertools.count(1)
-        self.lock = threading.Condition()
+        self._lock = threading.Condition()
         self.waiting: list[RequestHandle] = []
         self.active: dict[int, RequestHandle] = {}
         self.stopping = False  # new requests are refused
@@ -37,30 +37,43 @@ class RequestPool:
         seq = Sequence(next(self._ids), list(prompt_token_ids), max_new_tokens,
                        frozenset() if ignore_eos else self.eos_token_ids, sampling, text=text)
         handle = RequestHandle(seq, deadline, events)
-        with self.lock:
+        with self._lock:
             if self.stopping:
                 raise errors.Unavailable("the coordinator is shutting down")
             if len(self.waiting) >= self.max_queue:
                 raise errors.ResourceExhausted(
                     f"{len(self.waiting)} requests already wait; retry later")
             self.waiting.append(handle)
-            self.lock.notify_all()
+            self._lock.notify_all()
         return handle
 
     def wake(self) -> None:
         """Wake the engine thread (a cancellation, a stop)."""
-        with self.lock:
-            self.lock.notify_all()
+        with self._lock:
+            self._lock.notify_all()
+
+    def refuse_new(self) -> None:
+        """From now on every submit is refused (the coordinator is stopping)."""
+        with self._lock:
+            self.stopping = True
+            self._lock.notify_all()
+
+    def wait_for_work(self, still_idle) -> None:
+        """Block the engine thread while nothing waits or runs and still_idle() holds (checked
+        at least every second and whenever the pool changes)."""
+        with self._lock:
+            while self.idle() and still_idle():
+                self._lock.wait(timeout=1.0)
 
     def requeue(self, handles: list[RequestHandle]) -> None:
         """Put handles back at the head of the queue (adopted, or not admitted after all)."""
-        with self.lock:
+        with self._lock:
             self.waiting = list(handles) + self.waiting
-            self.lock.notify_all()
+            self._lock.notify_all()
 
     def next_admission(self, max_prefill_tokens: int) -> list[RequestHandle]:
         """Take the next run of waiting requests that fits the pool and one prefill command."""
-        with self.lock:
+        with self._lock:
             room = self.max_num_seqs - len(self.active)
             runs = scheduler.split_by_tokens([h.seq for h in self.waiting[:room]],
                                              max_prefill_tokens)
@@ -75,18 +88,18 @@ class RequestPool:
         self.active.pop(seq.seq_id, None)
 
     def unqueue(self, handle: RequestHandle) -> None:
-        with self.lock:
+        with self._lock:
             if handle in self.waiting:
                 self.waiting.remove(handle)
 
     def handles(self) -> list[RequestHandle]:
         """Every request, active first."""
-        with self.lock:
+        with self._lock:
             return list(self.active.values()) + self.waiting
 
     def take_all(self, handles: list[RequestHandle]) -> None:
         """Remove `handles` (moved to another engine) from this pool."""
-        with self.lock:
+        with self._lock:
             for handle in handles:
                 self.active.pop(handle.seq.seq_id, None)
             self.waiting = [h for h in self.waiting if h not in handles]

@@ -1,4 +1,4 @@
-"""Choosing the next group of sequences to step: cohorts, formed by equal length (EXSPEC).
+"""Choosing the next cohort of sequences to step: cohorts, formed by equal length (EXSPEC).
 
 Sequences are stepped in cohorts of at most batch_size that stay together from step to step,
 always in the same row order. Invariants:

@@ -66,7 +66,7 @@ class Sequence:
     finish: Finish | None = None
     stats: Stats = dataclasses.field(default_factory=Stats)
     last_step: int = 0  # engine step at which the sequence last advanced (for fairness)
-    cohort: int | None = None  # the group it is stepped with (scheduler); None: not yet placed
+    cohort: int | None = None  # the cohort it is stepped with (scheduler); None: not yet placed
     created: float = dataclasses.field(default_factory=time.monotonic)
     # Optional coordinator.text.TextStream: the generated text and its stop strings.
     text: object = dataclasses.field(default=None, repr=False, compare=False)

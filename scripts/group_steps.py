@@ -16,10 +16,10 @@ import time
 import torch
 from transformers import DynamicCache
 
-from batchspec_tools.bench import run as bench
 from batchspec.runtime import kvcache
 from batchspec.runtime import runner as runner_lib
 from batchspec.server import parse_config
+from batchspec_tools.bench import run as bench
 
 
 def record_forwards(stats: dict, current: list) -> None:

@@ -21,8 +21,8 @@ from draft_service.ngram import NgramConfig, NgramIndex  # noqa: E402
 def answers(prompts_file: str, count: int, max_new_tokens: int):
     import torch
 
-    from batchspec_tools.data import bench_prompts
     from batchspec.runtime import fastlinear, models
+    from batchspec_tools.data import bench_prompts
 
     tokenizer = models.load_tokenizer("smollm2")
     model = models.load_causal_lm("smollm2")

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from batchspec_tools.data import read_jsonl
 from batchspec.params import SamplingParams
 from batchspec.runtime import models
+from batchspec_tools.data import read_jsonl
 
 HELD_OUT = "docs/bench/heldout_prompts.jsonl"
 

@@ -21,8 +21,8 @@ def load(name: str):
 
 
 def child(case: str, name: str, repeats: int) -> None:
-    from batchspec_tools.drafting.evaluate import decode_step_seconds
     from batchspec.runtime import compute
+    from batchspec_tools.drafting.evaluate import decode_step_seconds
 
     if case == "same":
         model = compute.run(load, name)

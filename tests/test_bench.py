@@ -11,7 +11,7 @@ from batchspec_tools.bench.run import GRPC_DRAFTS, METHODS, USES_BATCH, USES_K
 @pytest.mark.slow
 def test_quick_bench_writes_a_complete_exact_report(tmp_path):
     out = tmp_path / "report"
-    done = subprocess.run([sys.executable, "-m", "batchspec", "bench", "--quick", "--out",
+    done = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--quick", "--out",
                            str(out), "--arrival-rates", "40"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -54,7 +54,7 @@ def test_quick_bench_writes_a_complete_exact_report(tmp_path):
 def test_bench_by_category_reports_each_draft_and_the_router_per_category(tmp_path):
     out = tmp_path / "report"
     methods = "hf_batch1,hf_batched,grpc,grpc_ngram,grpc_router"
-    done = subprocess.run([sys.executable, "-m", "batchspec", "bench", "--quick", "--out",
+    done = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--quick", "--out",
                            str(out), "--by-category", "--methods", methods,
                            "--draft-policy", "fixed"],
                           capture_output=True, text=True, timeout=300)
@@ -133,7 +133,7 @@ def test_batch_one_ratios_are_taken_against_the_faster_of_the_two_batch_one_runs
 @pytest.mark.slow
 def test_bench_repeats_the_sweep_in_turn(tmp_path):
     out = tmp_path / "report"
-    done = subprocess.run([sys.executable, "-m", "batchspec", "bench", "--quick", "--out",
+    done = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--quick", "--out",
                            str(out), "--methods", "hf_batch1,hf_batched", "--repeat", "2"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

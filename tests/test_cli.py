@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from batchspec import cliargs
+from batchspec.runtime import service
 from batchspec_tools import cli
 from batchspec_tools.processes import free_port
-from batchspec.runtime import service
 
 
 def all_parsers() -> dict[str, argparse.ArgumentParser]:

@@ -14,9 +14,9 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from batchspec.metrics import scrape
-from batchspec_tools.processes import free_port, wait_healthy
 from batchspec.runtime import service
 from batchspec.v1 import generate_pb2_grpc
+from batchspec_tools.processes import free_port, wait_healthy
 from coordinator import __main__ as coordinator_main
 from coordinator.config import split_addresses
 

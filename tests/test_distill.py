@@ -11,9 +11,9 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from batchspec_tools.data import train_prompts
 from batchspec.runtime import draft_model, models, tiny
 from batchspec.runtime import runner as runner_lib
+from batchspec_tools.data import train_prompts
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def tiny_target(tmp_path_factory):
 
 def distill(target, out, steps):
     return subprocess.run(
-        [sys.executable, "-m", "batchspec", "distill", "--target", target, "--out", str(out),
+        [sys.executable, "-m", "batchspec_tools", "distill", "--target", target, "--out", str(out),
          "--num-prompts", "12", "--max-new-tokens", "8", "--gen-batch-size", "4",
          "--steps", str(steps), "--checkpoint-every", "2", "--batch-size", "4",
          "--num-layers", "1", "--vocab-size", "40", "--lora-rank", "4", "--teacher-top-k", "8",

@@ -8,8 +8,8 @@ import grpc
 import pytest
 from transformers import AutoModelForCausalLM
 
-from batchspec_tools.processes import free_port, wait_healthy
 from batchspec.v1 import generate_pb2_grpc
+from batchspec_tools.processes import free_port, wait_healthy
 
 import tiny_models
 from test_exactness import generate_all, random_requests
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 
 def batchspec_command() -> list[str]:
     installed = shutil.which("batchspec")
-    return [installed] if installed else [sys.executable, "-m", "batchspec"]
+    return [installed] if installed else [sys.executable, "-m", "batchspec_tools"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchspec_tools.bench.inprocess import InProcessDraft, InProcessTarget
 from batchspec.runtime import runner as runner_lib
+from batchspec_tools.bench.inprocess import InProcessDraft, InProcessTarget
 from coordinator import goodput
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine

@@ -188,3 +188,15 @@ def test_the_coordinator_requirement_set_covers_its_imports_and_holds_no_torch()
         if not dists & listed:
             missing[module] = sorted(dists)
     assert third_party and not missing, missing
+
+
+def test_coordinator_classes_and_functions_stay_small():
+    """The coordinator is read by newcomers: no class over 300 lines, no function over 50."""
+    too_long = []
+    for path in (ROOT / "coordinator").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                limit = 300 if isinstance(node, ast.ClassDef) else 50
+                if node.end_lineno - node.lineno + 1 > limit:
+                    too_long.append(f"{path.name}:{node.name}")
+    assert not too_long, too_long

@@ -38,8 +38,8 @@ def test_without_a_writable_cache_the_gguf_file_is_parsed_as_before(tmp_path, mo
 
 
 def test_the_packaged_draft_is_found_and_is_the_default_for_smollm2():
-    from batchspec_tools import cli
     from batchspec.runtime import draft_model
+    from batchspec_tools import cli
 
     path = models.model_path(models.SMOLLM2_DRAFT)
     assert draft_model.is_draft_dir(path)

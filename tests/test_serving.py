@@ -12,9 +12,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM
 
 from batchspec import security
-from batchspec_tools.bench import loadtest
 from batchspec.runtime import service
 from batchspec.v1 import cache_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, target_pb2_grpc
+from batchspec_tools.bench import loadtest
 from coordinator import __main__ as coordinator_main
 from coordinator import scheduler
 from coordinator.config import CoordinatorConfig, EngineConfig

@@ -4,11 +4,11 @@ torch's CPU build runs its parallel kernels on GNU OpenMP. Each OS thread that s
 parallel region gets its own team of workers, and libgomp lets workers spin between regions
 (what keeps a decode step's hundreds of small regions fast) only while the process holds no more
 OpenMP threads than cores. A model loaded on the main thread and then run from a gRPC handler
-thread makes two teams, and from then on every worker sleeps between regions: one SmolLM2
-decode step took 25.9-26.6 ms on a second thread after a warm-up on the main one, against
-22.7-23.2 ms when one thread did everything (`python3 scripts/thread_cost.py`, 2-core CPU).
-So a service loads, tunes and runs its model on this one thread, and its handler threads hand
-their commands to it.
+thread makes two teams, and from then on every worker sleeps between regions: a decode step
+runs measurably slower on a second thread after a warm-up on the main one than when one thread
+does everything (`python3 scripts/thread_cost.py` measures it on the machine at hand). So a
+service loads, tunes and runs its model on this one thread, and its handler threads hand their
+commands to it.
 
 Invariant: in a service process, every torch call goes through `run`.
 """

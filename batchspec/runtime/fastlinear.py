@@ -3,13 +3,12 @@ through a oneDNN-packed copy of the weight, or as usual.
 
 With the MKL build of CPU torch (float32), `x @ W.T` for a handful of rows (one decode step, a
 K+1-token verify) costs about one matrix-vector product *per row*, while the same product taken
-as `(W @ x.T).T` costs little more for 2 to 64 rows than for one. On a 2-core AMD EPYC, one
-SmolLM2 step at batch 1 (200 cached positions) took 29.7 ms to decode and 58.7 ms to verify 2
-drafts the usual way, against 21.4 and 24.7 ms weight-major: verifying K+1 tokens costs about
-what decoding one does (`python3 scripts/step_times.py` measures it; docs/benchmarks.md).
+as `(W @ x.T).T` costs little more for 2 to 64 rows than for one: verifying K+1 tokens then
+costs about what decoding one does (`python3 scripts/step_times.py` measures it on the machine
+at hand; docs/benchmarks.md has figures).
 
-The kernel's speed also jumps with the row count: on that machine 3 rows of the head cost more
-than 4, and 13 to 15 rows far more than 16. So `tune(model)` (run by each service and by the
+The kernel's speed also jumps with the row count, and not monotonically: some row counts cost
+more than the next larger one. So `tune(model)` (run by each service and by the
 benchmark at start-up) times, for every weight shape and 1 to MAX_ROWS rows, the usual product
 and the weight-major one with the rows padded to a few sizes (padding rows are copies, their
 outputs dropped), on enough copies of the weight that it comes from memory as in a real
@@ -19,10 +18,10 @@ in the CPU cache (the tests' tiny ones) is not worth timing and takes DEFAULT_PL
 batchspec.runtime.fastlinear` prints the timings and the choices for the machine it runs on.
 
 A third way, where torch is built with oneDNN (mkldnn): multiply by a copy of the weight
-reordered once into oneDNN's blocked layout (`PACKED`). On that EPYC it costs about the same
-for 1 to 16 rows, and for the 49152 x 576 head 4.7 ms at 1 row, 4.7 at 5, 6.4 at 16 and 10.8
-at 32, against 10.0, 17.5, 19.0 and 25.1 the usual way: a verify of K + 1 tokens then costs
-little more than decoding one, and a batch of 32 rows less than stock transformers. The copy
+reordered once into oneDNN's blocked layout (`PACKED`). On CPUs with AVX-512 it costs about
+the same for 1 to 16 rows and far less than the usual way at every row count: a verify of K + 1
+tokens then costs little more than decoding one, and a batch of 32 rows less than stock
+transformers. The copy
 is made on first use and kept with the weight (twice the memory of the linear weights); it is
 never used where gradients are needed. Past MAX_ROWS rows the plan holds one more entry,
 timed at LARGE_ROWS rows between the usual product and the packed one.

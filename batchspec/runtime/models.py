@@ -105,8 +105,8 @@ def converted_gguf(source: ModelSource) -> str | None:
     """A Hugging Face directory (float32 safetensors) holding what the GGUF file holds, or
     None when the user cache cannot be written (the caller then parses the file itself).
 
-    transformers parses a GGUF file field by field on every load (about 9 s for SmolLM2 on
-    the 2-core CPU, and a draft service loads it too, for the draft's base), so the first load
+    transformers parses a GGUF file field by field on every load (seconds for SmolLM2 on a
+    small CPU, and a draft service loads it too, for the draft's base), so the first load
     converts it once into the user cache and later loads read that. The directory is written
     under a temporary name and renamed when complete; the mark file is written last."""
     from transformers import AutoModelForCausalLM

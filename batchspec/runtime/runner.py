@@ -268,7 +268,7 @@ CALIBRATION_TOKENS = (1, 2, 3, 5, 8)
 
 # A forward feeding more tokens than this in all runs long enough to be timed once.
 LONG_FORWARD_TOKENS = 64
-# Seconds the grid may take; a 2-core CPU then measures the default batch size (32).
+# Seconds the grid may take: enough for a small CPU to reach the default batch size (32).
 CALIBRATION_BUDGET_S = 30.0
 
 

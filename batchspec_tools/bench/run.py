@@ -237,8 +237,8 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
                         config.min_draft_confidence, config.draft_policy,
                         categories=["repeating" if i % 2 else "random"
                                     for i in range(len(prompts))])
-    from batchspec_tools.data import bench_prompts
     from batchspec.runtime.models import chat_ids, load_tokenizer
+    from batchspec_tools.data import bench_prompts
 
     tokenizer = load_tokenizer(config.target)
     rows = bench_prompts(config.num_prompts, config.prompts)
@@ -572,8 +572,8 @@ def arrival_load(stack, workload: Workload, rate: float, config: BenchConfig,
     decoding with the target alone; one row each."""
     import grpc
 
-    from batchspec_tools.bench import arrivals
     from batchspec.v1 import generate_pb2_grpc
+    from batchspec_tools.bench import arrivals
 
     offsets = arrivals.poisson_offsets(rate, len(workload.prompts), seed=int(rate * 1000))
     k = config.ks[-1]

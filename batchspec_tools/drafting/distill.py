@@ -25,8 +25,8 @@ import time
 from collections import Counter
 
 from batchspec import cliargs
-from batchspec_tools.data import read_jsonl
 from batchspec.runtime import models
+from batchspec_tools.data import read_jsonl
 
 log = logging.getLogger("batchspec_tools.drafting.distill")
 DATA_FILE = "data.jsonl"  # the target's answers, one JSON object per line, appended as made

@@ -26,8 +26,8 @@ log = logging.getLogger("batchspec.evaluate")
 def target_answers(target, tokenizer, prompts: list[str], max_new_tokens: int,
                    batch_size: int = 16) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy answer ids up to EOS) for each prompt."""
-    from batchspec_tools.drafting.distill import answer_batches
     from batchspec.runtime.models import chat_ids
+    from batchspec_tools.drafting.distill import answer_batches
 
     ids = [chat_ids(tokenizer, p) for p in prompts]
     pairs = []
