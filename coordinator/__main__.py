@@ -15,6 +15,7 @@ from coordinator.engine import Engine
 from coordinator.requests import Limits
 from coordinator.router import Router
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer, add_to_server
+from coordinator.stats import StepLog
 from coordinator.telemetry import Telemetry
 from coordinator.text import TextCodec
 
@@ -115,12 +116,13 @@ def build_router(config: CoordinatorConfig, eos_token_ids, telemetry: Telemetry,
     seq_ids = itertools.count(1)
     credentials = config.peer_credentials()
     router = Router(config.engine.max_queue, telemetry)
+    step_log = StepLog(config.step_log) if config.step_log else None
     for i, address in enumerate(config.targets):
         drafts = [[DraftClient(kind[(i + j) % len(kind)], config.stall_timeout_s, credentials)
                    for j in range(len(kind))] for kind in kinds]
         router.add(Engine(TargetClient(address, config.stall_timeout_s, credentials), drafts,
                           config.engine, eos_token_ids, telemetry=telemetry, router=router,
-                          seq_ids=seq_ids))
+                          seq_ids=seq_ids, step_log=step_log))
     return router
 
 

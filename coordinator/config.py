@@ -21,6 +21,9 @@ class EngineConfig:
     # decoding), from the services' measured costs and each row's acceptance;
     # "fixed": every row drafts num_draft_tokens.
     draft_policy: str = "goodput"
+    # With the goodput policy: greedy cohorts decode plainly where drafted steps have measured
+    # slower than plain ones for cohorts of their size (coordinator/evidence.py).
+    step_aside: bool = True
     # Greedy cohorts stop drafting early once every row's draft is less sure than this (0: off).
     min_draft_confidence: float = 0.0
     # Draft for the next cohort while the target verifies this one, so both services work at
@@ -71,6 +74,7 @@ class CoordinatorConfig:
     api_key_file: str | None = None  # clients must send `authorization: Bearer <key>`
     # the OpenAI-compatible HTTP edge and its chat page; None: off, 0: a free port
     http_port: int | None = None
+    step_log: str | None = None  # a file that gets one JSON line per step; None: off
 
     def __post_init__(self):
         if not self.targets:
@@ -132,6 +136,10 @@ ENGINE_FLAGS = (
          EngineConfig.draft_policy, str, ("goodput", "fixed")),
     Flag(("--overlap",), "draft for the next cohort while the target verifies this one; auto: "
          "unless both services run on CPU", EngineConfig.overlap, str, ("auto", "on", "off")),
+    Flag(("--step-aside",), "with the goodput policy, greedy cohorts decode plainly wherever "
+         "drafted steps have measured slower than plain ones for cohorts of their size (on), or "
+         "the policy's predictions alone decide (off)", "on" if EngineConfig.step_aside else "off",
+         str, ("on", "off")),
     Flag(("--min-draft-confidence",), "greedy cohorts stop drafting once every row's draft "
          "probability falls below this (0: off)", EngineConfig.min_draft_confidence, float),
     Flag(("--max-num-seqs",), "sequences in the pool", EngineConfig.max_num_seqs, int),
@@ -145,6 +153,9 @@ ENGINE_FLAGS = (
          "taken for hung and dropped", CoordinatorConfig.stall_timeout_s, float),
     Flag(("--grace",), "seconds to finish in-flight requests on SIGTERM",
          CoordinatorConfig.grace_s, float),
+    Flag(("--step-log",), "append one JSON line per step to this file: each row's draft kind, "
+         "drafts, accepted and committed tokens, and where the step's time went (prefills, "
+         "draft, verify, realignment)", CoordinatorConfig.step_log),
 )
 
 # Only `batchspec coordinator` takes these (`serve` wires its own services on loopback).
@@ -178,6 +189,7 @@ def forward(args: argparse.Namespace, flags) -> list[str]:
 def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(num_draft_tokens=args.num_draft_tokens,
                         draft_policy=args.draft_policy, overlap=args.overlap,
+                        step_aside=args.step_aside == "on",
                         min_draft_confidence=args.min_draft_confidence,
                         cohort_policy=CohortPolicy(batch_size=args.batch_size),
                         max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
@@ -202,7 +214,8 @@ def config_from_args(args) -> CoordinatorConfig:
                              stall_timeout_s=args.stall_timeout, grace_s=args.grace,
                              metrics_port=args.metrics_port, http_port=args.http_port,
                              tls=security.server_tls(args.tls_cert, args.tls_key),
-                             peer_tls=peer_tls_from_args(args), api_key_file=args.api_key_file)
+                             peer_tls=peer_tls_from_args(args), api_key_file=args.api_key_file,
+                             step_log=args.step_log)
 
 
 def split_addresses(values: list[str]) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from batchspec import errors
 from coordinator import goodput, scheduler
 from coordinator.clients import ModelInfo, Proposal, ProposeSpec, Timing, VerifyOutcome
 from coordinator.drafts import DraftKind
+from coordinator.evidence import Choice, Evidence
 from coordinator.peers import Peers
 from coordinator.sequence import Sequence, mixed
 from coordinator.stats import Recorder
@@ -120,13 +121,16 @@ class _Step:
 
 class Drafter:
     def __init__(self, peers: Peers, config: DraftingConfig, recorder: Recorder,
-                 policy: goodput.GoodputPolicy | None = None):
+                 policy: goodput.GoodputPolicy | None = None,
+                 evidence: Evidence | None = None):
         """policy: one to use as it is (a test's scripted one); else one is built from the
-        services' measured costs at `calibrate`."""
+        services' measured costs at `calibrate`. evidence: what drafted and plain steps
+        measured, consulted before planning greedy cohorts (None: the policy alone)."""
         self.peers = peers
         self.config = config
         self.recorder = recorder
         self.policy = policy
+        self.evidence = evidence
         self._target_unit_cost: float | None = None  # seconds of its cheapest measured command
 
     @property
@@ -155,7 +159,11 @@ class Drafter:
 
     # ---- a step's drafts ------------------------------------------------------------------------
     def draft(self, seqs: list[Sequence], timeout: float | None) -> DraftedCohort:
-        """Plan the cohort and call the drafts, the cheapest first."""
+        """Plan the cohort and call the drafts, the cheapest first; or, where drafted steps
+        have measured slower than plain ones for cohorts of this size, step aside: a greedy
+        cohort then decodes plainly and no draft is asked."""
+        if self._aside(seqs):
+            return DraftedCohort([RowDraft(seq) for seq in seqs])
         step = _Step(seqs)
         early = self._ask_first(step, timeout)
         plan, missed = self.plan(step), False
@@ -176,6 +184,19 @@ class Drafter:
             self.kinds[index].asked(any(d == index for d, _ in step.drafted.values()))
         self._observe_earlier_misses(step)
         return step.result()
+
+    def _aside(self, seqs: list[Sequence]) -> bool:
+        """Whether the evidence says to decode this cohort plainly. Sampled rows always
+        draft (a seeded request's tokens must not depend on timings)."""
+        if self.evidence is None or not all(s.sampling.greedy for s in seqs):
+            return False
+        return self.evidence.choose(len(seqs)) is Choice.PLAIN
+
+    def observe_step(self, cohort: DraftedCohort, num_committed: int, seconds: float) -> None:
+        """A verified greedy cohort's measured delivery, for the evidence."""
+        if self.evidence is not None and all(s.sampling.greedy for s in cohort.seqs):
+            drafted = any(row.num_drafts for row in cohort.rows)
+            self.evidence.observe(len(cohort.rows), drafted, num_committed, seconds)
 
     def _ask_first(self, step: _Step, timeout: float | None) -> list[int]:
         """Ask the kinds due before planning for every row; the kinds asked. One not due this

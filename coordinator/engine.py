@@ -22,6 +22,7 @@ from coordinator.clients import Timing, VerifyOutcome, VerifySpec
 from coordinator.config import EngineConfig
 from coordinator.drafting import DraftedCohort, Drafter, DraftingConfig
 from coordinator.drafts import DraftKind
+from coordinator.evidence import Evidence
 from coordinator.peers import Peers, PeersConfig
 from coordinator.pool import RequestPool
 from coordinator.requests import RequestHandle
@@ -50,15 +51,25 @@ def cohort_timeout(handles: list[RequestHandle]) -> float | None:
     return max(0.001, max(deadlines) - time.monotonic())
 
 
+def default_evidence(config: EngineConfig, policy) -> Evidence | None:
+    """Step-aside evidence for the goodput policy the engine calibrates itself; none for
+    "fixed" drafting, a policy given as it is, or --step-aside off."""
+    if config.step_aside and config.draft_policy == "goodput" and policy is None:
+        return Evidence()
+    return None
+
+
 class Engine:
     def __init__(self, target, drafts: list[list], config: EngineConfig,
                  eos_token_ids: list[int], *, telemetry=None, router=None, seq_ids=None,
-                 policy=None):
+                 policy=None, evidence=None, step_log=None):
         """drafts: per draft kind, its replicas (clients), used one at a time; router: the
         Router this engine is one of (None: alone); seq_ids: an id counter shared by the
-        router's engines; policy: a goodput policy to use as it is (else one is calibrated)."""
+        router's engines; policy: a goodput policy to use as it is (else one is calibrated);
+        evidence: an evidence.Evidence to consult (default: a new one under the goodput
+        policy, none for a given policy or "fixed"); step_log: a stats.StepLog."""
         self.config = config
-        self.recorder = Recorder(telemetry)
+        self.recorder = Recorder(telemetry, step_log)
         self.pool = RequestPool(config.max_num_seqs, config.max_queue, eos_token_ids, seq_ids)
         self.peers = Peers(target, [DraftKind(i, replicas) for i, replicas in enumerate(drafts)],
                            self.pool, PeersConfig(config.reconnect_backoff_s,
@@ -66,7 +77,8 @@ class Engine:
                            self.recorder, router)
         self.drafter = Drafter(self.peers, DraftingConfig(
             config.num_draft_tokens, config.draft_policy, config.min_draft_confidence),
-            self.recorder, policy)
+            self.recorder, policy, evidence if evidence is not None else default_evidence(
+                config, policy))
         self._thread: threading.Thread | None = None
         self._thread_exit = False
         self._prepared: DraftedCohort | None = None  # drafted while the last cohort verified
@@ -168,6 +180,7 @@ class Engine:
             time.sleep(self.peers.retry_pause())
             return
         self._admit()
+        started = time.perf_counter()
         current = self._prepared.still_open(self.pool.active) if self._prepared else None
         self._prepared = None
         current = current or self._prepare(exclude=set())
@@ -187,7 +200,7 @@ class Engine:
                 return
             except errors.DeadlineExceeded:
                 return  # the rows' deadlines passed while queued: _reap ends them next step
-            self._finish(current, verified)
+            self._finish(current, verified, started)
 
     def _reap(self) -> None:
         now = time.monotonic()
@@ -240,22 +253,28 @@ class Engine:
             cohort.mixed, specs, timeout=cohort_timeout(self.pool.handles_of(cohort.seqs)))
         return Verified(outcomes, timing, time.perf_counter() - started)
 
-    def _finish(self, cohort: DraftedCohort, verified: Verified) -> None:
-        """Commit a verified cohort (on the engine thread)."""
+    def _finish(self, cohort: DraftedCohort, verified: Verified, started: float) -> None:
+        """Commit a verified cohort (on the engine thread); `started`: when its step began."""
         width = max(len(row.draft_token_ids) for row in cohort.rows)
         self.drafter.observe_verify(len(cohort.rows), width, verified.timing, verified.seconds)
-        self.recorder.step(StepRecord(cohort.mixed, not self.peers.draft_up, cohort.plain,
-                                      cohort.timing, verified.timing, cohort.round_trip_s,
-                                      verified.seconds))
-        finished = []
+        record = StepRecord(cohort.mixed, not self.peers.draft_up, cohort.plain, cohort.timing,
+                            verified.timing, cohort.round_trip_s, verified.seconds)
+        self.recorder.step(record)
+        finished, trace = [], []
         for row, outcome in zip(cohort.rows, verified.outcomes):
             commit.check(row.seq, outcome)
             self.drafter.observe(row, outcome)
+            before = row.seq.committed_len
             if commit.commit(self.pool.active[row.seq.seq_id], outcome,
                              len(row.draft_token_ids), self.stats.num_steps,
                              self.recorder.telemetry):
                 finished.append(row.seq)
+            trace.append((row.kind_index if row.num_drafts else None, row.num_drafts,
+                           outcome.num_accepted, row.seq.committed_len - before))
         self._release(finished)
+        seconds = time.perf_counter() - started
+        self.drafter.observe_step(cohort, sum(t[3] for t in trace), seconds)
+        self.recorder.log_step(record, trace, seconds)
 
     # ---- endings --------------------------------------------------------------------------------
     def _target_lost(self, error: errors.Unavailable) -> None:

@@ -73,7 +73,7 @@ class Peers:
     def prefill_target(self, seqs: list[Sequence]) -> None:
         """Prefill newly admitted rows in the target (one command) and give each a fresh
         record of every draft: drafts are prefilled only when a step first uses them."""
-        with self.recorder.prefill():
+        with self.recorder.prefill("target"):
             self.target.prefill([s.prefill_entry() for s in seqs])
         for s in seqs:
             s.target.cache_len = s.committed_len - 1
@@ -86,7 +86,7 @@ class Peers:
         if not kind.up or not cold:
             return kind.up
         try:
-            with self.recorder.prefill():
+            with self.recorder.prefill("draft"):
                 self._prefill_in_runs(kind.client, cold)
         except errors.Unavailable as error:
             self.draft_lost(kind, error)

@@ -2,6 +2,8 @@
 process's Prometheus metrics through Telemetry)."""
 import contextlib
 import dataclasses
+import json
+import threading
 import time
 
 from coordinator.clients import Timing
@@ -43,23 +45,61 @@ class StepRecord:
     verify_s: float
 
 
-class Recorder:
-    """Records an engine's work into its EngineStats and the shared Telemetry."""
+class StepLog:
+    """Appends one JSON line per verified step to a file (the coordinator's --step-log): what
+    each row drafted and committed, and where the step's time went. Engines of one process
+    share it."""
 
-    def __init__(self, telemetry: Telemetry | None = None):
+    def __init__(self, path: str):
+        self._file = open(path, "a", buffering=1)
+        self._lock = threading.Lock()
+
+    def write(self, entry: dict) -> None:
+        with self._lock:
+            self._file.write(json.dumps(entry) + "\n")
+
+
+class Recorder:
+    """Records an engine's work into its EngineStats, the shared Telemetry and, when one is
+    given, the step log."""
+
+    def __init__(self, telemetry: Telemetry | None = None, step_log: StepLog | None = None):
         self.stats = EngineStats()
         self.telemetry = telemetry or Telemetry()
+        self.step_log = step_log
+        self._prefill_s = {"target": 0.0, "draft": 0.0}  # since the last logged step
 
     @contextlib.contextmanager
-    def prefill(self):
-        """Time a prefill command (any service), whatever its outcome."""
+    def prefill(self, service: str):
+        """Time a prefill command ("target" or "draft"), whatever its outcome."""
         started = time.perf_counter()
         try:
             yield
         finally:
             seconds = time.perf_counter() - started
             self.stats.prefill_seconds += seconds
+            self._prefill_s[service] += seconds
             self.telemetry.prefilled(seconds)
+
+    def log_step(self, record: "StepRecord", rows: list[tuple], step_s: float) -> None:
+        """rows: per row (draft kind index or None, drafts verified, accepted, committed)."""
+        if self.step_log is None:
+            return
+        draft = record.draft_timing
+        self.step_log.write({
+            "t": round(time.time(), 4), "step": self.stats.num_steps, "rows": len(rows),
+            "mixed": record.mixed, "width": max(r[1] for r in rows),
+            "kinds": [r[0] for r in rows], "drafts": [r[1] for r in rows],
+            "accepted": [r[2] for r in rows], "committed": sum(r[3] for r in rows),
+            "step_s": round(step_s, 5), "draft_s": round(record.draft_s, 5),
+            "verify_s": round(record.verify_s, 5),
+            "draft_compute_s": round(draft.compute_seconds, 5) if draft else 0.0,
+            "verify_compute_s": round(record.verify_timing.compute_seconds, 5),
+            "realign_s": round(record.verify_timing.realign_seconds
+                               + (draft.realign_seconds if draft else 0.0), 5),
+            "prefill_target_s": round(self._prefill_s["target"], 5),
+            "prefill_draft_s": round(self._prefill_s["draft"], 5)})
+        self._prefill_s = {"target": 0.0, "draft": 0.0}
 
     def sampled_row(self, num_probs_bytes: int) -> None:
         self.stats.num_sampled_rows += 1

@@ -278,8 +278,9 @@ def test_the_lookup_is_asked_for_every_row_and_its_misses_are_no_rejections(mode
     rng = random.Random(9)
     requests = [([rng.randrange(4, tiny_models.VOCAB) for _ in range(6)] * 4, 30)
                 for _ in range(6)] + random_requests(seed=32, count=6)
+    # the planner on every step (stepping aside asks no draft: a step it takes is plain)
     with running_stack(target_dir, draft_dir, batch_size=6, drafts=("model", "ngram"),
-                       draft_policy="goodput") as stack:
+                       draft_policy="goodput", step_aside=False) as stack:
         drafter = stack.router.engines[0].drafter
         assert [k.index for k in drafter.asked_first()] == [1]  # the lookup, not the model
         counts = Counter()

@@ -1,6 +1,7 @@
-"""Arrival-driven load, the way serving systems are judged: requests arrive as a Poisson
-process at a given rate, each streams its tokens over gRPC, and the run reports throughput,
-time to first token (TTFT) and inter-token latency (ITL) at p50 and p99.
+"""Load the way serving systems are judged, over gRPC: open-loop (requests arrive as a Poisson
+process at a given rate) or closed-loop (C clients, each sending its next request as soon as
+its last one ends). Each request streams its tokens, and a run reports throughput, time to
+first token (TTFT) and inter-token latency (ITL) at p50 and p99.
 
 ITL is measured per token: a streamed message carrying n tokens, t seconds after the previous
 one, counts n gaps of t / n (speculation delivers several tokens at once).
@@ -43,12 +44,29 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[rank - 1]
 
 
+def stream(stub, prompt: list[int], max_new_tokens: int, trace: Trace) -> None:
+    """One request, streamed into `trace` (its arrival set by the caller)."""
+    from batchspec.v1 import generate_pb2
+
+    last = None
+    for response in stub.Generate(generate_pb2.GenerateRequest(
+            prompt_token_ids=prompt, max_new_tokens=max_new_tokens), timeout=3600):
+        now = time.perf_counter()
+        n = len(response.token_ids)
+        if n and trace.first_token is None:
+            trace.first_token = now  # tokens delivered with the first count in TTFT only
+        elif n:
+            trace.gaps += [(now - last) / n] * n
+        if n:
+            last = now
+        trace.token_ids += response.token_ids
+    trace.finished = time.perf_counter()
+
+
 def run_load(stub, prompts: list[list[int]], max_new_tokens: int,
              offsets: list[float]) -> tuple[list[Trace], float]:
     """Send prompts[i] at offsets[i] seconds from now (one thread per request, started at its
     arrival); returns the traces and the seconds from the first arrival to the last finish."""
-    from batchspec.v1 import generate_pb2
-
     start = time.perf_counter()
     traces = [Trace(start + o) for o in offsets]
     stop = threading.Event()
@@ -59,30 +77,47 @@ def run_load(stub, prompts: list[list[int]], max_new_tokens: int,
         if delay > 0 and stop.wait(delay):
             return
         trace.arrival = time.perf_counter()
-        last = None
-        for response in stub.Generate(generate_pb2.GenerateRequest(
-                prompt_token_ids=prompts[i], max_new_tokens=max_new_tokens), timeout=3600):
-            now = time.perf_counter()
-            n = len(response.token_ids)
-            if n and trace.first_token is None:
-                trace.first_token = now  # tokens delivered with the first count in TTFT only
-            elif n:
-                trace.gaps += [(now - last) / n] * n
-            if n:
-                last = now
-            trace.token_ids += response.token_ids
-        trace.finished = time.perf_counter()
+        stream(stub, prompts[i], max_new_tokens, trace)
 
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(one, i) for i in range(len(prompts))]
+    _run_all(one, len(prompts), len(prompts), stop)
+    return traces, _span(traces)
+
+
+def run_closed_loop(stub, prompts: list[list[int]], max_new_tokens: int,
+                    concurrency: int) -> tuple[list[Trace], float]:
+    """`concurrency` clients share the prompts in order: each sends the next one as soon as
+    its last answer ended, until every prompt is answered. Returns the traces (in prompt
+    order) and the seconds from the first request to the last answer."""
+    traces = [Trace(0.0) for _ in prompts]
+    order = iter(range(len(prompts)))
+    lock, stop = threading.Lock(), threading.Event()
+
+    def client(_: int) -> None:
+        while not stop.is_set():
+            with lock:
+                i = next(order, None)
+            if i is None:
+                return
+            traces[i].arrival = time.perf_counter()
+            stream(stub, prompts[i], max_new_tokens, traces[i])
+
+    _run_all(client, min(concurrency, len(prompts)), min(concurrency, len(prompts)), stop)
+    return traces, _span(traces)
+
+
+def _run_all(work, count: int, threads: int, stop: threading.Event) -> None:
+    """work(0) .. work(count - 1) on `threads` threads; the first error stops the rest."""
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        futures = [pool.submit(work, i) for i in range(count)]
         try:
             for future in futures:
                 future.result()
         finally:
             stop.set()
-    first = min(t.arrival for t in traces)
-    last = max(t.finished for t in traces)
-    return traces, last - first
+
+
+def _span(traces: list[Trace]) -> float:
+    return max(t.finished for t in traces) - min(t.arrival for t in traces)
 
 
 def summarise(traces: list[Trace], seconds: float) -> dict:

@@ -21,6 +21,7 @@ import tempfile
 import time
 
 from batchspec import cliargs
+from batchspec_tools.bench import closed_loop
 from coordinator.config import EngineConfig
 
 log = logging.getLogger("batchspec_tools.bench.run")
@@ -40,12 +41,15 @@ METHODS = {
     "grpc_ngram": "7. batchspec over gRPC, the n-gram draft alone (prompt lookup, no model)",
     "grpc_router": "8. batchspec over gRPC, the model and n-gram drafts chosen per sequence "
                    "(the default of `batchspec serve`)",
+    "grpc_router_predicted": "8b. as 8, with --step-aside off: the goodput policy's "
+                             "predictions alone decide, measured delivery is not consulted",
     "grpc_target_only": "9. batchspec over gRPC with no draft: plain batched decoding through "
                         "the same services (what the serving path costs)",
 }
-# The drafts each gRPC method's coordinator uses.
+# The drafts each gRPC method's coordinator uses, and the flags it adds.
 GRPC_DRAFTS = {"grpc": ("model",), "grpc_ngram": ("ngram",), "grpc_router": ("model", "ngram"),
-               "grpc_target_only": ()}
+               "grpc_router_predicted": ("model", "ngram"), "grpc_target_only": ()}
+GRPC_FLAGS = {"grpc_router_predicted": ("--step-aside", "off")}
 USES_BATCH = {"hf_stock_batched", "hf_batched", "engine_realign", "engine_grouped", *GRPC_DRAFTS}
 # Where a run's wall time went, in report order. prefill: admitting prompts into both caches;
 # draft, verify: the services' compute; realign: the services' time on unaligned rows, masks and
@@ -73,6 +77,11 @@ class BenchConfig:
     # Poisson arrival rates (requests per second) for the arrival-driven load over gRPC
     arrival_rates: tuple[float, ...] = ()
     load_batch_size: int = 32  # the coordinator's --batch-size under that load
+    # closed-loop clients: at each of these concurrencies, every gRPC method of `methods` serves
+    # the prompt set to C clients that each send their next request when the last one ends
+    # (instead of the batch sweep for those methods)
+    concurrency: tuple[int, ...] = ()
+    step_logs: str | None = None  # a directory: each closed-loop coordinator logs its steps
     dtype: str = "float32"  # of both models, in every method
     prompts: str | None = None  # a JSONL file of {"prompt": ...}; default: the packaged set
     by_category: bool = False  # run the sweep once per prompt category, side by side
@@ -90,9 +99,11 @@ class BenchConfig:
             raise ValueError("--repeat must be >= 1")
         if any(rate <= 0 for rate in self.arrival_rates) or self.load_batch_size < 1:
             raise ValueError("arrival rates must be > 0 and --load-batch-size >= 1")
-        if self.by_category and self.arrival_rates:
-            raise ValueError("--arrival-rates loads the whole prompt set: run it without "
-                             "--by-category")
+        if any(c < 1 for c in self.concurrency):
+            raise ValueError("--concurrency takes client counts >= 1")
+        if self.by_category and (self.arrival_rates or self.concurrency):
+            raise ValueError("--arrival-rates and --concurrency load the whole prompt set: run "
+                             "them without --by-category")
         if self.prompts is not None and not pathlib.Path(self.prompts).is_file():
             raise ValueError(f"--prompts {self.prompts}: no such file")
 
@@ -168,6 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "these rates (requests/s, comma-separated), batchspec against "
                              "the same server decoding with the target alone; reports "
                              "throughput, TTFT and ITL p50/p99")
+    parser.add_argument("--concurrency", default="",
+                        help="serve the prompt set to C closed-loop clients (each sends its "
+                             "next request when its last one ends) at each of these "
+                             "concurrencies (comma-separated), for every gRPC method of "
+                             "--methods, taken in turn; with --repeat, medians and their "
+                             "spread; reports throughput, TTFT and ITL p50/p99 and each "
+                             "method over grpc_target_only (the same server without drafts)")
+    parser.add_argument("--step-logs", default=None,
+                        help="a directory where each closed-loop run's coordinator writes its "
+                             "--step-log (METHOD-cC-rROUND.jsonl)")
     parser.add_argument("--prompts", default=None,
                         help="JSONL file of {\"prompt\": ..., \"category\": ...} chat prompts "
                              "(default: the packaged benchmark prompts; the packaged "
@@ -204,7 +225,8 @@ def config_from_args(args) -> BenchConfig:
                            draft_policy=args.draft_policy,
                            arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",")
                                                if x),
-                           load_batch_size=args.load_batch_size, dtype=args.dtype)
+                           load_batch_size=args.load_batch_size, dtype=args.dtype,
+                           concurrency=ints(args.concurrency), step_logs=args.step_logs)
     return BenchConfig(target=args.target, draft=args.draft, draft_layers=args.draft_layers,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                        batch_sizes=ints(args.batch_sizes), ks=ints(args.ks),
@@ -214,7 +236,8 @@ def config_from_args(args) -> BenchConfig:
                        arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",") if x),
                        load_batch_size=args.load_batch_size, dtype=args.dtype,
                        prompts=args.prompts, by_category=args.by_category,
-                       repeat=args.repeat)
+                       repeat=args.repeat, concurrency=ints(args.concurrency),
+                       step_logs=args.step_logs)
 
 
 # ---- the workload ------------------------------------------------------------------------------
@@ -409,10 +432,10 @@ class GrpcStack:
 
     @contextlib.contextmanager
     def coordinator(self, workload: Workload, batch_size: int, k: int,
-                    drafts: tuple[str, ...] = ("model",)):
+                    drafts: tuple[str, ...] = ("model",), extra: tuple[str, ...] = ()):
         """A coordinator process over the running services: yields (port, metrics port).
         drafts: "model" and/or "ngram"; none: the target alone (plain batched decoding, the
-        same server otherwise)."""
+        same server otherwise); extra: more coordinator flags."""
         from batchspec_tools.processes import free_port, wait_healthy
 
         port, metrics_port = free_port(), free_port()
@@ -423,7 +446,7 @@ class GrpcStack:
                    "--max-num-seqs", str(max(64, len(workload.prompts))),
                    "--min-draft-confidence", str(workload.min_draft_confidence),
                    "--draft-policy", workload.draft_policy,
-                   "--metrics-port", str(metrics_port)]
+                   "--metrics-port", str(metrics_port), *extra]
         for role in drafts:
             command += ["--draft", f"127.0.0.1:{self.ports[role]}"]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -435,13 +458,13 @@ class GrpcStack:
             process.wait(timeout=30)
 
     def run(self, workload: Workload, batch_size: int, k: int,
-            drafts: tuple[str, ...] = ("model",)) -> Run:
+            drafts: tuple[str, ...] = ("model",), extra: tuple[str, ...] = ()) -> Run:
         import grpc
 
         from batchspec.v1 import generate_pb2, generate_pb2_grpc
 
         count = len(workload.prompts)
-        with self.coordinator(workload, batch_size, k, drafts) as (port, metrics_port):
+        with self.coordinator(workload, batch_size, k, drafts, extra) as (port, metrics_port):
             before = {r: scrape(self.metrics[r]) for r in self.SERVICES}
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = generate_pb2_grpc.CoordinatorStub(channel)
@@ -503,6 +526,8 @@ def scrape(port: int) -> dict:
 def settings(config: BenchConfig) -> list[tuple[str, int, int]]:
     out = []
     for method in config.methods:
+        if config.concurrency and method in GRPC_DRAFTS:
+            continue  # served to closed-loop clients instead
         sizes = config.batch_sizes if method in USES_BATCH else (1,)
         ks = config.ks if method in USES_K else (0,)
         out += [(method, b, k) for b in sizes for k in ks]
@@ -536,10 +561,11 @@ def run(config: BenchConfig) -> dict:
                 config.methods):
             for runner in runners.values():  # what a service measures at its start-up
                 runner.step_costs = runner_lib.measure_step_costs(runner)
-        wants_grpc = set(GRPC_DRAFTS) & set(config.methods) or config.arrival_rates
+        wants_grpc = (set(GRPC_DRAFTS) & set(config.methods) or config.arrival_rates
+                      or config.concurrency)
         stack = GrpcStack(workload) if wants_grpc else None
         parts = workload.split() if config.by_category else {None: workload}
-        rows, load = [], []
+        rows, load, serving = [], [], []
         try:
             for category, part in parts.items():
                 reference, results = None, {}
@@ -557,12 +583,14 @@ def run(config: BenchConfig) -> dict:
                 if category is None:
                     for rate in tqdm(config.arrival_rates, desc="arrival load", unit="rate"):
                         load += arrival_load(stack, part, rate, config, reference)
+                    serving = closed_loop.sweep(stack, part, config, reference, GRPC_DRAFTS,
+                                               GRPC_FLAGS)
         finally:
             if stack:
                 stack.close()
     return {"config": dataclasses.asdict(config), "machine": machine(config.dtype),
             "num_prompts": len(workload.prompts), "target": workload.target,
-            "draft": workload.draft, "rows": rows, "load": load,
+            "draft": workload.draft, "rows": rows, "load": load, "serving": serving,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -613,7 +641,8 @@ def run_one(method, batch_size, k, hf, runners, workload, stack) -> Run:
     if method.startswith("hf_"):
         return run_hf(hf, workload, method, batch_size, k)
     if method in GRPC_DRAFTS:
-        return stack.run(workload, batch_size, k, GRPC_DRAFTS[method])
+        return stack.run(workload, batch_size, k, GRPC_DRAFTS[method],
+                         GRPC_FLAGS.get(method, ()))
     return run_engine(runners, workload, batch_size, k, cohorts=method == "engine_grouped")
 
 
@@ -693,10 +722,12 @@ def cpu_model() -> str:
 # ---- the report ------------------------------------------------------------------------------
 def write_report(report: dict, out: pathlib.Path) -> list[pathlib.Path]:
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "results.json", out / "results.md", out / "throughput.png"]
+    paths = [out / "results.json", out / "results.md"]
     paths[0].write_text(json.dumps(report, indent=2))
     paths[1].write_text(markdown(report))
-    plot(report, paths[2])
+    if report["rows"]:  # a closed-loop-only run has no batch sweep to plot
+        paths.append(out / "throughput.png")
+        plot(report, paths[2])
     return paths
 
 
@@ -738,6 +769,7 @@ def markdown(report: dict) -> str:
               "`generate` at batch 1 (the same work, measured twice); \"vs batched\" against "
               "batched `generate` at the row's batch size (\"stock\": unpatched transformers).",
               ""]
+    lines += closed_loop.markdown(report.get("serving", []))
     if report.get("load"):
         lines += ["## Arrival-driven load (Poisson arrivals, over gRPC)", "",
                   "`grpc_target_only` is the same server with no draft: plain batched decoding "

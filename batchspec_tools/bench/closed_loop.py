@@ -1,0 +1,118 @@
+"""Serving as servers are judged: closed-loop clients against the gRPC methods.
+
+At each concurrency C, C clients share the prompt set, each sending its next request as soon as
+its last answer ended. Every method gets a fresh coordinator over the same running services
+(warmed with an untimed short request per client, so its first plans are not what is timed);
+the methods are taken in turn, and the whole sweep `repeat` times, so a machine whose speed
+drifts moves every method alike. Each row is a method at a concurrency: the median run's
+throughput with every run's figure, medians of TTFT and ITL p50/p99, exactness against the
+target alone, and its speed over `grpc_target_only` (the same server without drafts): the
+ratio of the medians, and the spread of the per-round ratios.
+"""
+import pathlib
+import statistics
+
+WARM_UP_TOKENS = 8
+PLAIN = "grpc_target_only"
+
+
+def methods_of(config, grpc_drafts: dict) -> list[str]:
+    """The gRPC methods to serve, the plain server always among them (the yardstick)."""
+    chosen = [m for m in config.methods if m in grpc_drafts]
+    return chosen + [PLAIN] if PLAIN not in chosen else chosen
+
+
+def sweep(stack, workload, config, reference, grpc_drafts: dict,
+          grpc_flags: dict) -> list[dict]:
+    """One row per (method, concurrency); [] without --concurrency."""
+    from tqdm import tqdm
+
+    if not config.concurrency:
+        return []
+    methods = methods_of(config, grpc_drafts)
+    rounds = [(r, c, m) for r in range(config.repeat) for c in config.concurrency
+              for m in methods]
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for round_, concurrency, method in tqdm(rounds, desc="closed-loop clients", unit="run"):
+        extra = grpc_flags.get(method, ())
+        if config.step_logs:
+            pathlib.Path(config.step_logs).mkdir(parents=True, exist_ok=True)
+            extra += ("--step-log", str(pathlib.Path(config.step_logs)
+                                       / f"{method}-c{concurrency}-r{round_}.jsonl"))
+        runs.setdefault((method, concurrency), []).append(one_run(
+            stack, workload, config, method, concurrency, grpc_drafts[method], reference, extra))
+    rows = [summarise(method, concurrency, found) for (method, concurrency), found in runs.items()]
+    add_plain_ratios(rows, runs)
+    return rows
+
+
+def one_run(stack, workload, config, method: str, concurrency: int, drafts, reference,
+            extra=()) -> dict:
+    import grpc
+
+    from batchspec.v1 import generate_pb2_grpc
+    from batchspec_tools.bench import arrivals
+
+    k = config.ks[-1]
+    with stack.coordinator(workload, config.load_batch_size, k, drafts, extra) as (port, _):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generate_pb2_grpc.CoordinatorStub(channel)
+            arrivals.run_closed_loop(stub, workload.prompts[:concurrency], WARM_UP_TOKENS,
+                                     concurrency)
+            traces, seconds = arrivals.run_closed_loop(stub, workload.prompts,
+                                                       workload.max_new_tokens, concurrency)
+    row = {"method": method, "concurrency": concurrency, "batch_size": config.load_batch_size,
+           "k": k if drafts else None, **arrivals.summarise(traces, seconds)}
+    if reference:
+        row["exact_match"] = round(sum(t.token_ids == r for t, r in zip(traces, reference))
+                                   / len(reference), 4)
+    return row
+
+
+def summarise(method: str, concurrency: int, runs: list[dict]) -> dict:
+    """The median run by throughput, with every run's throughput and the medians of the
+    latency percentiles; exact only if every run was."""
+    ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+    for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
+        values = [r[key] for r in runs if r[key] is not None]
+        row[key] = round(statistics.median(values), 1) if values else None
+    if all("exact_match" in r for r in runs):
+        row["exact_match"] = min(r["exact_match"] for r in runs)
+    return row
+
+
+def add_plain_ratios(rows: list[dict], runs: dict) -> None:
+    """vs_plain: the row's median throughput over the plain server's at its concurrency;
+    vs_plain_runs: the ratio within each round (the two runs taken one after the other)."""
+    plain = {r["concurrency"]: r for r in rows if r["method"] == PLAIN}
+    for row in rows:
+        base = plain.get(row["concurrency"])
+        if base is None or row["method"] == PLAIN:
+            continue
+        row["vs_plain"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+        pairs = zip(runs[(row["method"], row["concurrency"])], runs[(PLAIN, row["concurrency"])])
+        row["vs_plain_runs"] = [round(a["tokens_per_s"] / b["tokens_per_s"], 3) for a, b in pairs]
+
+
+def markdown(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["## Closed-loop clients, over gRPC", "",
+             "C clients each send their next request as soon as their last one ends. "
+             f"`{PLAIN}` is the same server without drafts (`batchspec serve --draft-model "
+             "none`); \"vs plain\" is the ratio of the median runs, its range the ratios "
+             "within each round.", "",
+             "| method | clients | tok/s (median) | runs | vs plain | range | TTFT p50 / p99 (ms) "
+             "| ITL p50 / p99 (ms) | exact |",
+             "| --- | ---: | ---: | --- | ---: | --- | --- | --- | ---: |"]
+    for r in sorted(rows, key=lambda r: (r["concurrency"], r["method"] != PLAIN, r["method"])):
+        spread = r.get("vs_plain_runs")
+        ratio = f"{r['vs_plain']:.2f}x" if "vs_plain" in r else ""
+        within = f"{min(spread):.2f}-{max(spread):.2f}" if spread else ""
+        runs = " / ".join(f"{v:.1f}" for v in r["tokens_per_s_runs"])
+        lines.append(f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {runs} "
+                     f"| {ratio} | {within} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | "
+                     f"{r['itl_p50_ms']} / {r['itl_p99_ms']} | {r.get('exact_match', 0):.0%} |")
+    return lines + [""]

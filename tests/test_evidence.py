@@ -1,0 +1,83 @@
+"""The step-aside evidence (coordinator/evidence.py), fed hand-made step timings: it steps aside
+where drafted steps measure slower than plain ones, comes back where they measure faster, keeps
+both sides measured, and does not flip on noise within its margin."""
+import pytest
+
+from coordinator.evidence import Choice, Evidence, EvidenceConfig, bucket_of
+
+
+def run(evidence: Evidence, rows: int, steps: int, drafted_rate: float, plain_rate: float,
+        noise=lambda i: 1.0) -> list[Choice]:
+    """Drive `steps` steps: each choice is followed by a step that measured the given rate
+    (tokens per second) for its side."""
+    choices = []
+    for i in range(steps):
+        choice = evidence.choose(rows)
+        choices.append(choice)
+        rate = (drafted_rate if choice is Choice.PLAN else plain_rate) * noise(i)
+        evidence.observe(rows, choice is Choice.PLAN, tokens=rows, seconds=rows / rate)
+    return choices
+
+
+def test_buckets_group_batch_sizes_by_powers_of_two():
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == \
+        [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+
+
+def test_it_plans_at_first_and_measures_plain_steps_meanwhile():
+    evidence = Evidence()
+    choices = run(evidence, 8, 40, drafted_rate=150.0, plain_rate=100.0)
+    assert choices[0] is Choice.PLAN
+    assert Choice.PLAIN in choices[:8]  # plain evidence is gathered early
+    assert choices[-12:].count(Choice.PLAN) >= 10  # drafting pays: it keeps planning
+    assert evidence.ratio(8) == pytest.approx(1.5)
+
+
+def test_where_drafting_measures_slower_it_steps_aside_and_keeps_probing():
+    evidence = Evidence()
+    choices = run(evidence, 8, 200, drafted_rate=80.0, plain_rate=100.0)
+    late = choices[100:]
+    assert late.count(Choice.PLAIN) > 0.85 * len(late)  # aside
+    assert Choice.PLAN in late  # drafting is still tried now and then
+    assert evidence.ratio(8) == pytest.approx(0.8)
+
+
+def test_it_comes_back_when_drafting_measures_faster_again():
+    evidence = Evidence()
+    run(evidence, 8, 100, drafted_rate=80.0, plain_rate=100.0)
+    assert evidence.buckets[bucket_of(8)].aside
+    choices = run(evidence, 8, 400, drafted_rate=160.0, plain_rate=100.0)
+    assert not evidence.buckets[bucket_of(8)].aside
+    assert choices[-24:].count(Choice.PLAN) >= 20
+
+
+def test_noise_within_the_margin_does_not_flip_the_choice():
+    """A break-even draft under +-3% noise: once decided, the choice holds."""
+    evidence = Evidence(EvidenceConfig(margin=0.05))
+    wobble = lambda i: 1.03 if i % 2 else 0.97  # noqa: E731
+    choices = run(evidence, 8, 300, drafted_rate=92.0, plain_rate=100.0, noise=wobble)
+    assert choices[-100:].count(Choice.PLAIN) > 85
+    choices = run(evidence, 8, 300, drafted_rate=100.0, plain_rate=100.0, noise=wobble)
+    assert choices.count(Choice.PLAIN) > 0.85 * len(choices)  # stays aside: within the margin
+
+
+def test_each_batch_size_bucket_decides_for_itself():
+    evidence = Evidence()
+    run(evidence, 1, 200, drafted_rate=130.0, plain_rate=100.0)
+    run(evidence, 16, 200, drafted_rate=70.0, plain_rate=100.0)
+    assert [evidence.choose(1) for _ in range(5)].count(Choice.PLAN) >= 4
+    assert [evidence.choose(16) for _ in range(5)].count(Choice.PLAIN) >= 4
+
+
+def test_a_clear_case_is_probed_less_often_than_a_close_one():
+    clear, close = Evidence(), Evidence()
+    clear_choices = run(clear, 1, 600, drafted_rate=200.0, plain_rate=100.0)[200:]
+    close_choices = run(close, 1, 600, drafted_rate=110.0, plain_rate=100.0)[200:]
+    assert 0 < clear_choices.count(Choice.PLAIN) < close_choices.count(Choice.PLAIN) / 2
+
+
+def test_a_config_out_of_range_is_refused():
+    for bad in ({"min_steps": 0}, {"probe_every": 1}, {"decay": 1.0}, {"margin": 1.0},
+                {"clear_factor": 0}):
+        with pytest.raises(ValueError):
+            EvidenceConfig(**bad)

@@ -1,0 +1,59 @@
+"""The guard on speculation through the real services (the default goodput policy with its
+step-aside evidence): where drafts cannot pay it decodes plainly, where they clearly pay it
+drafts, and either way every output is target-alone greedy decoding. Counting drafted and plain
+steps keeps "exact through the services" from quietly becoming plain decoding everywhere."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import tiny_models
+from conftest import running_stack
+from test_exactness import generate_all, random_requests
+
+
+def always_wrong_draft(target_dir: str, out) -> str:
+    """The target with its output rows rolled by one: its greedy token is always the
+    target's plus one, so no greedy draft is ever accepted."""
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head.copy_(torch.roll(head, shifts=1, dims=0))
+    model.save_pretrained(out)
+    return str(out)
+
+
+def serve(target_dir: str, draft_dir: str, requests) -> tuple[list, object]:
+    with running_stack(target_dir, draft_dir, batch_size=4, num_draft_tokens=4,
+                       draft_policy="goodput", overlap="off") as stack:
+        results = generate_all(stack.stub(), requests, ignore_eos=True)
+        return results, stack.router.stats
+
+
+def assert_exact(target_dir: str, requests, results) -> None:
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    for (prompt, max_new), (tokens, _) in zip(requests, results):
+        assert tokens == tiny_models.reference_greedy(model, prompt, max_new, ignore_eos=True)
+
+
+@pytest.mark.slow
+def test_a_draft_equal_to_the_target_drafts(model_dirs):
+    target_dir, _ = model_dirs["llama"]
+    requests = [(prompt, 80) for prompt, _ in random_requests(seed=61, count=16)]
+    results, stats = serve(target_dir, target_dir, requests)
+    assert_exact(target_dir, requests, results)
+    drafted_steps = stats.num_steps - stats.num_plain_steps
+    assert drafted_steps > 0.6 * stats.num_steps, (drafted_steps, stats.num_steps)
+    accepted = sum(r.stats.num_accepted_tokens for _, r in results)
+    assert accepted > 0.5 * sum(len(tokens) for tokens, _ in results)
+
+
+@pytest.mark.slow
+def test_a_draft_that_is_always_wrong_is_stepped_around(model_dirs, tmp_path):
+    target_dir, _ = model_dirs["llama"]
+    wrong = always_wrong_draft(target_dir, tmp_path / "wrong-draft")
+    requests = [(prompt, 80) for prompt, _ in random_requests(seed=62, count=16)]
+    results, stats = serve(target_dir, wrong, requests)
+    assert_exact(target_dir, requests, results)
+    assert sum(r.stats.num_accepted_tokens for _, r in results) == 0
+    assert stats.num_plain_steps > 0.7 * stats.num_steps, (stats.num_plain_steps,
+                                                          stats.num_steps)
