@@ -24,6 +24,9 @@ class Choice(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class EvidenceConfig:
     min_steps: int = 6  # steps of each side in a bucket before they are compared
+    # ... but drafted steps, which cost most exactly where drafting loses, count as enough
+    # after this many when the two sides differ by more than `clear_share`
+    min_clear_steps: int = 2
     decay: float = 0.95  # weight kept by older steps, per step of that side and bucket
     margin: float = 0.05  # how much slower (faster) drafting must measure to step aside (back)
     probe_every: int = 12  # steps of a bucket between tries of the side not chosen
@@ -33,8 +36,10 @@ class EvidenceConfig:
     clear_factor: int = 4
 
     def __post_init__(self):
-        if self.min_steps < 1 or self.probe_every < 2 or self.clear_factor < 1:
-            raise ValueError("min_steps must be >= 1, probe_every >= 2, clear_factor >= 1")
+        if not 1 <= self.min_clear_steps <= self.min_steps:
+            raise ValueError("min_clear_steps must be in [1, min_steps]")
+        if self.probe_every < 2 or self.clear_factor < 1:
+            raise ValueError("probe_every must be >= 2 and clear_factor >= 1")
         if not 0 < self.decay < 1 or not 0 <= self.margin < 1:
             raise ValueError("decay must be in (0, 1) and margin in [0, 1)")
 
@@ -95,9 +100,12 @@ class Evidence:
         config = self.config
         bucket = self.buckets.setdefault(bucket_of(rows), Bucket())
         (bucket.drafted if drafted else bucket.plain).add(tokens, seconds, config.decay)
-        if min(bucket.drafted.steps, bucket.plain.steps) < config.min_steps:
+        if bucket.plain.steps < config.min_steps or not bucket.drafted.steps:
             return
         ratio = bucket.drafted.per_second / max(bucket.plain.per_second, 1e-9)
+        clear = abs(ratio - 1) > config.clear_share
+        if bucket.drafted.steps < (config.min_clear_steps if clear else config.min_steps):
+            return
         if not bucket.aside and ratio < 1 - config.margin:
             bucket.aside = True
         elif bucket.aside and ratio > 1 + config.margin:

@@ -141,3 +141,63 @@ def test_bench_repeats_the_sweep_in_turn(tmp_path):
     assert rows and all(len(r["tokens_per_s_runs"]) == 2 for r in rows)
     assert all(r["tokens_per_s"] in r["tokens_per_s_runs"] for r in rows)
     assert "median of 2 runs" in (out / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_closed_loop_clients_against_the_same_server_without_drafts(tmp_path):
+    out = tmp_path / "report"
+    done = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--quick", "--out",
+                           str(out), "--methods", "grpc_router", "--concurrency", "1,3",
+                           "--repeat", "2", "--step-logs", str(tmp_path / "steps")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "results.json").read_text())
+    serving = report["serving"]
+    # the plain server is always served too: the yardstick
+    assert sorted((r["method"], r["concurrency"]) for r in serving) == [
+        ("grpc_router", 1), ("grpc_router", 3), ("grpc_target_only", 1),
+        ("grpc_target_only", 3)]
+    for row in serving:
+        assert row["num_requests"] == report["num_prompts"] and row["exact_match"] == 1.0
+        assert len(row["tokens_per_s_runs"]) == 2 and row["tokens_per_s"] > 0
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        if row["method"] == "grpc_router":
+            assert len(row["vs_plain_runs"]) == 2 and row["vs_plain"] > 0
+    assert "## Closed-loop clients, over gRPC" in (out / "results.md").read_text()
+    logs = sorted(p.name for p in (tmp_path / "steps").iterdir())
+    assert logs[0] == "grpc_router-c1-r0.jsonl" and len(logs) == 8
+    step = json.loads((tmp_path / "steps" / logs[0]).read_text().splitlines()[-1])
+    assert step["rows"] >= 1 and step["committed"] >= 1 and step["step_s"] > 0
+
+
+def test_closed_loop_rows_take_the_median_run_and_the_ratio_per_round():
+    from batchspec_tools.bench import closed_loop
+
+    def run(method, tps):
+        return {"method": method, "concurrency": 8, "tokens_per_s": tps, "ttft_p50_ms": tps,
+                "ttft_p99_ms": 2 * tps, "itl_p50_ms": 1.0, "itl_p99_ms": None,
+                "exact_match": 1.0}
+
+    runs = {("grpc_router", 8): [run("grpc_router", v) for v in (90.0, 120.0, 100.0)],
+            ("grpc_target_only", 8): [run("grpc_target_only", v) for v in (100.0, 80.0, 100.0)]}
+    rows = [closed_loop.summarise(m, c, found) for (m, c), found in runs.items()]
+    closed_loop.add_plain_ratios(rows, runs)
+    router, plain = rows
+    assert router["tokens_per_s"] == 100.0 and plain["tokens_per_s"] == 100.0
+    assert router["tokens_per_s_runs"] == [90.0, 120.0, 100.0]
+    assert router["ttft_p50_ms"] == 100.0 and router["itl_p99_ms"] is None
+    assert router["vs_plain"] == 1.0 and router["vs_plain_runs"] == [0.9, 1.5, 1.0]
+    assert "vs_plain" not in plain
+    assert "| grpc_router | 8 | 100.0 | 90.0 / 120.0 / 100.0 | 1.00x | 0.90-1.50 |" in \
+        "\n".join(closed_loop.markdown(rows))
+
+
+def test_steady_throughput_leaves_out_the_drain_after_the_last_request_is_sent():
+    from batchspec_tools.bench.arrivals import Trace, steady_tokens_per_s
+
+    # two clients: requests sent at 0, 0 and 2 s; by 2 s, 6 tokens had arrived (one at 2.5 s)
+    traces = [Trace(0.0, [1, 2, 3], arrived_at=[0.5, 1.0, 1.5]),
+              Trace(0.0, [4, 5, 6, 7], arrived_at=[1.0, 1.5, 2.0, 2.5]),
+              Trace(2.0, [8, 9], arrived_at=[3.0, 9.0])]
+    assert steady_tokens_per_s(traces) == 3.0  # 6 tokens in the first 2 s
+    assert steady_tokens_per_s(traces[:2]) is None  # all sent at once: no steady window

@@ -76,8 +76,28 @@ def test_a_clear_case_is_probed_less_often_than_a_close_one():
     assert 0 < clear_choices.count(Choice.PLAIN) < close_choices.count(Choice.PLAIN) / 2
 
 
+def test_a_clearly_losing_draft_is_stepped_around_after_few_drafted_steps():
+    """Drafted steps cost most where drafting loses: a clear loss needs only a couple of
+    them, a close one the full count."""
+    evidence = Evidence()
+    for _ in range(6):
+        evidence.observe(8, False, tokens=8, seconds=0.05)
+    evidence.observe(8, True, tokens=8, seconds=0.1)
+    assert not evidence.buckets[bucket_of(8)].aside  # one step is not evidence
+    evidence.observe(8, True, tokens=8, seconds=0.1)
+    assert evidence.buckets[bucket_of(8)].aside  # half the plain rate, twice
+    close = Evidence()
+    for _ in range(6):
+        close.observe(8, False, tokens=8, seconds=0.05)
+    for _ in range(5):
+        close.observe(8, True, tokens=8, seconds=0.058)
+    assert not close.buckets[bucket_of(8)].aside  # 14% slower: wait for the full count
+    close.observe(8, True, tokens=8, seconds=0.058)
+    assert close.buckets[bucket_of(8)].aside
+
+
 def test_a_config_out_of_range_is_refused():
     for bad in ({"min_steps": 0}, {"probe_every": 1}, {"decay": 1.0}, {"margin": 1.0},
-                {"clear_factor": 0}):
+                {"clear_factor": 0}, {"min_clear_steps": 0}, {"min_clear_steps": 7}):
         with pytest.raises(ValueError):
             EvidenceConfig(**bad)

@@ -33,6 +33,7 @@ class Trace:
     first_token: float | None = None
     gaps: list[float] = dataclasses.field(default_factory=list)  # per token, after the first
     finished: float | None = None
+    arrived_at: list[float] = dataclasses.field(default_factory=list)  # when each token came
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -60,6 +61,7 @@ def stream(stub, prompt: list[int], max_new_tokens: int, trace: Trace) -> None:
         if n:
             last = now
         trace.token_ids += response.token_ids
+        trace.arrived_at += [now] * n
     trace.finished = time.perf_counter()
 
 
@@ -118,6 +120,17 @@ def _run_all(work, count: int, threads: int, stop: threading.Event) -> None:
 
 def _span(traces: list[Trace]) -> float:
     return max(t.finished for t in traces) - min(t.arrival for t in traces)
+
+
+def steady_tokens_per_s(traces: list[Trace]) -> float | None:
+    """Closed-loop throughput while every client is busy: tokens delivered from the first
+    request until the last one is sent (after it, clients run out of work one by one and the
+    run drains), over that time. None when the last request is sent at once."""
+    start, end = min(t.arrival for t in traces), max(t.arrival for t in traces)
+    if end - start <= 0:
+        return None
+    tokens = sum(1 for t in traces for at in t.arrived_at if at <= end)
+    return round(tokens / (end - start), 2)
 
 
 def summarise(traces: list[Trace], seconds: float) -> dict:

@@ -62,7 +62,8 @@ def one_run(stack, workload, config, method: str, concurrency: int, drafts, refe
             traces, seconds = arrivals.run_closed_loop(stub, workload.prompts,
                                                        workload.max_new_tokens, concurrency)
     row = {"method": method, "concurrency": concurrency, "batch_size": config.load_batch_size,
-           "k": k if drafts else None, **arrivals.summarise(traces, seconds)}
+           "k": k if drafts else None, **arrivals.summarise(traces, seconds),
+           "steady_tokens_per_s": arrivals.steady_tokens_per_s(traces)}
     if reference:
         row["exact_match"] = round(sum(t.token_ids == r for t, r in zip(traces, reference))
                                    / len(reference), 4)
@@ -75,8 +76,9 @@ def summarise(method: str, concurrency: int, runs: list[dict]) -> dict:
     ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
     row = dict(ordered[(len(ordered) - 1) // 2])
     row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
-    for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
-        values = [r[key] for r in runs if r[key] is not None]
+    for key in ("steady_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+                "itl_p99_ms"):
+        values = [r[key] for r in runs if r.get(key) is not None]
         row[key] = round(statistics.median(values), 1) if values else None
     if all("exact_match" in r for r in runs):
         row["exact_match"] = min(r["exact_match"] for r in runs)
@@ -92,6 +94,9 @@ def add_plain_ratios(rows: list[dict], runs: dict) -> None:
         if base is None or row["method"] == PLAIN:
             continue
         row["vs_plain"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+        if row.get("steady_tokens_per_s") and base.get("steady_tokens_per_s"):
+            row["steady_vs_plain"] = round(row["steady_tokens_per_s"]
+                                           / base["steady_tokens_per_s"], 3)
         pairs = zip(runs[(row["method"], row["concurrency"])], runs[(PLAIN, row["concurrency"])])
         row["vs_plain_runs"] = [round(a["tokens_per_s"] / b["tokens_per_s"], 3) for a, b in pairs]
 
@@ -103,16 +108,20 @@ def markdown(rows: list[dict]) -> list[str]:
              "C clients each send their next request as soon as their last one ends. "
              f"`{PLAIN}` is the same server without drafts (`batchspec serve --draft-model "
              "none`); \"vs plain\" is the ratio of the median runs, its range the ratios "
-             "within each round.", "",
-             "| method | clients | tok/s (median) | runs | vs plain | range | TTFT p50 / p99 (ms) "
-             "| ITL p50 / p99 (ms) | exact |",
-             "| --- | ---: | ---: | --- | ---: | --- | --- | --- | ---: |"]
+             "within each round. \"Steady\" counts only the time while every client is busy "
+             "(until the last request is sent), leaving out the final drain.", "",
+             "| method | clients | tok/s (median) | runs | vs plain | range | steady tok/s "
+             "| steady vs plain | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | exact |",
+             "| --- | ---: | ---: | --- | ---: | --- | ---: | ---: | --- | --- | ---: |"]
     for r in sorted(rows, key=lambda r: (r["concurrency"], r["method"] != PLAIN, r["method"])):
         spread = r.get("vs_plain_runs")
         ratio = f"{r['vs_plain']:.2f}x" if "vs_plain" in r else ""
         within = f"{min(spread):.2f}-{max(spread):.2f}" if spread else ""
         runs = " / ".join(f"{v:.1f}" for v in r["tokens_per_s_runs"])
+        steady = r.get("steady_tokens_per_s") or ""
+        steady_ratio = f"{r['steady_vs_plain']:.2f}x" if "steady_vs_plain" in r else ""
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {runs} "
-                     f"| {ratio} | {within} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | "
+                     f"| {ratio} | {within} | {steady} | {steady_ratio} | "
+                     f"{r['ttft_p50_ms']} / {r['ttft_p99_ms']} | "
                      f"{r['itl_p50_ms']} / {r['itl_p99_ms']} | {r.get('exact_match', 0):.0%} |")
     return lines + [""]

@@ -569,7 +569,9 @@ def run(config: BenchConfig) -> dict:
         try:
             for category, part in parts.items():
                 reference, results = None, {}
-                rounds = [(i, s) for i in range(config.repeat) for s in plan]
+                # the reference alone (not a method asked for) runs once
+                rounds = [(i, s) for i in range(config.repeat) for s in plan
+                          if i == 0 or s[0] in config.methods]
                 for _, (method, batch_size, k) in tqdm(
                         rounds, desc=f"bench {category or ''}".strip(), unit="run"):
                     result = run_one(method, batch_size, k, hf, runners, part, stack)
