@@ -4,6 +4,7 @@ adds all of them; `batchspec serve` adds the ones it passes on and forwards them
 coordinator it starts (`forward`), so a flag, its help and its default exist in one place."""
 import argparse
 import dataclasses
+import pathlib
 
 from batchspec import security
 from coordinator.scheduler import CohortPolicy
@@ -88,6 +89,8 @@ class CoordinatorConfig:
             raise ValueError("stall_timeout_s must be > 0")
         if self.api_key_file is not None:
             security.read_api_key(self.api_key_file)
+        if self.step_log is not None and not pathlib.Path(self.step_log).parent.is_dir():
+            raise ValueError(f"step_log {self.step_log}: no such directory to write it in")
 
     def peer_credentials(self):
         return self.peer_tls.credentials() if self.peer_tls else None

@@ -249,7 +249,8 @@ def test_admission_and_resync_prefill_in_bounded_commands():
 def test_a_flag_value_the_config_refuses_is_a_usage_error_not_a_traceback(capsys):
     from coordinator import __main__ as coordinator_main
 
-    for flags in (["--stall-timeout", "0"], ["--max-prefill-tokens", "0"], ["--batch-size", "0"]):
+    for flags in (["--stall-timeout", "0"], ["--max-prefill-tokens", "0"], ["--batch-size", "0"],
+                  ["--step-log", "/no/such/directory/steps.jsonl"]):
         try:
             coordinator_main.main(["--target", "127.0.0.1:1"] + flags)
         except SystemExit as exit_:

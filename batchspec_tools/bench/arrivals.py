@@ -122,6 +122,11 @@ def _span(traces: list[Trace]) -> float:
     return max(t.finished for t in traces) - min(t.arrival for t in traces)
 
 
+def exact_share(traces: list[Trace], reference: list[list[int]]) -> float:
+    """The share of requests whose tokens equal the reference outputs, in order."""
+    return round(sum(t.token_ids == r for t, r in zip(traces, reference)) / len(reference), 4)
+
+
 def steady_tokens_per_s(traces: list[Trace]) -> float | None:
     """Closed-loop throughput while every client is busy: tokens delivered from the first
     request until the last one is sent (after it, clients run out of work one by one and the

@@ -65,8 +65,7 @@ def one_run(stack, workload, config, method: str, concurrency: int, drafts, refe
            "k": k if drafts else None, **arrivals.summarise(traces, seconds),
            "steady_tokens_per_s": arrivals.steady_tokens_per_s(traces)}
     if reference:
-        row["exact_match"] = round(sum(t.token_ids == r for t, r in zip(traces, reference))
-                                   / len(reference), 4)
+        row["exact_match"] = arrivals.exact_share(traces, reference)
     return row
 
 

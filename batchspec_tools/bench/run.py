@@ -617,8 +617,7 @@ def arrival_load(stack, workload: Workload, rate: float, config: BenchConfig,
         row = {"method": method, "rate": rate, "batch_size": config.load_batch_size,
                "k": k if drafts else None, **arrivals.summarise(traces, seconds)}
         if reference:
-            row["exact_match"] = round(sum(t.token_ids == r for t, r in zip(traces, reference))
-                                       / len(reference), 4)
+            row["exact_match"] = arrivals.exact_share(traces, reference)
         rows.append(row)
     return rows
 
