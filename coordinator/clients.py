@@ -27,6 +27,7 @@ class ModelInfo:
     # (rows, tokens, seconds) of forwards measured at the service's start-up
     step_costs: tuple[tuple[int, int, float], ...] = ()
     device: str = ""  # e.g. "cpu", "cuda:0"
+    packs_positions: bool = False  # a verify pays for each row's real tokens only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +169,7 @@ def _model_info(info) -> ModelInfo:
     return ModelInfo(info.model, info.vocab_size, list(info.eos_token_ids),
                      info.max_context_len, info.num_sequences, info.num_cached_tokens,
                      tuple((c.rows, c.tokens, c.seconds) for c in info.step_costs),
-                     info.device)
+                     info.device, info.packs_positions)
 
 
 class Probe:

@@ -144,7 +144,8 @@ class Drafter:
 
         def cost(info):
             return None if fixed or info is None else \
-                goodput.ServiceCost(goodput.ForwardCosts(info.step_costs))
+                goodput.ServiceCost(goodput.ForwardCosts(info.step_costs),
+                                    packs_positions=info.packs_positions)
 
         self._target_unit_cost = min((s for _, _, s in target.step_costs), default=None) \
             if target is not None else None
@@ -334,10 +335,13 @@ class Drafter:
         return goodput.Row(choices=tuple(choices), forced_k=forced_k, forced_kind=forced_kind)
 
     # ---- after the verify -----------------------------------------------------------------------
-    def observe_verify(self, num_rows: int, width: int, timing: Timing, seconds: float) -> None:
-        """The target's measured cost of a verify of num_rows rows of 1 + width tokens."""
+    def observe_verify(self, cohort: DraftedCohort, timing: Timing, seconds: float) -> None:
+        """The target's measured cost of verifying the cohort."""
         if self.policy.calibrated:
-            self.policy.target.observe([(num_rows, 1 + width)], timing.forward_seconds, seconds)
+            drafts = [len(row.draft_token_ids) for row in cohort.rows]
+            calls = self.policy.target.verify_calls(len(drafts), sum(map(bool, drafts)),
+                                                    max(drafts))
+            self.policy.target.observe(calls, timing.forward_seconds, seconds)
 
     def observe(self, row: RowDraft, outcome: VerifyOutcome) -> None:
         """Before the row's tokens are committed: what its draft got right, for the policy,

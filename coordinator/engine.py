@@ -255,8 +255,7 @@ class Engine:
 
     def _finish(self, cohort: DraftedCohort, verified: Verified, started: float) -> None:
         """Commit a verified cohort (on the engine thread); `started`: when its step began."""
-        width = max(len(row.draft_token_ids) for row in cohort.rows)
-        self.drafter.observe_verify(len(cohort.rows), width, verified.timing, verified.seconds)
+        self.drafter.observe_verify(cohort, verified.timing, verified.seconds)
         record = StepRecord(cohort.mixed, not self.peers.draft_up, cohort.plain, cohort.timing,
                             verified.timing, cohort.round_trip_s, verified.seconds)
         self.recorder.step(record)

@@ -5,7 +5,10 @@ The model of one step of a cohort of B rows, c of which draft K tokens:
 - draft time: one forward of c rows feeding W tokens (W >= 1: the last committed token, plus
   any the draft missed while a row was at K = 0), then K - 1 forwards of one token; none when
   c = 0;
-- verify time: one target forward of B rows feeding 1 + K tokens;
+- verify time: one target forward of B rows feeding 1 + K tokens; where the target packs
+  positions (its linear layers skip each row's padding), between a forward of B x 1 (c = 0)
+  and one of B x (1 + K) (c = B), concave in c: the first drafting rows cost most (the whole
+  batch turns wide in attention, and the linear layers leave their small-batch kernels);
 - each service's time = ratio x its calibrated forward time + a per-command overhead (RPC,
   encoding, bookkeeping), the ratio and the overhead kept current from live timings;
 - a drafting row with per-token acceptance a commits 1 + a + ... + a^K tokens on average, a row
@@ -180,8 +183,10 @@ class ServiceCost:
     masks, copies, longer contexts than it measured) would otherwise make one command look
     cheaper than another that costs more."""
 
-    def __init__(self, forwards: ForwardCosts, smoothing: float = 0.1):
+    def __init__(self, forwards: ForwardCosts, smoothing: float = 0.1,
+                 packs_positions: bool = False):
         self.forwards = forwards
+        self.packs_positions = packs_positions  # a target's verify pays for real tokens only
         self.ratio = 1.0  # measured forward time / calibrated forward time, all commands
         self.ratios: dict[int, float] = {}  # the same, per command size
         self.shapes: dict[tuple, float] = {}  # the same, per command shape
@@ -191,21 +196,44 @@ class ServiceCost:
         self._smoothing = smoothing
 
     @staticmethod
-    def size(calls: list[tuple[int, int]]) -> int:
-        return sum(tokens for _, tokens in calls)
+    def size(calls: list[tuple]) -> int:
+        return sum(call[1] for call in calls)
 
-    def predict(self, calls: list[tuple[int, int]]) -> float:
+    def _forward_s(self, calls: list[tuple]) -> float:
+        """Calibrated seconds of the forwards: (rows, tokens) each, or (rows, tokens, drafting)
+        for a packed verify where only `drafting` of the rows feed every token and the
+        others one (see verify_calls)."""
+        total = 0.0
+        for rows, tokens, *drafting in calls:
+            wide = self.forwards.predict(rows, tokens)
+            if drafting:
+                plain = self.forwards.predict(rows, 1)
+                wide = plain + (wide - plain) * math.sqrt(drafting[0] / rows)
+            total += wide
+        return total
+
+    def predict(self, calls: list[tuple]) -> float:
         """Seconds of one command running forwards of (rows, tokens)."""
         ratio = self.shapes.get(tuple(calls)) or self.ratios.get(self.size(calls), self.ratio)
-        return ratio * sum(self.forwards.predict(r, t) for r, t in calls) + self.overhead_s
+        return ratio * self._forward_s(calls) + self.overhead_s
+
+    def verify_calls(self, batch: int, drafting: int, k: int) -> list[tuple]:
+        """A verify of `batch` rows, `drafting` of them with k drafts, as forwards: one of
+        batch x (1 + k), or where the target packs positions and some rows do not draft, a
+        packed one, (batch, 1 + k, drafting)."""
+        if not (k and drafting):
+            return [(batch, 1)]
+        if self.packs_positions and drafting < batch:
+            return [(batch, 1 + k, drafting)]
+        return [(batch, 1 + k)]
 
     def stale(self, size: int, every: int) -> bool:
         """Live timings flow, and no command of this size was among the last `every`."""
         seen = self._seen_at.get(size)
         return self.observed > 0 and (seen is None or self.observed - seen >= every)
 
-    def observe(self, calls: list[tuple[int, int]], forward_s: float, round_trip_s: float) -> None:
-        predicted = sum(self.forwards.predict(r, t) for r, t in calls)
+    def observe(self, calls: list[tuple], forward_s: float, round_trip_s: float) -> None:
+        predicted = self._forward_s(calls)
         overhead = max(0.0, round_trip_s - forward_s)
         if predicted <= 0 or forward_s <= 0:
             return
@@ -390,7 +418,7 @@ class GoodputPolicy:
         gain = self.delivered(kind)
         for k in range(1, self.config.max_k + 1):
             tokens = batch + able * (expected_tokens(self.config.optimism, k) - 1) * gain
-            seconds = self.target.predict([(batch, 1 + k)]) \
+            seconds = self.target.predict(self.target.verify_calls(batch, able, k)) \
                 + self.drafts[kind].predict(draft_calls(able, 1, k))
             if tokens / seconds > plain:
                 return True
@@ -410,9 +438,8 @@ class GoodputPolicy:
         kind: rows that must draft first, then (row, kind) pairs by expected gain, as many
         as pay."""
         batch = len(rows)
-        verify_s = self.target.predict([(batch, 1 + k)])
         if k == 0 or not kinds:
-            return Plan([0] * batch, batch / verify_s, [None] * batch)
+            return Plan([0] * batch, batch / self.target.predict([(batch, 1)]), [None] * batch)
         pairs = []  # (required, gain, row, kind, catch_up, paid, prefill)
         for i, row in enumerate(rows):
             options = row.options()
@@ -443,6 +470,7 @@ class GoodputPolicy:
                 self.drafts[d].predict(draft_calls(counts[d], widths[d], k)) \
                 + (self.drafts[d].predict([cold[d]]) / self.config.cold_horizon
                    if d in cold else 0.0)
+            verify_s = self.target.predict(self.target.verify_calls(batch, len(chosen), k))
             rate = tokens / (verify_s + sum(draft_s.values()))
             if len(chosen) >= required and (best is None or rate > best[1]):
                 best = (len(chosen), rate)

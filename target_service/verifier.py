@@ -35,7 +35,8 @@ def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bo
 
     Rows may carry different numbers of drafts (0 included: plain decoding for that row);
     shorter rows are padded out to the longest, and padding is never accepted. Causal
-    attention keeps the padding from touching any real position.
+    attention keeps the padding from touching any real position, and where the runner packs
+    positions the linear layers skip it (a row costs its own drafts, not the widest row's).
 
     Cache invariant on return: each row's cache holds its committed tokens but the last,
     where committed now includes the accepted drafts and the one new token; the rejected
@@ -49,7 +50,10 @@ def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bo
     group = runner.open_group(specs, realign=realign, extra_positions=width)
     padded = [r.draft_token_ids + [0] * (width - len(r.draft_token_ids)) for r in rows]
     input_ids = torch.tensor([r.append_token_ids + d for r, d in zip(rows, padded)])
-    logits = group.step(input_ids, num_logits=width + 1)  # [batch, K + 1, vocab]
+    real = [len(r.append_token_ids) + len(r.draft_token_ids) for r in rows]
+    valid = torch.arange(input_ids.shape[1])[None, :] < torch.tensor(real)[:, None]
+    # [batch, K + 1, vocab]; zeros past each row's drafts (packed), never read: see accept
+    logits = group.step(input_ids, num_logits=width + 1, valid=valid)
     drafts = torch.tensor(padded, dtype=torch.long).reshape(len(rows), width)
     counts = torch.tensor([len(r.draft_token_ids) for r in rows])
     result = accept(rows, drafts, logits, counts)

@@ -22,6 +22,26 @@ def test_weight_major_matches_linear(rows):
     got.view(1, rows, 4, 10)
 
 
+def test_only_positions_computes_the_marked_positions_and_zeros_the_rest():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 40)
+    x = torch.randn(3, 5, 24)
+    expected = linear(x)
+    fastlinear.patch_linears(linear)
+    valid = torch.tensor([[True] * 5, [True, True, False, False, False], [True] + [False] * 4])
+    with torch.no_grad(), fastlinear.only_positions(valid):
+        got = linear(x)
+        last_two = linear(x[:, -2:])  # fewer columns: the last ones of `valid`
+        other_batch = linear(x[:2])  # not the marked batch: every position
+    bias = linear.bias.detach()
+    torch.testing.assert_close(got[valid], expected[valid], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[~valid], bias.expand(int((~valid).sum()), 40))  # zeros, plus bias
+    torch.testing.assert_close(last_two[valid[:, -2:]], expected[:, -2:][valid[:, -2:]])
+    assert torch.equal(last_two[~valid[:, -2:]], bias.expand(int((~valid[:, -2:]).sum()), 40))
+    torch.testing.assert_close(other_batch, expected[:2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)  # outside: all
+
+
 def test_patch_covers_every_linear_and_keeps_gradients():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(),
                                 torch.nn.Linear(8, 3, bias=False))

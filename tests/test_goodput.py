@@ -21,14 +21,15 @@ from test_exactness import generate_all, random_requests
 
 # ---- the pure policy ---------------------------------------------------------------------------
 def cpu_like(verify_per_token: float, verify_per_row_token: float = 0.0,
-             draft_fraction: float = 0.2) -> tuple[goodput.ServiceCost, goodput.ServiceCost]:
+             draft_fraction: float = 0.2,
+             packs_positions: bool = False) -> tuple[goodput.ServiceCost, goodput.ServiceCost]:
     """Costs shaped like a CPU: a fixed part plus a part growing with rows x tokens."""
     grid = [(r, t) for r in (1, 2, 4, 8, 16, 32) for t in (1, 2, 3, 5, 8)]
     target = [(r, t, 0.03 + verify_per_token * t + verify_per_row_token * r * t)
               for r, t in grid]
     draft = [(r, t, s * draft_fraction) for r, t, s in target]
     return (goodput.ServiceCost(goodput.ForwardCosts(draft)),
-            goodput.ServiceCost(goodput.ForwardCosts(target)))
+            goodput.ServiceCost(goodput.ForwardCosts(target), packs_positions=packs_positions))
 
 
 def policy(max_k=4, **costs) -> goodput.GoodputPolicy:
@@ -137,6 +138,26 @@ def test_memory_bound_batch_one_drafts_and_compute_bound_large_batches_do_not():
     assert one.k[0] >= 1  # verifying a few tokens costs little more than one
     many = p.plan([goodput.Row(0.65)] * 32)
     assert many.k == [0] * 32  # every extra token costs its full price: plain decoding
+
+
+def test_a_packed_verify_lets_the_few_rows_that_pay_draft_in_a_large_batch():
+    """Where every extra verified token costs its full price, a verify padded to its widest
+    row makes the whole batch pay for a few good rows: plain decoding. Where the target packs
+    positions, those rows pay only for their own tokens, and they draft."""
+    rows = [goodput.Row(0.95)] * 5 + [goodput.Row(0.05)] * 11
+    costs = dict(verify_per_token=0.004, verify_per_row_token=0.001, draft_fraction=0.01)
+    padded = policy(**costs).plan(rows)
+    assert padded.k == [0] * 16
+    p = policy(**costs, packs_positions=True)
+    packed = p.plan(rows)
+    assert packed.k[:5] == [4] * 5 and packed.k[5:] == [0] * 11
+    calls = p.target.verify_calls(16, 5, 4)
+    assert calls == [(16, 5, 5)] and p.target.size(calls) == 5  # learns with other K = 4
+    cost = p.target.predict
+    assert cost([(16, 1)]) < cost(calls) < cost(p.target.verify_calls(16, 10, 4)) \
+        < cost([(16, 5)])
+    assert p.target.verify_calls(16, 0, 4) == [(16, 1)]  # nobody drafts: a plain step
+    assert p.target.verify_calls(16, 16, 4) == [(16, 5)]  # everybody does: no padding
 
 
 def test_rows_of_one_group_get_different_k():

@@ -46,7 +46,8 @@ def test_batched_prefill_equals_one_at_a_time(model_dirs, arch):
 
 @pytest.mark.parametrize("arch,budget", [("llama", None), ("gpt2", None), ("llama", 3)])
 def test_ragged_groups_match_each_sequence_run_alone(model_dirs, arch, budget, monkeypatch):
-    """Rows of one group keep different numbers of the tokens they feed (rejected drafts).
+    """Rows of one group feed padding past their real tokens (fewer drafts than the widest
+    row) and keep different numbers of the tokens they feed (rejected drafts).
     The group's batch is then reused with those holes masked, or compacted into a left-padded
     copy once holes pass the budget; either way every row's logits are what the model gives
     that sequence alone, with no cache."""
@@ -59,18 +60,22 @@ def test_ragged_groups_match_each_sequence_run_alone(model_dirs, arch, budget, m
     tokens = {i: [rng.randrange(4, 90) for _ in range(rng.randint(2, 12))] for i in range(4)}
     runner.prefill(list(tokens.items()))
     resident = copied = 0
+    assert runner.packs_positions  # linear layers skip each row's right padding
     for _ in range(14):
         fed = {i: [rng.randrange(4, 90) for _ in range(3)] for i in tokens}
+        real = {i: rng.randint(1, 3) for i in tokens}  # the rest is padding (fewer drafts)
+        valid = torch.tensor([[j < real[i] for j in range(3)] for i in tokens])
         specs = [runner_lib.RowSpec(i, len(tokens[i]), len(tokens[i]), fed[i]) for i in tokens]
         group = runner.open_group(specs, realign=True)
         resident += group.realigned and not group.copied
         copied += group.copied
-        logits = group.step(torch.tensor([fed[i] for i in tokens]), num_logits=3)
+        logits = group.step(torch.tensor([fed[i] for i in tokens]), num_logits=3, valid=valid)
         for row, i in enumerate(tokens):
             with torch.inference_mode():
-                alone = model(input_ids=torch.tensor([tokens[i] + fed[i]])).logits[0, -3:]
-            torch.testing.assert_close(logits[row], alone.float(), rtol=1e-4, atol=1e-4)
-        kept = {i: rng.randint(0, 3) for i in tokens}
+                alone = model(input_ids=torch.tensor([tokens[i] + fed[i][:real[i]]])).logits[0]
+            torch.testing.assert_close(logits[row, :real[i]], alone[-real[i]:].float(),
+                                       rtol=1e-4, atol=1e-4)
+        kept = {i: rng.randint(0, real[i]) for i in tokens}
         runner.store(list(tokens), group.rows_after([len(tokens[i]) + kept[i] for i in tokens]))
         for i in tokens:
             tokens[i] += fed[i][:kept[i]]

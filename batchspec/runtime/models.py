@@ -49,14 +49,14 @@ def model_path(spec: str) -> str:
 def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
                    num_layers: int | None = None, stock: bool = False):
     """Load a causal LM for inference; `num_layers` keeps only the first layers (a cheap draft);
-    `stock` leaves transformers' own linear layers in place (the benchmark's unpatched
-    baseline: what a user of transformers runs)."""
+    `stock` leaves transformers' own linear layers and attention in place (the benchmark's
+    unpatched baseline: what a user of transformers runs)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
-    from batchspec.runtime import draft_model, fastlinear
+    from batchspec.runtime import attention, draft_model, fastlinear
 
     spec = model_path(spec)
     if draft_model.is_draft_dir(spec):
@@ -75,6 +75,7 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
         truncate_layers(model, num_layers)
     if not stock:
         fastlinear.patch_linears(model)
+        attention.install(model)
     return model.to(device).eval()
 
 

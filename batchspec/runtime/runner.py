@@ -16,7 +16,7 @@ import time
 import torch
 
 from batchspec import errors
-from batchspec.runtime import kvcache
+from batchspec.runtime import fastlinear, kvcache
 from batchspec.runtime.cachebook import CacheBook, StepCost
 
 
@@ -71,6 +71,9 @@ class ModelRunner(CacheBook):
         self.caches: dict[int, SeqCache] = {}
         # False: every group forward copies its rows into a new batch (the benchmark's EQSPEC).
         self.reuse_batches = True
+        # Linear layers compute only the positions a step marks valid (fastlinear): a verify
+        # pays for each row's real tokens, not for padding to its widest row.
+        self.packs_positions = device.type == "cpu" and fastlinear.patched(model)
 
     def prefill(self, entries: list[tuple[int, list[int]]]) -> list[int]:
         """Cache the given tokens of new sequences, batched in right-padded chunks."""
@@ -208,10 +211,19 @@ class GroupForward:
         return self.stack_seconds if self.realigned else 0.0
 
     @torch.inference_mode()
-    def step(self, input_ids: torch.Tensor, *, num_logits: int) -> torch.Tensor:
+    def step(self, input_ids: torch.Tensor, *, num_logits: int,
+             valid: torch.Tensor | None = None) -> torch.Tensor:
         """Feed input_ids [batch, T] to every row; returns the last num_logits logits
-        [batch, num_logits, vocab] in float32."""
+        [batch, num_logits, vocab] in float32. valid [batch, T] bool (where the runner packs
+        positions): the real tokens; the others are right padding, which no real position
+        attends to, whose logits are zeros and which no row may keep."""
         started = time.perf_counter()
+        if valid is not None and self.runner.packs_positions and not bool(valid.all()):
+            with fastlinear.only_positions(valid):
+                return self._step(input_ids, num_logits, started)
+        return self._step(input_ids, num_logits, started)
+
+    def _step(self, input_ids: torch.Tensor, num_logits: int, started: float) -> torch.Tensor:
         batch, num_new = input_ids.shape
         device = self.runner.device
         starts = torch.tensor(self.lengths, device=device)

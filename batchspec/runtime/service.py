@@ -114,6 +114,7 @@ def describe(runner: CacheBook, dtype: str) -> cache_pb2.ModelInfo:
                                num_sequences=len(runner.caches),
                                num_cached_tokens=runner.num_cached_tokens(),
                                device=str(runner.device), dtype=dtype,
+                               packs_positions=getattr(runner, "packs_positions", False),
                                step_costs=[cache_pb2.StepCost(rows=c.rows, tokens=c.tokens,
                                                               context=c.context,
                                                               seconds=c.seconds)

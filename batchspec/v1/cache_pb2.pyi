@@ -85,7 +85,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_context_len", "num_sequences", "num_cached_tokens", "device", "dtype", "step_costs")
+    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_context_len", "num_sequences", "num_cached_tokens", "device", "dtype", "step_costs", "packs_positions")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     STEP_COSTS_FIELD_NUMBER: _ClassVar[int]
+    PACKS_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -104,7 +105,8 @@ class ModelInfo(_message.Message):
     device: str
     dtype: str
     step_costs: _containers.RepeatedCompositeFieldContainer[StepCost]
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ...) -> None: ...
+    packs_positions: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., packs_positions: _Optional[bool] = ...) -> None: ...
 
 class StepCost(_message.Message):
     __slots__ = ("rows", "tokens", "seconds", "context")
