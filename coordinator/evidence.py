@@ -10,7 +10,7 @@ measured: while one is chosen, the other is tried every few steps of its bucket.
 
 Invariants: a decision changes only when the measured rates differ by more than `margin`
 (hysteresis), and only once both sides have `min_steps` steps of evidence, so timing noise does
-not flip it step to step. Pure Python, no clock: callers pass the seconds they measured.
+not flip it step to step; probes of a settled decision grow rarer (backoff). Pure Python, no clock: callers pass the seconds they measured.
 """
 import dataclasses
 import enum
@@ -34,12 +34,17 @@ class EvidenceConfig:
     # every `probe_every * clear_factor` steps (a clear case needs less checking)
     clear_share: float = 0.25
     clear_factor: int = 4
+    # each probe doubles the interval to the next one, up to this factor, unless it measured
+    # better than the side chosen (then, as when the decision flips, it starts again at 1):
+    # a settled bucket, above all a large batch where drafting loses, pays for probes ever
+    # more rarely
+    max_backoff: int = 4
 
     def __post_init__(self):
         if not 1 <= self.min_clear_steps <= self.min_steps:
             raise ValueError("min_clear_steps must be in [1, min_steps]")
-        if self.probe_every < 2 or self.clear_factor < 1:
-            raise ValueError("probe_every must be >= 2 and clear_factor >= 1")
+        if self.probe_every < 2 or self.clear_factor < 1 or self.max_backoff < 1:
+            raise ValueError("probe_every must be >= 2, clear_factor and max_backoff >= 1")
         if not 0 < self.decay < 1 or not 0 <= self.margin < 1:
             raise ValueError("decay must be in (0, 1) and margin in [0, 1)")
 
@@ -69,6 +74,7 @@ class Bucket:
     plain: Rate = dataclasses.field(default_factory=Rate)
     aside: bool = False  # drafting measured slower: step aside
     since_probe: int = 0  # steps since the side not chosen was last tried
+    backoff: int = 1  # the probe interval's factor (see EvidenceConfig.max_backoff)
 
 
 def bucket_of(rows: int) -> int:
@@ -85,10 +91,12 @@ class Evidence:
         """For a greedy cohort of `rows`: plan, or step aside. Called once per such step."""
         bucket = self.buckets.setdefault(bucket_of(rows), Bucket())
         bucket.since_probe += 1
-        probe = bucket.since_probe >= self._probe_every(rows)
+        probe = bucket.since_probe >= self._probe_every(rows) * bucket.backoff
         if bucket.plain.steps < self.config.min_steps:
             # plain evidence first, a step in a few, while the policy plans the others
             probe = bucket.since_probe >= max(2, self.config.probe_every // 3)
+        elif probe:
+            bucket.backoff = min(2 * bucket.backoff, self.config.max_backoff)
         if probe:
             bucket.since_probe = 0
             return Choice.PLAN if bucket.aside else Choice.PLAIN
@@ -99,6 +107,10 @@ class Evidence:
         seconds it took."""
         config = self.config
         bucket = self.buckets.setdefault(bucket_of(rows), Bucket())
+        if drafted == bucket.aside and seconds > 0:  # a probe of the side not chosen ...
+            chosen = bucket.plain if drafted else bucket.drafted
+            if tokens / seconds > chosen.per_second * (1 + config.margin):
+                bucket.backoff = 1  # ... that disagrees with the decision: check again soon
         (bucket.drafted if drafted else bucket.plain).add(tokens, seconds, config.decay)
         if bucket.plain.steps < config.min_steps or not bucket.drafted.steps:
             return
@@ -107,9 +119,9 @@ class Evidence:
         if bucket.drafted.steps < (config.min_clear_steps if clear else config.min_steps):
             return
         if not bucket.aside and ratio < 1 - config.margin:
-            bucket.aside = True
+            bucket.aside, bucket.backoff = True, 1
         elif bucket.aside and ratio > 1 + config.margin:
-            bucket.aside = False
+            bucket.aside, bucket.backoff = False, 1
 
     def _probe_every(self, rows: int) -> int:
         ratio = self.ratio(rows)

@@ -76,6 +76,21 @@ def test_a_clear_case_is_probed_less_often_than_a_close_one():
     assert 0 < clear_choices.count(Choice.PLAIN) < close_choices.count(Choice.PLAIN) / 2
 
 
+def test_probes_of_a_settled_decision_grow_rarer_until_it_flips():
+    evidence = Evidence(EvidenceConfig(max_backoff=4))
+    choices = run(evidence, 16, 700, drafted_rate=50.0, plain_rate=100.0)  # a clear loss
+    bucket = evidence.buckets[bucket_of(16)]
+    assert bucket.aside and bucket.backoff == 4
+    probes = [i for i, c in enumerate(choices) if c is Choice.PLAN and i > 30]  # decided
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[0] < gaps[-1] == 12 * 4 * 4  # clear x4, settled x4
+    # drafting pays now: the next probe disagrees, so the ones after come soon again
+    later = run(evidence, 16, 700, drafted_rate=300.0, plain_rate=100.0)
+    probes = [i for i, c in enumerate(later) if c is Choice.PLAN]
+    assert max(b - a for a, b in zip(probes, probes[1:])) == 12 * 4  # clear, no backoff
+    assert not bucket.aside and later[-200:].count(Choice.PLAN) > 0.9 * 200
+
+
 def test_a_clearly_losing_draft_is_stepped_around_after_few_drafted_steps():
     """Drafted steps cost most where drafting loses: a clear loss needs only a couple of
     them, a close one the full count."""
@@ -98,6 +113,7 @@ def test_a_clearly_losing_draft_is_stepped_around_after_few_drafted_steps():
 
 def test_a_config_out_of_range_is_refused():
     for bad in ({"min_steps": 0}, {"probe_every": 1}, {"decay": 1.0}, {"margin": 1.0},
+                {"max_backoff": 0},
                 {"clear_factor": 0}, {"min_clear_steps": 0}, {"min_clear_steps": 7}):
         with pytest.raises(ValueError):
             EvidenceConfig(**bad)
