@@ -10,7 +10,8 @@ measured: while one is chosen, the other is tried every few steps of its bucket.
 
 Invariants: a decision changes only when the measured rates differ by more than `margin`
 (hysteresis), and only once both sides have `min_steps` steps of evidence, so timing noise does
-not flip it step to step; probes of a settled decision grow rarer (backoff). Pure Python, no clock: callers pass the seconds they measured.
+not flip it step to step; probes of a settled decision grow rarer (backoff). Pure Python, no
+clock: callers pass the seconds they measured.
 """
 import dataclasses
 import enum
