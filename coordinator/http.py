@@ -6,6 +6,8 @@ same engine as gRPC, no extra hop.
   decoding statistics come with the last chunk (or the whole answer).
 - GET /v1/models; GET / is a chat page that streams answers and shows which text came from
   accepted drafts.
+- A request field the edge does not implement is refused (400 naming it), never ignored;
+  fields clients send by default are accepted at their neutral values (see FIELDS, NEUTRAL).
 - Errors in OpenAI's shape ({"error": {"message", "type", "param", "code"}}) with the HTTP
   status of their kind: 400 bad input, 401 missing API key, 404 unknown model or path, 429
   queue full, 503 no target reachable.
@@ -45,6 +47,46 @@ class ServedModels:
     model_id: str
     target: str
     drafts: tuple[str, ...]
+
+
+# The request fields each endpoint implements; anything else is refused (400 naming it)
+# rather than ignored, except NEUTRAL fields given their neutral value (what clients send by
+# default) and `user`, which is the caller's label and never changes an answer.
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                 "stream", "stream_options", "n", "user"}
+FIELDS = {"/v1/chat/completions": COMMON_FIELDS | {"messages", "max_completion_tokens"},
+          "/v1/completions": COMMON_FIELDS | {"prompt"}}
+NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+           "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+           "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None,),
+           "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+           "function_call": (None, "none"), "parallel_tool_calls": (None,),
+           "response_format": (None, {"type": "text"})}
+
+
+def refuse_unknown_fields(path: str, body: dict) -> None:
+    """HttpError 400 naming the first field of `body` the endpoint does not implement."""
+    for name, value in body.items():
+        if name in FIELDS[path]:
+            continue
+        if name in NEUTRAL and any(_same(value, v) for v in NEUTRAL[name]):
+            continue
+        what = "is not supported" if name in NEUTRAL else "is not a field this endpoint takes"
+        raise HttpError(400, f"{name} {what} (given {json.dumps(value)[:80]}); remove it",
+                        name)
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict)
+                                    and set(options) <= {"include_usage"}
+                                    and isinstance(options.get("include_usage", False), bool)):
+        raise HttpError(400, "stream_options takes only include_usage (true or false)",
+                        "stream_options")
+
+
+def _same(value, neutral) -> bool:
+    """value equals neutral, a bool only a bool (False is not 0 here, nor 0 False)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return value == neutral
 
 
 class HttpError(Exception):
@@ -108,13 +150,13 @@ class HttpEdge:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
-        given = self._request(body)
+        given = self._request(request.path, body)
         given = dataclasses.replace(given, messages=chat_messages(body.get("messages")))
         return await self._answer(request, body, given, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
-        given = self._request(body)
+        given = self._request(request.path, body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -126,8 +168,9 @@ class HttpEdge:
             raise HttpError(400, "prompt must be a string, or a list of token ids", "prompt")
         return await self._answer(request, body, given, chat=False)
 
-    def _request(self, body: dict) -> RequestInput:
-        """The sampling and length fields of an OpenAI request."""
+    def _request(self, path: str, body: dict) -> RequestInput:
+        """The sampling and length fields of an OpenAI request (other fields refused)."""
+        refuse_unknown_fields(path, body)
         model = body.get("model")
         if model not in (None, self.models.model_id, "batchspec"):
             raise HttpError(404, f"the model {model!r} is not served here; this server serves "
@@ -169,6 +212,8 @@ class HttpEdge:
                 await send(response, reply.chunk(first))
                 async for event in events:
                     await send(response, reply.chunk(event))
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    await send(response, reply.usage_chunk())
             except errors.BatchspecError as error:  # after the first byte: an error event
                 await send(response, error_body(errors.to_http_status(error), str(error)))
             await response.write(b"data: [DONE]\n\n")
@@ -220,6 +265,12 @@ class Reply:
             choice["finish_reason"] = self.finish
             out.update(self.usage())
         return out
+
+    def usage_chunk(self) -> dict:
+        """The last chunk a client asking for stream_options.include_usage expects."""
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat
+                else "text_completion", "created": self.created, "model": self.model,
+                "choices": [], **self.usage()}
 
     def whole(self) -> dict:
         if self.chat:

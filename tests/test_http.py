@@ -144,6 +144,16 @@ def test_server_sent_events_end_with_done(stack):
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, None),
     ({"messages": CHAT, "model": "gpt-4o"}, 404, "model"),
+    ({"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools"),
+    ({"messages": CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"messages": CHAT, "frequency_penalty": 1}, 400, "frequency_penalty"),
+    ({"messages": CHAT, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"messages": CHAT, "echo": True}, 400, "echo"),
+    ({"messages": CHAT, "temprature": 0}, 400, "temprature"),  # a typo is not ignored
+    ({"messages": CHAT, "stream_options": {"include_usage": "yes"}}, 400, "stream_options"),
 ])
 def test_bad_requests_get_openais_error_shape(stack, body, status, param):
     request = urllib.request.Request(
@@ -154,6 +164,37 @@ def test_bad_requests_get_openais_error_shape(stack, body, status, param):
     assert caught.value.code == status
     error = json.loads(caught.value.read())["error"]
     assert error["message"] and error["type"] and error["param"] == param
+
+
+def test_fields_at_their_neutral_value_are_accepted_and_nothing_else_is(stack):
+    """What clients send by default (logprobs false, zero penalties, no tools) changes
+    nothing and is accepted; the same fields asking for something are refused, never
+    ignored, through the official client too."""
+    neutral = dict(logprobs=False, presence_penalty=0.0, frequency_penalty=0, tools=None,
+                   response_format={"type": "text"}, user="someone")
+    plain = client(stack).chat.completions.create(model="batchspec", messages=CHAT,
+                                                  temperature=0, max_tokens=6)
+    answer = client(stack).chat.completions.create(model="batchspec", messages=CHAT,
+                                                   temperature=0, max_tokens=6, **neutral)
+    assert answer.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client(stack).chat.completions.create(model="batchspec", messages=CHAT, logprobs=True,
+                                              top_logprobs=2, max_tokens=6)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client(stack).completions.create(model="batchspec", prompt="hello", echo=True,
+                                         max_tokens=4)
+
+
+def test_include_usage_ends_the_stream_with_a_usage_chunk(stack):
+    chunks = list(client(stack).chat.completions.create(
+        model="batchspec", messages=CHAT, temperature=0, max_tokens=6, stream=True,
+        stream_options={"include_usage": True}))
+    whole = client(stack).chat.completions.create(model="batchspec", messages=CHAT,
+                                                  temperature=0, max_tokens=6)
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(chunk.choices for chunk in chunks[:-1])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == \
+        whole.choices[0].message.content
 
 
 def test_the_openai_client_sees_typed_errors(stack):
