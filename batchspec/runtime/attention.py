@@ -10,6 +10,7 @@ did, with the same softmax, so results agree to float rounding. A lone query tok
 or no grouping go to transformers' SDPA path unchanged.
 """
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "batchspec_sdpa"
 
@@ -19,8 +20,6 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
                  scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """An attention function for transformers' AttentionInterface (query [B, H, T, D], key and
     value [B, H_kv, L, D]); returns ([B, T, H, D], None) as its SDPA function does."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, num_new, dim = query.shape
     if (groups == 1 or num_new == 1 or attention_mask is None or attention_mask.dim() != 4

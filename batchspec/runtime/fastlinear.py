@@ -234,8 +234,9 @@ def _write_plans(store: pathlib.Path, stored: dict) -> None:
 
 
 class _Positions(threading.local):
-    valid: torch.Tensor | None = None  # [batch, T] bool
-    index: dict[int, torch.Tensor]  # t -> flat indices of the valid positions of the last t
+    def __init__(self):  # per thread
+        self.valid: torch.Tensor | None = None  # [batch, T] bool
+        self.index: dict[int, torch.Tensor] = {}  # t -> flat indices of valid[:, -t:]
 
 
 _POSITIONS = _Positions()
@@ -246,7 +247,7 @@ def only_positions(valid: torch.Tensor):
     """Within it (on this thread), patched linear layers given [batch, t, in] inputs with
     t <= T compute only the positions valid[:, -t:] marks ([batch, T] bool, on the CPU) and
     give zeros elsewhere."""
-    saved = (_POSITIONS.valid, getattr(_POSITIONS, "index", {}))
+    saved = (_POSITIONS.valid, _POSITIONS.index)
     _POSITIONS.valid, _POSITIONS.index = valid, {}
     try:
         yield
