@@ -17,3 +17,22 @@ class DefaultsFormatter(argparse.HelpFormatter):
 def parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(prog=prog, description=description,
                                    formatter_class=DefaultsFormatter)
+
+
+def address(value: str) -> str:
+    """An argparse type: HOST:PORT (an IPv6 host in brackets), the port in 1..65535."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, not {value!r}")
+    return value
+
+
+def positive_seconds(value: str) -> float:
+    """An argparse type: a number of seconds > 0."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, not {value!r}") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {value}")
+    return seconds

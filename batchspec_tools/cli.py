@@ -121,8 +121,9 @@ def serve(argv) -> int:
     names = [n.strip() for n in args.draft_model.split(",") if n.strip()]
     if not names or ("none" in names and len(names) > 1) or len(set(names)) != len(names):
         parser.error("--draft-model: one or more distinct drafts, or 'none' alone")
-    try:  # refused here, before any service starts, as the coordinator would refuse them
+    try:  # refused here, before any service starts, as the services would refuse them
         config.engine_config_from_args(args)
+        check_models_and_devices(args, names)
     except ValueError as error:
         parser.error(str(error))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
@@ -140,6 +141,17 @@ def serve(argv) -> int:
         coordinator_cmd += ["--tokenizer", tokenizer]
     coordinator_cmd += config.forward(args, serve_flags())
     return run_services(args, services, coordinator_cmd)
+
+
+def check_models_and_devices(args, names: list[str]) -> None:
+    """ValueError for a model that cannot be named or a device that does not exist."""
+    from batchspec.runtime import models
+
+    for model in [args.target_model] + [n for n in names if n not in ("auto", "ngram", "none")]:
+        models.check_spec(model)
+    for device in (args.device, args.target_device, args.draft_device):
+        if device is not None:
+            models.check_device(device)
 
 
 def serve_services(args, names: list[str]) -> list[tuple[list[str], int, str]]:
@@ -160,6 +172,7 @@ def run_services(args, services, coordinator_cmd: list[str]) -> int:
     a child's exit; stop them all. 1 when a child failed."""
     children = []
     stopping = []
+    started = True
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
         # one after the other: on CPU each times its linear kernels at start-up, and two
@@ -178,10 +191,13 @@ def run_services(args, services, coordinator_cmd: list[str]) -> int:
             time.sleep(0.2)
     except KeyboardInterrupt:
         pass
+    except (RuntimeError, TimeoutError) as error:  # a service died or never became healthy
+        log.error("%s; stopping (its log is above)", error)
+        started = False
     finally:
         processes.stop_children(children)
     failed = [c for c in children if c.returncode not in (0, -signal.SIGTERM, -signal.SIGINT)]
-    return 1 if failed else 0
+    return 0 if started and not failed else 1
 
 
 def draft_command(args, name: str, port: int) -> list[str]:
@@ -247,9 +263,9 @@ def client_credentials(parser: argparse.ArgumentParser, args):
 def health(argv) -> int:
     """A container healthcheck over the standard gRPC health protocol."""
     parser = cliargs.parser("batchspec health", health.__doc__)
-    parser.add_argument("address", help="HOST:PORT")
+    parser.add_argument("address", type=cliargs.address, help="HOST:PORT")
     parser.add_argument("service", nargs="?", default="", help="service name ('' = server)")
-    parser.add_argument("--timeout", type=float, default=3.0,
+    parser.add_argument("--timeout", type=cliargs.positive_seconds, default=3.0,
                         help="seconds to wait for SERVING")
     add_client_tls_arguments(parser)
     args = parser.parse_args(argv)
@@ -274,7 +290,7 @@ def generate_parser() -> argparse.ArgumentParser:
                         help="send the prompt as plain text to continue, not as a chat message")
     parser.add_argument("--token-ids", default=None, type=token_ids,
                         help="comma-separated prompt token ids instead of text")
-    parser.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORT}",
+    parser.add_argument("--address", type=cliargs.address, default=f"127.0.0.1:{DEFAULT_PORT}",
                         help="coordinator HOST:PORT")
     parser.add_argument("--max-new-tokens", type=bounded(int, 1), default=128,
                         help="most tokens to generate")

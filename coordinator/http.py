@@ -15,6 +15,7 @@ same engine as gRPC, no extra hop.
 Requests are converted into the requests part's `RequestInput` and checked by its `validate`,
 as the gRPC edge's are, so both edges accept and refuse exactly the same things.
 """
+import asyncio
 import dataclasses
 import json
 import logging
@@ -26,7 +27,7 @@ import uuid
 from aiohttp import web
 
 from batchspec import errors, security
-from coordinator.requests import Limits, RequestInput, stream_events, validate
+from coordinator.requests import Ending, Limits, RequestInput, stream_events, validate
 from coordinator.sequence import Finish
 from coordinator.text import TextCodec
 
@@ -53,7 +54,7 @@ class ServedModels:
 # rather than ignored, except NEUTRAL fields given their neutral value (what clients send by
 # default) and `user`, which is the caller's label and never changes an answer.
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                 "stream", "stream_options", "n", "user"}
+                 "stream", "stream_options", "n", "user", "ignore_eos"}
 FIELDS = {"/v1/chat/completions": COMMON_FIELDS | {"messages", "max_completion_tokens"},
           "/v1/completions": COMMON_FIELDS | {"prompt"}}
 NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
@@ -191,14 +192,30 @@ class HttpEdge:
             temperature=number(body.get("temperature", 1.0), "temperature", float, 0),
             top_p=optional_number(body, "top_p", float),
             top_k=optional_number(body, "top_k", int),  # an extension, as in vLLM
-            seed=optional_number(body, "seed", int), stop=tuple(stop or ()))
+            seed=optional_number(body, "seed", int), stop=tuple(stop or ()),
+            ignore_eos=flag(body, "ignore_eos"))  # an extension, as in vLLM
 
     async def _answer(self, request: web.Request, body: dict, given: RequestInput,
                       chat: bool):
+        """Answer whole or streamed; one log line per request, as the gRPC edge writes."""
+        ending = Ending("http", request.headers.get("X-Request-Id", ""), time.monotonic())
+        try:
+            return await self._respond(request, body, given, chat, ending)
+        except errors.BatchspecError as error:
+            ending.fail(error, admitted=ending.seq is not None)
+            raise
+        except (asyncio.CancelledError, ConnectionError):  # the client went away
+            ending.reason = "cancelled"
+            raise
+        finally:
+            ending.log()
+
+    async def _respond(self, request: web.Request, body: dict, given: RequestInput, chat: bool,
+                       ending: Ending):
         valid = validate(given, self.limits, self.codec,
                          default_max_new_tokens=DEFAULT_MAX_TOKENS)
-        reply = Reply(self.models.model_id, chat, len(valid.prompt_token_ids))
-        events = stream_events(self.router, valid, self.codec)
+        reply = Reply(self.models.model_id, chat, len(valid.prompt_token_ids), ending)
+        events = stream_events(self.router, valid, self.codec, on_admitted=ending.admitted)
         try:
             if not body.get("stream"):
                 async for event in events:
@@ -215,6 +232,7 @@ class HttpEdge:
                 if (body.get("stream_options") or {}).get("include_usage"):
                     await send(response, reply.usage_chunk())
             except errors.BatchspecError as error:  # after the first byte: an error event
+                ending.fail(error, admitted=True)
                 await send(response, error_body(errors.to_http_status(error), str(error)))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
@@ -226,8 +244,10 @@ class HttpEdge:
 class Reply:
     """One request's answer, in OpenAI's shapes, built from engine events."""
 
-    def __init__(self, model_id: str, chat: bool, prompt_tokens: int):
+    def __init__(self, model_id: str, chat: bool, prompt_tokens: int,
+                 ending: Ending | None = None):
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.ending = ending  # told when the request finishes
         self.created = int(time.time())
         self.model = model_id
         self.chat = chat
@@ -244,6 +264,8 @@ class Reply:
         self.steps += 1
         if event.finish is not None:
             self.finish = _FINISH[event.finish]
+            if self.ending is not None:
+                self.ending.reason = f"finished ({event.finish.value})"
 
     def chunk(self, event) -> dict:
         self.add(event)
@@ -323,6 +345,14 @@ def number(value, name: str, kind, minimum):
 def optional_number(body: dict, name: str, kind):
     """body[name] checked as by number() with a minimum of 0; None when absent or null."""
     return None if body.get(name) is None else number(body[name], name, kind, 0)
+
+
+def flag(body: dict, name: str) -> bool:
+    """body[name] as a bool (False when absent or null); HttpError 400 if not a bool."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise HttpError(400, f"{name} must be true or false, not {value!r}", name)
+    return bool(value)
 
 
 def chat_messages(messages) -> tuple[tuple[str, str], ...]:

@@ -6,6 +6,7 @@ and yields its `Event`s. Neither edge imports the other; nothing here knows eith
 """
 import asyncio
 import dataclasses
+import logging
 import math
 import queue
 import random
@@ -17,6 +18,7 @@ from batchspec.params import SamplingParams
 from coordinator.sequence import Finish, Sequence
 from coordinator.text import TextCodec, TextStream
 
+log = logging.getLogger(__name__)
 MAX_STOP_STRINGS = 16
 
 
@@ -198,3 +200,49 @@ async def stream_events(router, valid: ValidRequest, codec: TextCodec | None, *,
     finally:
         if not finished:
             router.cancel(handle)
+
+
+@dataclasses.dataclass
+class Ending:
+    """How a request ended, for its one log line (either edge)."""
+
+    edge: str  # "grpc" or "http"
+    request_id: str
+    started: float
+    deadline: float | None = None
+    seq: object = None
+    reason: str | None = None
+    detail: str = ""
+
+    def admitted(self, handle) -> None:
+        self.seq = handle.seq
+
+    def past_deadline(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline - 0.05
+
+    def fail(self, error: errors.BatchspecError, admitted: bool) -> None:
+        code = errors.to_status_code(error)
+        if not admitted:
+            self.reason = "invalid" if code.name == "INVALID_ARGUMENT" else "refused"
+        elif code.name == "DEADLINE_EXCEEDED":
+            self.reason = "deadline"
+        elif code.name == "CANCELLED":
+            self.reason = "cancelled"
+        else:
+            self.reason = "failed"
+        self.detail = f"{code.name}: {error}"
+
+    def log(self) -> None:
+        seq = self.seq
+        reason = self.reason or "cancelled"  # ended by the server's shutdown or a closed loop
+        fields = [f"request {self.request_id or '-'}", f"edge={self.edge}", f"ended={reason}"]
+        if seq is not None:
+            drafted = seq.stats.num_drafted_tokens
+            acceptance = seq.stats.num_accepted_tokens / drafted if drafted else 0.0
+            fields += [f"seq={seq.seq_id}", f"prompt_tokens={len(seq.prompt_token_ids)}",
+                       f"tokens={seq.num_generated}", f"acceptance={acceptance:.2f}",
+                       f"steps={seq.stats.num_target_forward_passes}"]
+        fields.append(f"time={time.monotonic() - self.started:.3f}s")
+        if self.detail:
+            fields.append(f"error={self.detail!r}")
+        log.info(" ".join(fields))

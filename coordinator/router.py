@@ -45,7 +45,11 @@ class Router:
         with self._lock:
             if self.num_waiting() >= self.max_queue:
                 raise errors.ResourceExhausted("too many requests wait already; retry later")
-            live = [e for e in self.engines if e.target_up] or self.engines
+            # requests already taken wait for a lost target to come back; new ones are
+            # refused while none is reachable, as the health check says NOT_SERVING
+            live = [e for e in self.engines if e.target_up]
+            if not live:
+                raise errors.Unavailable("no target service is reachable; retry later")
             engine = min(live, key=lambda e: e.pool.load())
         return engine.submit(*args, **kwargs)
 

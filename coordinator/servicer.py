@@ -1,8 +1,6 @@
 """gRPC edge of the coordinator: converts the public API to and from the requests part.
 The one module that converts between `batchspec.v1.generate` messages and engine records."""
 import asyncio
-import dataclasses
-import logging
 import time
 
 import grpc
@@ -10,11 +8,10 @@ from google.protobuf import message
 
 from batchspec import errors
 from batchspec.v1 import generate_pb2, generate_pb2_grpc
-from coordinator.requests import Limits, RequestInput, stream_events, validate
+from coordinator.requests import Ending, Limits, RequestInput, stream_events, validate
 from coordinator.sequence import Finish
 from coordinator.text import TextCodec
 
-log = logging.getLogger(__name__)
 SERVICE_NAME = "batchspec.v1.Coordinator"
 
 _FINISH = {Finish.STOP: generate_pb2.FINISH_REASON_STOP,
@@ -74,7 +71,7 @@ class CoordinatorServicer(generate_pb2_grpc.CoordinatorServicer):
         self.codec = codec
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
-        ending = Ending(request.request_id, time.monotonic())
+        ending = Ending("grpc", request.request_id, time.monotonic())
         try:
             valid = validate(to_input(request), self.limits, self.codec)
             remaining = context.time_remaining()  # None when the client set no deadline
@@ -100,51 +97,6 @@ class CoordinatorServicer(generate_pb2_grpc.CoordinatorServicer):
             raise
         finally:
             ending.log()
-
-
-@dataclasses.dataclass
-class Ending:
-    """How a request ended, for its one log line."""
-
-    request_id: str
-    started: float
-    deadline: float | None = None
-    seq: object = None
-    reason: str | None = None
-    detail: str = ""
-
-    def admitted(self, handle) -> None:
-        self.seq = handle.seq
-
-    def past_deadline(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline - 0.05
-
-    def fail(self, error: errors.BatchspecError, admitted: bool) -> None:
-        code = errors.to_status_code(error)
-        if not admitted:
-            self.reason = "invalid" if code == grpc.StatusCode.INVALID_ARGUMENT else "refused"
-        elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            self.reason = "deadline"
-        elif code == grpc.StatusCode.CANCELLED:
-            self.reason = "cancelled"
-        else:
-            self.reason = "failed"
-        self.detail = f"{code.name}: {error}"
-
-    def log(self) -> None:
-        seq = self.seq
-        reason = self.reason or "cancelled"  # ended by the server's shutdown or a closed loop
-        fields = [f"request {self.request_id or '-'}", f"ended={reason}"]
-        if seq is not None:
-            drafted = seq.stats.num_drafted_tokens
-            acceptance = seq.stats.num_accepted_tokens / drafted if drafted else 0.0
-            fields += [f"seq={seq.seq_id}", f"prompt_tokens={len(seq.prompt_token_ids)}",
-                       f"tokens={seq.num_generated}", f"acceptance={acceptance:.2f}",
-                       f"steps={seq.stats.num_target_forward_passes}"]
-        fields.append(f"time={time.monotonic() - self.started:.3f}s")
-        if self.detail:
-            fields.append(f"error={self.detail!r}")
-        log.info(" ".join(fields))
 
 
 def to_stats(seq) -> generate_pb2.RequestStats:

@@ -2,6 +2,7 @@
 every default, --version, and a clear word when no server is running."""
 import argparse
 import importlib
+import os
 import subprocess
 import sys
 
@@ -76,9 +77,9 @@ def test_serve_refuses_a_bad_coordinator_value_before_starting_anything(capsys):
     assert exit_.value.code == 2 and "num_draft_tokens" in capsys.readouterr().err
 
 
-def run(*args, timeout=60):
+def run(*args, timeout=60, env=None):
     return subprocess.run([sys.executable, "-m", "batchspec_tools", *args], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.slow
@@ -102,6 +103,39 @@ def test_a_users_mistake_is_a_usage_error_not_a_traceback(args, complaint):
     done = run("generate", *args)
     assert done.returncode == 2, done.stderr
     assert complaint in done.stderr and "usage:" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, complaint", [
+    (["serve", "--batch-size", "0"], "batch_size"),
+    (["serve", "--draft-model", "none,ngram"], "--draft-model"),
+    (["serve", "--target-model", "/no/such/model"], "no such file or directory"),
+    (["serve", "--device", "gpu"], "device must be"),
+    (["serve", "--port", "x"], "--port"),
+    (["target", "--model", "./no-such-dir"], "no such file or directory"),
+    (["target", "--device", "gpu7"], "device must be"),
+    (["target", "--dtype", "float8"], "--dtype"),
+    (["draft", "--model", "/no/such/draft"], "no such file or directory"),
+    (["draft", "--model", "ngram", "--port", "-5"], "port must be"),
+    (["health"], "address"),
+    (["health", "no-port-here"], "HOST:PORT"),
+    (["health", "127.0.0.1:50051", "--timeout", "-1"], "--timeout"),
+])
+def test_every_command_refuses_bad_arguments_with_its_usage(args, complaint):
+    """Nothing is started: the arguments are refused first (a usage message, status 2)."""
+    done = run(*args)
+    assert done.returncode == 2, done.stderr
+    assert complaint in done.stderr and "usage:" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_model_that_cannot_be_loaded_is_an_error_not_a_traceback():
+    done = run("target", "--model", "no-such-owner/no-such-model", "--port", "0",
+               env={"HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 1, done.stderr
+    assert "cannot serve no-such-owner/no-such-model" in done.stderr
     assert "Traceback" not in done.stderr
 
 

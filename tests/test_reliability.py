@@ -120,7 +120,13 @@ def test_a_request_whose_deadline_passes_during_a_target_outage_fails_cleanly(mo
             stream(stub, [5, 6, 7], 20, timeout=1.0)
         assert caught.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED,
                                        grpc.StatusCode.UNAVAILABLE)
+        assert wait_for(lambda: not stack.router.healthy())
+        with pytest.raises(grpc.RpcError) as caught:  # nothing new taken while no target is up
+            stream(stub, [5, 6, 7], 20, timeout=10)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no target" in caught.value.details()
         server, _, _, runner = start_target(target_dir, port=stack.target_port)
+        assert wait_for(stack.router.healthy)  # reconnected without any request to carry
         assert len(stream(stub, [5, 6, 7], 20)) == 20  # and the next one is served
         assert wait_for(lambda: not runner.caches)
         server.stop(0)
@@ -155,6 +161,7 @@ def test_a_request_ended_while_a_live_target_is_unreachable_is_released_later(mo
         assert wait_for(lambda: engine.pool.num_running() == 0)
         assert stack.target_runner.caches  # the target never heard of the cancel
         reachable.set()
+        assert wait_for(lambda: engine.target_up)  # reconnected (new requests taken again)
         assert len(stream(stub, [5, 6, 7], 10)) == 10  # served after the reconnection
         assert wait_for(lambda: not stack.target_runner.caches
                         and not stack.draft_runner.caches, timeout=5)

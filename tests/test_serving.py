@@ -189,7 +189,7 @@ def test_a_cohort_waits_for_its_last_deadline_not_its_first():
 
 def test_every_ended_request_leaves_one_log_line_with_its_reason(model_dirs, caplog):
     target_dir, draft_dir = model_dirs["llama"]
-    caplog.set_level(logging.INFO, logger="coordinator.servicer")
+    caplog.set_level(logging.INFO, logger="coordinator.requests")
     with running_stack(target_dir, draft_dir, batch_size=1, max_num_seqs=1,
                        max_queue=1) as stack:
         stub = stack.stub()

@@ -6,6 +6,7 @@ import importlib.util
 import logging
 import os
 import pathlib
+import re
 import shutil
 
 log = logging.getLogger(__name__)
@@ -17,6 +18,10 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DRAFT = "smollm2-draft"
 PACKAGED_DRAFT = pathlib.Path(__file__).parent.parent / "drafts" / "smollm2-draft"
 DTYPES = ("float32", "bfloat16", "float16")
+# a hub id: NAME or OWNER/NAME
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+# a torch device a service may be pinned to
+_DEVICE = re.compile(r"cpu|(cuda|xpu)(:\d+)?|mps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +44,25 @@ def resolve(spec: str) -> ModelSource:
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(str(path.parent), path.name)
     return ModelSource(spec)
+
+
+def check_spec(spec: str) -> None:
+    """ValueError unless `spec` can name a model: a known name, an existing directory or
+    .gguf file, or a hub id. Whether a hub id can be fetched is known only when loading."""
+    if spec in (SMOLLM2, SMOLLM2_DRAFT) or pathlib.Path(spec).exists():
+        return
+    if spec.startswith(("/", ".", "~")) or spec.endswith(".gguf") or spec.count("/") > 1:
+        raise ValueError(f"model {spec!r}: no such file or directory")
+    if not _HUB_ID.fullmatch(spec):
+        raise ValueError(f"model {spec!r} is neither a local directory, a .gguf file, "
+                         f"{SMOLLM2!r} nor a hub id (OWNER/NAME)")
+
+
+def check_device(device: str) -> None:
+    """ValueError unless `device` names a torch device kind batchspec serves on (cpu,
+    cuda[:N], xpu[:N], mps). Whether it is present is known only when loading."""
+    if not _DEVICE.fullmatch(device):
+        raise ValueError(f"device must be cpu, cuda, cuda:N, xpu[:N] or mps, not {device!r}")
 
 
 def model_path(spec: str) -> str:

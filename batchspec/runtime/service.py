@@ -143,6 +143,8 @@ class ServiceConfig:
     tls: security.ServerTls | None = None  # with client_ca set: mutual TLS
 
     def __post_init__(self):
+        models.check_spec(self.model)
+        models.check_device(self.device)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], not {self.port}")
         if self.dtype not in models.DTYPES:
@@ -156,6 +158,9 @@ def build_runner(config: ServiceConfig) -> runner_lib.ModelRunner:
 
     from batchspec.runtime import runner as runner_lib
 
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device is visible to this process (a CPU build of torch, "
+                           "or no GPU given to it); use --device cpu")
     model = models.load_causal_lm(config.model, dtype=config.dtype, device=config.device,
                                   num_layers=config.num_layers)
     return runner_lib.ModelRunner(model, name=config.model, device=torch.device(config.device),
@@ -256,7 +261,11 @@ def main(role: str, default_port: int, hosting, add_to_server, service_name, arg
     config = server_lib.parse_config(parser, argv, config_from_args)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
     make_servicer, build, warm = hosting(config)
-    server, port, health, _ = start_model_service(config, make_servicer, add_to_server,
-                                                  service_name, build=build, warm=warm)
+    try:
+        server, port, health, _ = start_model_service(config, make_servicer, add_to_server,
+                                                      service_name, build=build, warm=warm)
+    except (OSError, RuntimeError, ValueError) as error:  # a model or device not to be had
+        log.error("cannot serve %s on %s: %s", config.model, config.device, error)
+        raise SystemExit(1) from None
     print(f"{role} listening on {config.host}:{port}", flush=True)
     server_lib.run_until_signalled(server, health, [service_name], grace_s=config.grace_s)
