@@ -120,7 +120,7 @@ def test_compose_services_gpus_health_and_wiring(files):
     assert [n for n, svc in services.items() if published_ports(svc)] == ["coordinator"]
     coordinator = services["coordinator"]
     args = coordinator_main.build_parser().parse_args(coordinator["command"][2:])
-    assert published_ports(coordinator) == [f"50051:{args.port}"]
+    assert published_ports(coordinator) == [f"50051:{args.port}", f"8000:{args.http_port}"]
     check_healthcheck(coordinator, args.port, SERVICE_NAMES["coordinator"])
     peers = split_addresses(args.target) + split_addresses(args.draft)
     assert sorted(h for h, _ in (p.split(":") for p in peers)) == sorted(model_services)
@@ -140,14 +140,14 @@ def test_environment_picks_gpus_models_and_port():
     compose = load_compose("compose.yaml", "compose.scale.yaml",
                            env={"TARGET_GPU": "5", "DRAFT_GPU": "6", "TARGET2_GPU": "7",
                                 "DRAFT2_GPU": "4", "TARGET_MODEL": "/models/big",
-                                "COORDINATOR_PORT": "7000"})
+                                "COORDINATOR_PORT": "7000", "HTTP_PORT": "7001"})
     services = compose["services"]
     assert {name: gpu_ids(services[name]) for name in ("target", "draft", "target-2",
                                                         "draft-2")} == \
         {"target": [["5"]], "draft": [["6"]], "target-2": [["7"]], "draft-2": [["4"]]}
     assert parse_service_command(services["target"]["command"]).model == "/models/big"
     assert parse_service_command(services["target-2"]["command"]).model == "/models/big"
-    assert published_ports(services["coordinator"]) == ["7000:50051"]
+    assert published_ports(services["coordinator"]) == ["7000:50051", "7001:8000"]
 
 
 def test_tls_override_turns_on_tls_mutual_tls_and_the_api_key_everywhere():
@@ -182,11 +182,16 @@ def test_the_coordinator_container_is_built_without_torch():
     requirements/coordinator.txt (test_layout checks that set) and the package without deps."""
     coordinator = load_compose("compose.yaml")["services"]["coordinator"]
     assert coordinator["build"]["target"] == "coordinator"
-    stages = re.split(r"^FROM ", (ROOT / "Dockerfile").read_text(), flags=re.M)
-    stage = next(s for s in stages if re.match(r"\S+ AS coordinator\b", s))
-    assert "pip install -r requirements/coordinator.txt" in stage
-    assert "pip install --no-deps ." in stage and "torch" not in stage.replace(
-        "'torch' not in sys.modules", "")
+    stages = {m.group(1): m.group(0) for m in re.finditer(
+        r"^FROM \S+ AS (\S+)\n.*?(?=^FROM |\Z)", (ROOT / "Dockerfile").read_text(),
+        flags=re.M | re.S)}
+    build, final = stages["coordinator-build"], stages["coordinator"]
+    assert "pip install -r requirements/coordinator.txt" in build
+    assert "pip install --no-deps /app" in build and "torch" not in build
+    # its environment comes from that stage alone; the model-service build gives only files
+    assert "COPY --from=coordinator-build /opt/venv /opt/venv" in final
+    assert re.findall(r"COPY --from=runtime-build (\S+)", final) == ["/app/tokenizer"]
+    assert "assert 'torch' not in sys.modules" in final
 
 
 def loopback_commands(model_dirs):
