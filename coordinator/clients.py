@@ -12,6 +12,7 @@ from batchspec import errors
 from batchspec import server as server_lib
 from batchspec.params import SamplingParams
 from batchspec.v1 import cache_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from coordinator.sequence import TokenLogprob
 
 _END = object()
 
@@ -56,6 +57,7 @@ class VerifySpec:
     draft_token_ids: list[int]
     draft_probs: list
     sampling: SamplingParams
+    logprobs: int | None = None  # see Sequence.logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,12 @@ class VerifyOutcome:
     num_accepted: int
     output_token_ids: list[int]
     cache_len: int
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when asked
+
+
+def _logprobs(token_ids, wire) -> list[TokenLogprob]:
+    return [TokenLogprob(t, w.logprob, tuple(zip(w.top_token_ids, w.top_logprobs)))
+            for t, w in zip(token_ids, wire)]
 
 
 class CommandStream:
@@ -287,7 +295,24 @@ class TargetClient(ServiceClient):
             target_pb2.VerifyEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
                                    append_token_ids=s.append_token_ids,
                                    draft_token_ids=s.draft_token_ids, draft_probs=s.draft_probs,
-                                   sampling=_sampling(s.sampling)) for s in specs])
+                                   sampling=_sampling(s.sampling),
+                                   logprobs=None if s.logprobs is None
+                                   else cache_pb2.LogprobsSpec(num_top=s.logprobs))
+            for s in specs])
         result = self.stream.call(timeout=timeout, verify=command)
-        return [VerifyOutcome(e.seq_id, e.num_accepted, list(e.output_token_ids), e.cache_len)
-                for e in result.entries], _timing(result.timing)
+        return [VerifyOutcome(e.seq_id, e.num_accepted, list(e.output_token_ids), e.cache_len,
+                              _logprobs(e.output_token_ids, e.logprobs) if s.logprobs is not None
+                              else None)
+                for e, s in zip(result.entries, specs)], _timing(result.timing)
+
+    def prefill_scored(self, entries: list[tuple[int, list[int]]],
+                       scoring: dict[int, tuple[int, int]]) -> dict[int, list[TokenLogprob]]:
+        """prefill, scoring the prompts of the sequences in `scoring` (seq_id: (num_top,
+        next_token_id)); returns each one's TokenLogprobs (prompt tokens but the first)."""
+        result = self.stream.call(prefill=cache_pb2.PrefillCommand(entries=[
+            cache_pb2.PrefillEntry(
+                seq_id=s, token_ids=t, next_token_id=scoring[s][1] if s in scoring else 0,
+                prompt_logprobs=cache_pb2.LogprobsSpec(num_top=scoring[s][0])
+                if s in scoring else None) for s, t in entries]))
+        return {s: _logprobs(t[1:] + [scoring[s][1]], scored.tokens)
+                for (s, t), scored in zip(entries, result.prompt_logprobs) if s in scoring}

@@ -247,7 +247,8 @@ class Engine:
         """Verify a drafted cohort (on the verifier thread when overlapping)."""
         specs = [VerifySpec(row.seq.seq_id, row.seq.target.cache_len,
                             row.seq.token_ids[row.seq.target.cache_len:], row.draft_token_ids,
-                            row.draft_probs, row.seq.sampling) for row in cohort.rows]
+                            row.draft_probs, row.seq.sampling, row.seq.logprobs)
+                 for row in cohort.rows]
         started = time.perf_counter()
         outcomes, timing = self.peers.target.verify(
             cohort.mixed, specs, timeout=cohort_timeout(self.pool.handles_of(cohort.seqs)))

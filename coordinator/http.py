@@ -55,8 +55,9 @@ class ServedModels:
 # default) and `user`, which is the caller's label and never changes an answer.
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                  "stream", "stream_options", "n", "user", "ignore_eos"}
-FIELDS = {"/v1/chat/completions": COMMON_FIELDS | {"messages", "max_completion_tokens"},
-          "/v1/completions": COMMON_FIELDS | {"prompt"}}
+FIELDS = {"/v1/chat/completions": COMMON_FIELDS | {"messages", "max_completion_tokens",
+                                                   "logprobs", "top_logprobs"},
+          "/v1/completions": COMMON_FIELDS | {"prompt", "logprobs", "echo"}}
 NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
            "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
            "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None,),
@@ -152,21 +153,30 @@ class HttpEdge:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         given = self._request(request.path, body)
-        given = dataclasses.replace(given, messages=chat_messages(body.get("messages")))
+        top = optional_number(body, "top_logprobs", int)
+        if top is not None and not flag(body, "logprobs"):
+            raise HttpError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        given = dataclasses.replace(given, messages=chat_messages(body.get("messages")),
+                                    logprobs=(top or 0) if flag(body, "logprobs") else None)
         return await self._answer(request, body, given, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         given = self._request(request.path, body)
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt
         if isinstance(prompt, str):
             given = dataclasses.replace(given, prompt=prompt)
         elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             given = dataclasses.replace(given, prompt_token_ids=tuple(prompt))
         else:
-            raise HttpError(400, "prompt must be a string, or a list of token ids", "prompt")
+            raise HttpError(400, "prompt must be a string or a list of token ids (one prompt "
+                                 "per request)", "prompt")
+        # legacy logprobs: the number of alternatives per token (0: only the token's own)
+        top = optional_number(body, "logprobs", int)
+        given = dataclasses.replace(given, logprobs=top,
+                                    prompt_logprobs=top if flag(body, "echo") else None)
         return await self._answer(request, body, given, chat=False)
 
     def _request(self, path: str, body: dict) -> RequestInput:
@@ -214,7 +224,16 @@ class HttpEdge:
                        ending: Ending):
         valid = validate(given, self.limits, self.codec,
                          default_max_new_tokens=DEFAULT_MAX_TOKENS)
-        reply = Reply(self.models.model_id, chat, len(valid.prompt_token_ids), ending)
+        if (valid.logprobs is not None or flag(body, "echo")) and self.codec is None:
+            raise HttpError(400, "logprobs and echo need a tokenizer; this coordinator has none",
+                            "logprobs")
+        echo = None
+        if flag(body, "echo"):
+            echo = given.prompt or self.codec.decode(valid.prompt_token_ids,
+                                                     skip_special_tokens=False)
+        reply = Reply(self.models.model_id, chat, len(valid.prompt_token_ids), ending,
+                      Scores(self.codec, valid.logprobs is not None, valid.prompt_token_ids,
+                             echo))
         events = stream_events(self.router, valid, self.codec, on_admitted=ending.admitted)
         try:
             if not body.get("stream"):
@@ -245,9 +264,12 @@ class Reply:
     """One request's answer, in OpenAI's shapes, built from engine events."""
 
     def __init__(self, model_id: str, chat: bool, prompt_tokens: int,
-                 ending: Ending | None = None):
+                 ending: Ending | None = None, scores: "Scores | None" = None):
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.ending = ending  # told when the request finishes
+        self.scores = scores or Scores(None, False, [], None)
+        self.logprobs: list = []  # every event's, in order (the whole answer's)
+        self.prompt_logprobs = None  # the first event's, with echo
         self.created = int(time.time())
         self.model = model_id
         self.chat = chat
@@ -257,6 +279,9 @@ class Reply:
         self.sent_role = False
 
     def add(self, event) -> None:
+        self.logprobs += event.logprobs or []
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         self.text += event.text
         self.tokens += len(event.token_ids)
         self.drafted += event.num_drafted
@@ -268,14 +293,20 @@ class Reply:
                 self.ending.reason = f"finished ({event.finish.value})"
 
     def chunk(self, event) -> dict:
+        first = self.steps == 0
         self.add(event)
         if self.chat:
             delta = {"content": event.text}
             if not self.sent_role:
                 delta["role"], self.sent_role = "assistant", True
-            choice = {"index": 0, "delta": delta, "finish_reason": None}
+            choice = {"index": 0, "delta": delta,
+                      "logprobs": self.scores.chat(event.logprobs), "finish_reason": None}
         else:
-            choice = {"index": 0, "text": event.text, "logprobs": None, "finish_reason": None}
+            echoed = self.scores.echo if first and self.scores.echo is not None else ""
+            choice = {"index": 0, "text": echoed + event.text,
+                      "logprobs": self.scores.completion(event.logprobs, event.prompt_logprobs
+                                                         if first else None),
+                      "finish_reason": None}
         out = {"id": self.id, "object": "chat.completion.chunk" if self.chat
                else "text_completion", "created": self.created, "model": self.model,
                "choices": [choice],
@@ -297,9 +328,10 @@ class Reply:
     def whole(self) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
-                      "finish_reason": self.finish}
+                      "logprobs": self.scores.chat(self.logprobs), "finish_reason": self.finish}
         else:
-            choice = {"index": 0, "text": self.text, "logprobs": None,
+            choice = {"index": 0, "text": (self.scores.echo or "") + self.text,
+                      "logprobs": self.scores.completion(self.logprobs, self.prompt_logprobs),
                       "finish_reason": self.finish}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice],
@@ -317,6 +349,55 @@ class Reply:
                     "mean_acceptance_length": round(self.tokens / self.steps, 3)
                     if self.steps else None,
                     "num_target_forward_passes": self.steps}}
+
+
+class Scores:
+    """Log-probabilities in OpenAI's two shapes, token texts from the codec. `echo`: the
+    prompt's text when a completion echoes it (its tokens' log-probabilities lead the list,
+    the first token's null)."""
+
+    def __init__(self, codec: TextCodec | None, logprobs: bool, prompt_token_ids: list[int],
+                 echo: str | None):
+        self.codec = codec
+        self.wanted = logprobs
+        self.prompt_token_ids = prompt_token_ids
+        self.echo = echo
+        self.offset = 0  # text_offset of the next token, in the text returned
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.codec.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def chat(self, scored) -> dict | None:
+        """choices[].logprobs of a chat completion (or chunk)."""
+        if not self.wanted:
+            return None
+        return {"content": [{**self._entry(t.token_id, t.logprob),
+                             "top_logprobs": [self._entry(i, v) for i, v in t.top]}
+                            for t in scored or []]}
+
+    def completion(self, scored, prompt_scored=None) -> dict | None:
+        """choices[].logprobs of a completion (or chunk); prompt_scored: the prompt's, when
+        echoed (the first chunk)."""
+        if not self.wanted:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if prompt_scored is not None and self.echo is not None:
+            self._add(out, self.prompt_token_ids[0], None, None)
+            for t in prompt_scored:
+                self._add(out, t.token_id, t.logprob, t.top)
+        for t in scored or []:
+            self._add(out, t.token_id, t.logprob, t.top)
+        return out
+
+    def _add(self, out: dict, token_id: int, logprob, top) -> None:
+        text = self.codec.token_text(token_id)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(None if top is None else
+                                   {self.codec.token_text(i): v for i, v in top})
+        out["text_offset"].append(self.offset)
+        self.offset += len(text)
 
 
 async def send(response: web.StreamResponse, payload: dict) -> None:

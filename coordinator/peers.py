@@ -73,8 +73,17 @@ class Peers:
     def prefill_target(self, seqs: list[Sequence]) -> None:
         """Prefill newly admitted rows in the target (one command) and give each a fresh
         record of every draft: drafts are prefilled only when a step first uses them."""
+        # the prompt is scored as it is cached, once: before the sequence's first step
+        scoring = {s.seq_id: (s.prompt_logprobs_top, s.token_ids[-1]) for s in seqs
+                   if s.prompt_logprobs_top is not None and s.prompt_logprobs is None
+                   and s.stats.num_target_forward_passes == 0}
         with self.recorder.prefill("target"):
-            self.target.prefill([s.prefill_entry() for s in seqs])
+            if scoring:
+                scored = self.target.prefill_scored([s.prefill_entry() for s in seqs], scoring)
+                for s in seqs:
+                    s.prompt_logprobs = scored.get(s.seq_id, s.prompt_logprobs)
+            else:
+                self.target.prefill([s.prefill_entry() for s in seqs])
         for s in seqs:
             s.target.cache_len = s.committed_len - 1
             s.drafts = [DraftState() for _ in self.kinds]

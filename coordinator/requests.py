@@ -15,11 +15,12 @@ import time
 
 from batchspec import errors
 from batchspec.params import SamplingParams
-from coordinator.sequence import Finish, Sequence
+from coordinator.sequence import Finish, Sequence, TokenLogprob
 from coordinator.text import TextCodec, TextStream
 
 log = logging.getLogger(__name__)
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # most likely tokens per position a request may ask for (as OpenAI)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,9 @@ class RequestInput:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # log-probabilities (None: not asked; n: with the n most likely tokens per position)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +60,8 @@ class ValidRequest:
     sampling: SamplingParams
     stop: list[str]
     ignore_eos: bool
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 def validate(request: RequestInput, limits: Limits, codec: TextCodec | None,
@@ -85,8 +91,14 @@ def validate(request: RequestInput, limits: Limits, codec: TextCodec | None,
         raise bad("stop strings need a tokenizer; this coordinator has none")
     if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
         raise bad(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(request, name)
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise bad(f"{name} asks for {value} alternatives per token; at most "
+                      f"{MAX_TOP_LOGPROBS}")
     return ValidRequest(prompt_ids, max_new_tokens, to_sampling(request),
-                        list(request.stop), request.ignore_eos)
+                        list(request.stop), request.ignore_eos, request.logprobs,
+                        request.prompt_logprobs)
 
 
 def _prompt_token_ids(request: RequestInput, codec: TextCodec | None) -> list[int]:
@@ -139,6 +151,8 @@ class Event:
     num_drafted: int = 0  # drafts verified in the step that committed these tokens
     num_accepted: int = 0  # the first this many of token_ids were accepted draft tokens
     draft_text: str = ""  # the part of `text` they gave (a prefix of it)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first event, when asked
 
 
 class RequestHandle:
@@ -186,7 +200,8 @@ async def stream_events(router, valid: ValidRequest, codec: TextCodec | None, *,
     events = LoopEvents(asyncio.get_running_loop())
     handle = router.submit(valid.prompt_token_ids, valid.max_new_tokens, valid.sampling,
                            ignore_eos=valid.ignore_eos, deadline=deadline, text=text,
-                           events=events)
+                           events=events, logprobs=valid.logprobs,
+                           prompt_logprobs=valid.prompt_logprobs)
     if on_admitted is not None:
         on_admitted(handle)
     finished = False

@@ -24,6 +24,16 @@ class Finish(enum.Enum):
     STOP_STRING = "stop_string"  # a stop string appeared in the text
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the target, and the most likely tokens at its
+    position ((token id, log-probability), most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclasses.dataclass
 class Stats:
     num_drafted_tokens: int = 0
@@ -70,6 +80,12 @@ class Sequence:
     created: float = dataclasses.field(default_factory=time.monotonic)
     # Optional coordinator.text.TextStream: the generated text and its stop strings.
     text: object = dataclasses.field(default=None, repr=False, compare=False)
+    # Log-probabilities asked for (None: not asked; n: with n alternatives per position): of
+    # the generated tokens, and of the prompt (scored by the target at admission; kept in
+    # prompt_logprobs until the first event carries them).
+    logprobs: int | None = None
+    prompt_logprobs_top: int | None = None
+    prompt_logprobs: list[TokenLogprob] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.token_ids:

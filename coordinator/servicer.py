@@ -58,7 +58,10 @@ def to_input(request: generate_pb2.GenerateRequest) -> RequestInput:
         messages=tuple((m.role, m.content) for m in request.messages), chat=request.chat,
         max_new_tokens=request.max_new_tokens, temperature=optional("temperature"),
         top_k=optional("top_k"), top_p=optional("top_p"), seed=optional("seed"),
-        stop=tuple(request.stop), ignore_eos=request.ignore_eos)
+        stop=tuple(request.stop), ignore_eos=request.ignore_eos,
+        logprobs=request.logprobs.num_top if request.HasField("logprobs") else None,
+        prompt_logprobs=request.prompt_logprobs.num_top
+        if request.HasField("prompt_logprobs") else None)
 
 
 class CoordinatorServicer(generate_pb2_grpc.CoordinatorServicer):
@@ -83,7 +86,9 @@ class CoordinatorServicer(generate_pb2_grpc.CoordinatorServicer):
                     deadline=ending.deadline, on_admitted=ending.admitted):
                 response = generate_pb2.GenerateResponse(
                     token_ids=event.token_ids, text=event.text,
-                    num_accepted_draft_tokens=event.num_accepted, draft_text=event.draft_text)
+                    num_accepted_draft_tokens=event.num_accepted, draft_text=event.draft_text,
+                    logprobs=to_logprobs(event.logprobs or []),
+                    prompt_logprobs=to_logprobs(event.prompt_logprobs or []))
                 if event.finish is not None:
                     response.finish_reason = _FINISH[event.finish]
                     response.stats.CopyFrom(to_stats(ending.seq))
@@ -97,6 +102,12 @@ class CoordinatorServicer(generate_pb2_grpc.CoordinatorServicer):
             raise
         finally:
             ending.log()
+
+
+def to_logprobs(scored) -> list[generate_pb2.TokenLogprob]:
+    return [generate_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob,
+                                      top_token_ids=[i for i, _ in t.top],
+                                      top_logprobs=[v for _, v in t.top]) for t in scored]
 
 
 def to_stats(seq) -> generate_pb2.RequestStats:

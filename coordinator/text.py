@@ -34,6 +34,11 @@ class TextCodec:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (part of a character decodes to
+        U+FFFD, as other servers give it)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def render_chat(self, messages: list[tuple[str, str]]) -> str:
         """The conversation (role, content) as the model's chat template writes it, ending
         with the assistant's turn to answer. Raises InvalidArgument for what it cannot

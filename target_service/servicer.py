@@ -4,8 +4,8 @@ import time
 import torch
 
 from batchspec import errors
-from batchspec.runtime import probs_wire, service
-from batchspec.v1 import target_pb2, target_pb2_grpc
+from batchspec.runtime import logprobs, probs_wire, service
+from batchspec.v1 import cache_pb2, target_pb2, target_pb2_grpc
 from target_service import verifier
 
 SERVICE_NAME = "batchspec.v1.TargetService"
@@ -13,6 +13,11 @@ SERVICE_NAME = "batchspec.v1.TargetService"
 
 class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceServicer):
     result_type = target_pb2.TargetResult
+
+    def handle(self, kind, command):
+        if kind == "prefill" and any(e.HasField("prompt_logprobs") for e in command.entries):
+            return "prefill", scored_prefill(self.runner, command)
+        return super().handle(kind, command)
 
     def handle_own(self, kind, command):
         started = time.perf_counter()
@@ -24,7 +29,25 @@ class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceService
         return "verify", target_pb2.VerifyResult(timing=timing, entries=[
             target_pb2.VerifyResultEntry(seq_id=o.seq_id, num_accepted=o.num_accepted,
                                          output_token_ids=o.output_token_ids,
-                                         cache_len=o.cache_len) for o in outcomes])
+                                         cache_len=o.cache_len,
+                                         logprobs=to_wire(o.logprobs or []))
+            for o in outcomes])
+
+
+def scored_prefill(runner, command: cache_pb2.PrefillCommand) -> cache_pb2.PrefillResult:
+    """A prefill whose entries may ask for their prompt's log-probabilities."""
+    scoring = {e.seq_id: (e.prompt_logprobs.num_top, e.next_token_id)
+               for e in command.entries if e.HasField("prompt_logprobs")}
+    lens, scored = runner.prefill_scored([(e.seq_id, list(e.token_ids))
+                                          for e in command.entries], scoring)
+    return cache_pb2.PrefillResult(cache_lens=lens, prompt_logprobs=[
+        cache_pb2.PromptLogprobs(tokens=to_wire(scored.get(e.seq_id, [])))
+        for e in command.entries])
+
+
+def to_wire(scored: list[logprobs.TokenLogprobs]) -> list[cache_pb2.TokenLogprobs]:
+    return [cache_pb2.TokenLogprobs(logprob=t.logprob, top_token_ids=t.top_token_ids,
+                                    top_logprobs=t.top_logprobs) for t in scored]
 
 
 def to_verify_row(entry: target_pb2.VerifyEntry, vocab_size: int) -> verifier.VerifyRow:
@@ -42,7 +65,11 @@ def to_verify_row(entry: target_pb2.VerifyEntry, vocab_size: int) -> verifier.Ve
             raise errors.InvalidArgument(f"sequence {entry.seq_id}: {error}") from error
         if probs is None:
             probs = torch.zeros(0, vocab_size)
+    num_top = None
+    if entry.HasField("logprobs"):
+        num_top = entry.logprobs.num_top
+        logprobs.check_num_top(num_top)
     return verifier.VerifyRow(seq_id=entry.seq_id, expected_cache_len=entry.expected_cache_len,
                               append_token_ids=list(entry.append_token_ids),
                               draft_token_ids=list(entry.draft_token_ids), draft_probs=probs,
-                              sampling=sampling)
+                              sampling=sampling, num_top=num_top)

@@ -4,6 +4,7 @@ import dataclasses
 import torch
 
 from batchspec.params import SamplingParams
+from batchspec.runtime import logprobs as logprobs_lib
 from batchspec.runtime import runner as runner_lib
 from batchspec.runtime import sampling
 from batchspec.runtime.sampling import sampling_uniforms
@@ -20,6 +21,7 @@ class VerifyRow:
     draft_token_ids: list[int]  # this row's drafted tokens (0..K)
     draft_probs: torch.Tensor | None  # [K, vocab] the drafts' distributions; None when greedy
     sampling: SamplingParams
+    num_top: int | None = None  # log-probabilities of the outputs (and num_top alternatives)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +30,7 @@ class VerifyOutcome:
     num_accepted: int
     output_token_ids: list[int]  # accepted drafts + the recovered or bonus token
     cache_len: int
+    logprobs: list[logprobs_lib.TokenLogprobs] | None = None  # one per output token
 
 
 def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bool):
@@ -61,9 +64,13 @@ def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bo
     base = [r.expected_cache_len + len(r.append_token_ids) for r in rows]
     cache_lens = [b + n for b, n in zip(base, num_accepted)]
     runner.store([r.seq_id for r in rows], group.rows_after(cache_lens))
-    outputs = result.output_token_ids.tolist()
-    return [VerifyOutcome(r.seq_id, n, out[:n + 1], c)
-            for r, n, out, c in zip(rows, num_accepted, outputs, cache_lens)], group
+    outputs = [out[:n + 1] for out, n in zip(result.output_token_ids.tolist(), num_accepted)]
+    # output j of a row is scored by the row's position j of the returned logits
+    scored = [None if r.num_top is None else logprobs_lib.score(logits[i, :len(out)], out,
+                                                                 r.num_top)
+              for i, (r, out) in enumerate(zip(rows, outputs))]
+    return [VerifyOutcome(r.seq_id, n, out, c, lp) for r, n, out, c, lp
+            in zip(rows, num_accepted, outputs, cache_lens, scored)], group
 
 
 def accept(rows: list[VerifyRow], drafts: torch.Tensor, logits: torch.Tensor,

@@ -148,14 +148,15 @@ def test_server_sent_events_end_with_done(stack):
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, None),
     ({"messages": CHAT, "model": "gpt-4o"}, 404, "model"),
-    ({"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ({"messages": CHAT, "logprobs": "yes"}, 400, "logprobs"),
+    ({"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
     ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools"),
     ({"messages": CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"messages": CHAT, "frequency_penalty": 1}, 400, "frequency_penalty"),
     ({"messages": CHAT, "logit_bias": {"5": 10}}, 400, "logit_bias"),
-    ({"messages": CHAT, "echo": True}, 400, "echo"),
+    ({"messages": CHAT, "echo": True}, 400, "echo"),  # completions only
     ({"messages": CHAT, "temprature": 0}, 400, "temprature"),  # a typo is not ignored
     ({"messages": CHAT, "stream_options": {"include_usage": "yes"}}, 400, "stream_options"),
 ])
@@ -181,11 +182,11 @@ def test_fields_at_their_neutral_value_are_accepted_and_nothing_else_is(stack):
     answer = client(stack).chat.completions.create(model="batchspec", messages=CHAT,
                                                    temperature=0, max_tokens=6, **neutral)
     assert answer.choices[0].message.content == plain.choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client(stack).chat.completions.create(model="batchspec", messages=CHAT, logprobs=True,
-                                              top_logprobs=2, max_tokens=6)
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client(stack).completions.create(model="batchspec", prompt="hello", echo=True,
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client(stack).chat.completions.create(model="batchspec", messages=CHAT,
+                                              presence_penalty=0.5, max_tokens=6)
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        client(stack).completions.create(model="batchspec", prompt="hello", suffix="end",
                                          max_tokens=4)
 
 

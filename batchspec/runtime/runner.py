@@ -16,7 +16,7 @@ import time
 import torch
 
 from batchspec import errors
-from batchspec.runtime import fastlinear, kvcache
+from batchspec.runtime import fastlinear, kvcache, logprobs
 from batchspec.runtime.cachebook import CacheBook, StepCost
 
 
@@ -83,6 +83,28 @@ class ModelRunner(CacheBook):
             computed.update(self._prefill_batch(chunk))
         self.caches.update(computed)
         return [self.caches[s].length for s, _ in entries]
+
+    def prefill_scored(self, entries: list[tuple[int, list[int]]],
+                       scoring: dict[int, tuple[int, int]]):
+        """prefill, and score the prompts of the sequences in `scoring` (seq_id: (num_top,
+        next_token_id)): each token after the first, then next_token_id, by the position
+        before it. Returns (cache lengths, {seq_id: [TokenLogprobs]}). A scored prompt runs
+        alone: its logits ([tokens, vocab]) are kept for every position."""
+        self.check_prefill(entries)
+        for seq_id, (num_top, next_token_id) in scoring.items():
+            logprobs.check_num_top(num_top)
+            self.check_token_ids([next_token_id], f"next token of sequence {seq_id}")
+        alone = [(s, t) for s, t in entries if s in scoring and t]
+        self.prefill([(s, t) for s, t in entries if not (s in scoring and t)])
+        scored = {s: [] for s in scoring}
+        for seq_id, token_ids in alone:
+            num_top, next_token_id = scoring[seq_id]
+            group = GroupForward(self, [SeqCache(None, 0)])
+            logits = group.step(torch.tensor([token_ids], device=self.device),
+                                num_logits=len(token_ids))[0]
+            scored[seq_id] = logprobs.score(logits, token_ids[1:] + [next_token_id], num_top)
+            self.caches[seq_id] = group.rows_after([len(token_ids)])[0]
+        return [self.caches[s].length for s, _ in entries], scored
 
     def _prefill_batch(self, chunk: list[tuple[int, list[int]]]) -> dict[int, SeqCache]:
         """One forward over right-padded prompts. Causal attention means a real position never

@@ -18,13 +18,33 @@ class SamplingParams(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class LogprobsSpec(_message.Message):
+    __slots__ = ("num_top",)
+    NUM_TOP_FIELD_NUMBER: _ClassVar[int]
+    num_top: int
+    def __init__(self, num_top: _Optional[int] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class PrefillEntry(_message.Message):
-    __slots__ = ("seq_id", "token_ids")
+    __slots__ = ("seq_id", "token_ids", "prompt_logprobs", "next_token_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_logprobs: LogprobsSpec
+    next_token_id: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Union[LogprobsSpec, _Mapping]] = ..., next_token_id: _Optional[int] = ...) -> None: ...
 
 class PrefillCommand(_message.Message):
     __slots__ = ("entries",)
@@ -32,11 +52,19 @@ class PrefillCommand(_message.Message):
     entries: _containers.RepeatedCompositeFieldContainer[PrefillEntry]
     def __init__(self, entries: _Optional[_Iterable[_Union[PrefillEntry, _Mapping]]] = ...) -> None: ...
 
+class PromptLogprobs(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
 class PrefillResult(_message.Message):
-    __slots__ = ("cache_lens",)
+    __slots__ = ("cache_lens", "prompt_logprobs")
     CACHE_LENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     cache_lens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cache_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    def __init__(self, cache_lens: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
 
 class TrimEntry(_message.Message):
     __slots__ = ("seq_id", "expected_cache_len", "keep_len")

@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyEntry(_message.Message):
-    __slots__ = ("seq_id", "expected_cache_len", "append_token_ids", "draft_token_ids", "draft_probs", "sampling")
+    __slots__ = ("seq_id", "expected_cache_len", "append_token_ids", "draft_token_ids", "draft_probs", "sampling", "logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     expected_cache_len: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_draft_pb2.SparseProbs]
     sampling: _cache_pb2.SamplingParams
-    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_draft_pb2.SparseProbs, _Mapping]]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    logprobs: _cache_pb2.LogprobsSpec
+    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_draft_pb2.SparseProbs, _Mapping]]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[_cache_pb2.LogprobsSpec, _Mapping]] = ...) -> None: ...
 
 class VerifyCommand(_message.Message):
     __slots__ = ("realign", "entries")
@@ -33,16 +35,18 @@ class VerifyCommand(_message.Message):
     def __init__(self, realign: _Optional[bool] = ..., entries: _Optional[_Iterable[_Union[VerifyEntry, _Mapping]]] = ...) -> None: ...
 
 class VerifyResultEntry(_message.Message):
-    __slots__ = ("seq_id", "num_accepted", "output_token_ids", "cache_len")
+    __slots__ = ("seq_id", "num_accepted", "output_token_ids", "cache_len", "logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_accepted: int
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_len: int
-    def __init__(self, seq_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_cache_pb2.TokenLogprobs]
+    def __init__(self, seq_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_cache_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("entries", "timing")
