@@ -27,7 +27,7 @@ import uuid
 from aiohttp import web
 
 from batchspec import errors, security
-from coordinator.requests import Ending, Limits, RequestInput, stream_events, validate
+from coordinator.requests import Ending, Limits, RequestInput, ValidRequest, stream_events, validate
 from coordinator.sequence import Finish
 from coordinator.text import TextCodec
 
@@ -36,6 +36,7 @@ PAGE = pathlib.Path(__file__).parent / "web" / "index.html"
 # max_tokens when a request gives none: this many, or what the context leaves if less
 # (OpenAI's own default for completions is 16).
 DEFAULT_MAX_TOKENS = 256
+MAX_N = 16  # most choices one request may ask for (each is a sequence of its own)
 _FINISH = {Finish.STOP: "stop", Finish.STOP_STRING: "stop", Finish.LENGTH: "length"}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 429: "rate_limit_error"}
@@ -186,8 +187,6 @@ class HttpEdge:
         if model not in (None, self.models.model_id, "batchspec"):
             raise HttpError(404, f"the model {model!r} is not served here; this server serves "
                                  f"{self.models.model_id!r}", "model")
-        if body.get("n", 1) != 1:
-            raise HttpError(400, "only n = 1 is supported", "n")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         stop = body.get("stop")
         if isinstance(stop, str):
@@ -231,23 +230,28 @@ class HttpEdge:
         if flag(body, "echo"):
             echo = given.prompt or self.codec.decode(valid.prompt_token_ids,
                                                      skip_special_tokens=False)
-        reply = Reply(self.models.model_id, chat, len(valid.prompt_token_ids), ending,
-                      Scores(self.codec, valid.logprobs is not None, valid.prompt_token_ids,
-                             echo))
-        events = stream_events(self.router, valid, self.codec, on_admitted=ending.admitted)
+        n = number(body.get("n", 1), "n", int, 1)
+        if n > MAX_N:
+            raise HttpError(400, f"n must be <= {MAX_N}, not {n}", "n")
+        reply = Reply(self.models.model_id, chat, len(valid.prompt_token_ids), ending, [
+            Scores(self.codec, valid.logprobs is not None, valid.prompt_token_ids, echo)
+            for _ in range(n)])
+        streams = [stream_events(self.router, choice_request(valid, i), self.codec,
+                                 on_admitted=ending.admitted) for i in range(n)]
         try:
             if not body.get("stream"):
-                async for event in events:
-                    reply.add(event)
+                await asyncio.gather(*(reply.consume(i, s) for i, s in enumerate(streams)))
                 return web.json_response(reply.whole())
-            first = await anext(events)  # refusals (queue full) before any byte is sent
+            # every choice's first event (refusals, queue full, come before any byte is sent)
+            firsts = await asyncio.gather(*(anext(s) for s in streams))
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                    "Cache-Control": "no-cache"})
             await response.prepare(request)
             try:
-                await send(response, reply.chunk(first))
-                async for event in events:
-                    await send(response, reply.chunk(event))
+                for i, first in enumerate(firsts):
+                    await send(response, reply.chunk(i, first))
+                async for i, event in merge(streams):
+                    await send(response, reply.chunk(i, event))
                 if (body.get("stream_options") or {}).get("include_usage"):
                     await send(response, reply.usage_chunk())
             except errors.BatchspecError as error:  # after the first byte: an error event
@@ -257,23 +261,56 @@ class HttpEdge:
             await response.write_eof()
             return response
         finally:
-            await events.aclose()  # a client gone mid-answer cancels the request
+            for events in streams:
+                await events.aclose()  # a client gone mid-answer cancels its requests
 
 
-class Reply:
-    """One request's answer, in OpenAI's shapes, built from engine events."""
+def choice_request(valid: ValidRequest, index: int) -> ValidRequest:
+    """The request of choice `index` of n: choice 0 as given, the others with seeds of their
+    own (seed + index), so that sampled choices differ and a seeded request repeats."""
+    if index == 0:
+        return valid
+    seed = (valid.sampling.seed + index) % 2**64
+    return dataclasses.replace(valid, sampling=dataclasses.replace(valid.sampling, seed=seed))
 
-    def __init__(self, model_id: str, chat: bool, prompt_tokens: int,
-                 ending: Ending | None = None, scores: "Scores | None" = None):
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.ending = ending  # told when the request finishes
-        self.scores = scores or Scores(None, False, [], None)
+
+async def merge(streams):
+    """(index, event) from every stream but its first event (already taken), as they come;
+    the first error raised by any stream is raised here."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index, events):
+        try:
+            async for event in events:
+                await queue.put((index, event, None))
+        except Exception as error:  # noqa: BLE001 (handed to the consumer)
+            await queue.put((index, None, error))
+        await queue.put((index, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, event, error = await queue.get()
+            if error is not None:
+                raise error
+            if event is None:
+                open_streams -= 1
+                continue
+            yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class Choice:
+    """One choice of an answer: its text, tokens and statistics so far."""
+
+    def __init__(self, index: int, scores: "Scores"):
+        self.index = index
+        self.scores = scores
         self.logprobs: list = []  # every event's, in order (the whole answer's)
         self.prompt_logprobs = None  # the first event's, with echo
-        self.created = int(time.time())
-        self.model = model_id
-        self.chat = chat
-        self.prompt_tokens = prompt_tokens
         self.text, self.tokens, self.drafted, self.accepted, self.steps = "", 0, 0, 0, 0
         self.finish: str | None = None
         self.sent_role = False
@@ -289,24 +326,60 @@ class Reply:
         self.steps += 1
         if event.finish is not None:
             self.finish = _FINISH[event.finish]
-            if self.ending is not None:
-                self.ending.reason = f"finished ({event.finish.value})"
 
-    def chunk(self, event) -> dict:
+    def delta(self, event, chat: bool) -> dict:
+        """This event as the choice of a chunk."""
         first = self.steps == 0
         self.add(event)
-        if self.chat:
+        if chat:
             delta = {"content": event.text}
             if not self.sent_role:
                 delta["role"], self.sent_role = "assistant", True
-            choice = {"index": 0, "delta": delta,
-                      "logprobs": self.scores.chat(event.logprobs), "finish_reason": None}
-        else:
-            echoed = self.scores.echo if first and self.scores.echo is not None else ""
-            choice = {"index": 0, "text": echoed + event.text,
-                      "logprobs": self.scores.completion(event.logprobs, event.prompt_logprobs
-                                                         if first else None),
-                      "finish_reason": None}
+            return {"index": self.index, "delta": delta,
+                    "logprobs": self.scores.chat(event.logprobs),
+                    "finish_reason": self.finish}
+        echoed = self.scores.echo if first and self.scores.echo is not None else ""
+        return {"index": self.index, "text": echoed + event.text,
+                "logprobs": self.scores.completion(event.logprobs, event.prompt_logprobs
+                                                   if first else None),
+                "finish_reason": self.finish}
+
+    def whole(self, chat: bool) -> dict:
+        if chat:
+            return {"index": self.index,
+                    "message": {"role": "assistant", "content": self.text},
+                    "logprobs": self.scores.chat(self.logprobs), "finish_reason": self.finish}
+        return {"index": self.index, "text": (self.scores.echo or "") + self.text,
+                "logprobs": self.scores.completion(self.logprobs, self.prompt_logprobs),
+                "finish_reason": self.finish}
+
+
+class Reply:
+    """One request's answer (n choices), in OpenAI's shapes, built from engine events."""
+
+    def __init__(self, model_id: str, chat: bool, prompt_tokens: int,
+                 ending: Ending | None = None, scores: "list[Scores] | None" = None):
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.ending = ending  # told when the request finishes
+        self.choices = [Choice(i, s) for i, s in
+                        enumerate(scores or [Scores(None, False, [], None)])]
+        self.created = int(time.time())
+        self.model = model_id
+        self.chat = chat
+        self.prompt_tokens = prompt_tokens
+
+    async def consume(self, index: int, events) -> None:
+        async for event in events:
+            self._finished(event)
+            self.choices[index].add(event)
+
+    def _finished(self, event) -> None:
+        if event.finish is not None and self.ending is not None:
+            self.ending.reason = f"finished ({event.finish.value})"
+
+    def chunk(self, index: int, event) -> dict:
+        self._finished(event)
+        choice = self.choices[index].delta(event, self.chat)
         out = {"id": self.id, "object": "chat.completion.chunk" if self.chat
                else "text_completion", "created": self.created, "model": self.model,
                "choices": [choice],
@@ -314,8 +387,7 @@ class Reply:
                "batchspec": {"tokens": len(event.token_ids), "draft_tokens": event.num_drafted,
                              "accepted_draft_tokens": event.num_accepted,
                              "draft_text": event.draft_text}}
-        if self.finish is not None:
-            choice["finish_reason"] = self.finish
+        if all(c.finish is not None for c in self.choices):  # the last chunk of all
             out.update(self.usage())
         return out
 
@@ -326,29 +398,24 @@ class Reply:
                 "choices": [], **self.usage()}
 
     def whole(self) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
-                      "logprobs": self.scores.chat(self.logprobs), "finish_reason": self.finish}
-        else:
-            choice = {"index": 0, "text": (self.scores.echo or "") + self.text,
-                      "logprobs": self.scores.completion(self.logprobs, self.prompt_logprobs),
-                      "finish_reason": self.finish}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice],
-                **self.usage()}
+                "created": self.created, "model": self.model,
+                "choices": [c.whole(self.chat) for c in self.choices], **self.usage()}
 
     def usage(self) -> dict:
+        tokens = sum(c.tokens for c in self.choices)
+        drafted = sum(c.drafted for c in self.choices)
+        accepted = sum(c.accepted for c in self.choices)
+        steps = sum(c.steps for c in self.choices)
         return {"usage": {"prompt_tokens": self.prompt_tokens,
-                          "completion_tokens": self.tokens,
-                          "total_tokens": self.prompt_tokens + self.tokens},
+                          "completion_tokens": tokens,
+                          "total_tokens": self.prompt_tokens + tokens},
                 "speculative_decoding": {
-                    "num_draft_tokens": self.drafted, "num_accepted_tokens": self.accepted,
-                    "acceptance_rate": round(self.accepted / self.drafted, 4)
-                    if self.drafted else None,
+                    "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+                    "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
                     # tokens per target forward pass (accepted drafts + the target's own)
-                    "mean_acceptance_length": round(self.tokens / self.steps, 3)
-                    if self.steps else None,
-                    "num_target_forward_passes": self.steps}}
+                    "mean_acceptance_length": round(tokens / steps, 3) if steps else None,
+                    "num_target_forward_passes": steps}}
 
 
 class Scores:

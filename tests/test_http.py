@@ -143,7 +143,8 @@ def test_server_sent_events_end_with_done(stack):
 
 @pytest.mark.parametrize("body, status, param", [
     ({"messages": CHAT, "max_tokens": -1}, 400, "max_tokens"),
-    ({"messages": CHAT, "n": 2}, 400, "n"),
+    ({"messages": CHAT, "n": 17}, 400, "n"),
+    ({"messages": CHAT, "n": 0}, 400, "n"),
     ({"messages": CHAT, "temperature": "hot"}, 400, "temperature"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, None),
@@ -200,6 +201,27 @@ def test_include_usage_ends_the_stream_with_a_usage_chunk(stack):
     assert all(chunk.choices for chunk in chunks[:-1])
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == \
         whole.choices[0].message.content
+
+
+def test_n_choices_are_the_answers_of_their_own_seeds(stack):
+    """Choice i of a seeded request is what the same request with n = 1 and seed + i
+    answers: n samples, each exact, streamed or not."""
+    ask = dict(model="batchspec", messages=CHAT, max_tokens=12, temperature=0.9)
+    whole = client(stack).chat.completions.create(n=3, seed=5, **ask)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    alone = [client(stack).chat.completions.create(seed=5 + i, **ask) for i in range(3)]
+    assert [c.message.content for c in whole.choices] == \
+        [a.choices[0].message.content for a in alone]
+    assert len({c.message.content for c in whole.choices}) > 1  # samples, not copies
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert whole.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    streamed = list(client(stack).chat.completions.create(n=3, seed=5, stream=True, **ask))
+    texts = ["".join(c.choices[0].delta.content or "" for c in streamed
+                     if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert texts == [c.message.content for c in whole.choices]
+    finished = [c.choices[0] for c in streamed if c.choices and c.choices[0].finish_reason]
+    assert sorted(c.index for c in finished) == [0, 1, 2]
+    assert streamed[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
 def test_the_openai_client_sees_typed_errors(stack):
