@@ -240,10 +240,10 @@ class HttpEdge:
                                  on_admitted=ending.admitted) for i in range(n)]
         try:
             if not body.get("stream"):
-                await asyncio.gather(*(reply.consume(i, s) for i, s in enumerate(streams)))
+                await all_or_none(reply.consume(i, s) for i, s in enumerate(streams))
                 return web.json_response(reply.whole())
             # every choice's first event (refusals, queue full, come before any byte is sent)
-            firsts = await asyncio.gather(*(anext(s) for s in streams))
+            firsts = await all_or_none(anext(s) for s in streams)
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                    "Cache-Control": "no-cache"})
             await response.prepare(request)
@@ -274,6 +274,23 @@ def choice_request(valid: ValidRequest, index: int) -> ValidRequest:
     return dataclasses.replace(valid, sampling=dataclasses.replace(valid.sampling, seed=seed))
 
 
+async def all_or_none(awaitables) -> list:
+    """Await them all at once; when one fails, the others are cancelled and waited for (so
+    that no stream is still running when it is closed) and the failure is raised."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        await stop(tasks)
+        raise
+
+
+async def stop(tasks) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def merge(streams):
     """(index, event) from every stream but its first event (already taken), as they come;
     the first error raised by any stream is raised here."""
@@ -299,8 +316,7 @@ async def merge(streams):
                 continue
             yield index, event
     finally:
-        for task in tasks:
-            task.cancel()
+        await stop(tasks)  # each stream idle again before it is closed
 
 
 class Choice:

@@ -260,6 +260,11 @@ def test_a_full_queue_is_429_and_a_wrong_or_missing_key_401(model_dirs, tokenize
         with pytest.raises(openai.RateLimitError):  # nothing may wait: every request refused
             client(full, api_key="s3cret").chat.completions.create(
                 model="batchspec", messages=CHAT, max_tokens=4, stream=True)
+        for stream in (False, True):  # n choices: all refused, none left behind
+            with pytest.raises(openai.RateLimitError):
+                client(full, api_key="s3cret").chat.completions.create(
+                    model="batchspec", messages=CHAT, max_tokens=4, n=3, stream=stream)
+        assert full.router.num_waiting() == 0 and full.router.num_running() == 0
 
 
 def test_no_reachable_target_is_503_until_it_is_back(model_dirs, tokenizer_dir):
