@@ -154,11 +154,11 @@ class HttpEdge:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         given = self._request(request.path, body)
-        top = optional_number(body, "top_logprobs", int)
-        if top is not None and not flag(body, "logprobs"):
+        wanted, top = flag(body, "logprobs"), optional_number(body, "top_logprobs", int)
+        if top is not None and not wanted:
             raise HttpError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         given = dataclasses.replace(given, messages=chat_messages(body.get("messages")),
-                                    logprobs=(top or 0) if flag(body, "logprobs") else None)
+                                    logprobs=(top or 0) if wanted else None)
         return await self._answer(request, body, given, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -223,11 +223,12 @@ class HttpEdge:
                        ending: Ending):
         valid = validate(given, self.limits, self.codec,
                          default_max_new_tokens=DEFAULT_MAX_TOKENS)
-        if (valid.logprobs is not None or flag(body, "echo")) and self.codec is None:
+        echoing = flag(body, "echo")
+        if (valid.logprobs is not None or echoing) and self.codec is None:
             raise HttpError(400, "logprobs and echo need a tokenizer; this coordinator has none",
                             "logprobs")
         echo = None
-        if flag(body, "echo"):
+        if echoing:
             echo = given.prompt or self.codec.decode(valid.prompt_token_ids,
                                                      skip_special_tokens=False)
         n = number(body.get("n", 1), "n", int, 1)
