@@ -12,6 +12,7 @@ from coordinator.clients import DraftClient, ModelInfo, TargetClient
 from coordinator.config import CoordinatorConfig
 from coordinator.drafts import group_by_model
 from coordinator.engine import Engine
+from coordinator.grammar import Grammars
 from coordinator.requests import Limits
 from coordinator.router import Router
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer, add_to_server
@@ -141,16 +142,19 @@ def start(config: CoordinatorConfig) -> Running:
     router = build_router(config, services.target.eos_token_ids, Telemetry(metrics), services.kinds)
     limits = Limits(services.target.vocab_size, services.target.max_context_len,
                     config.max_new_tokens)
+    grammars = (Grammars(codec.tokenizer.to_str(), limits.vocab_size,
+                         list(services.target.eos_token_ids)) if codec else None)
     interceptors = ([security.ApiKeyInterceptor(security.read_api_key(config.api_key_file))]
                     if config.api_key_file else [])
     server = server_lib.LoopServer(
         f"{config.host}:{config.port}",
-        [(add_to_server, CoordinatorServicer(router, limits, codec), SERVICE_NAME)],
+        [(add_to_server, CoordinatorServicer(router, limits, codec, grammars), SERVICE_NAME)],
         credentials=config.tls.credentials() if config.tls else None, interceptors=interceptors)
     router.start(on_health=lambda serving: server_lib.set_serving(
         server.health, [SERVICE_NAME], serving))
     server.start()
-    http_runner, http_port = start_http(config, server, router, limits, codec, services)
+    http_runner, http_port = start_http(config, server, router, limits, codec, services,
+                                        grammars)
     server_lib.set_serving(server.health, [SERVICE_NAME])
     log.info("coordinator on %s:%d (%s%s): targets %s (%s), drafts %s, K=%d, batch %d, "
              "pool %d, queue %d", config.host, server.port, "TLS" if config.tls else
@@ -164,13 +168,13 @@ def start(config: CoordinatorConfig) -> Running:
 
 
 def start_http(config: CoordinatorConfig, server, router: Router, limits: Limits,
-               codec: TextCodec | None, services: Services):
+               codec: TextCodec | None, services: Services, grammars: Grammars | None):
     """The HTTP edge on the public server's loop, if asked for: (runner, port), or Nones."""
     if config.http_port is None:
         return None, None
     edge = http.HttpEdge(router, limits, codec, http.ServedModels(
         services.target.model, services.target.model, tuple(dict.fromkeys(services.draft_models))),
-        security.read_api_key(config.api_key_file) if config.api_key_file else None)
+        security.read_api_key(config.api_key_file) if config.api_key_file else None, grammars)
     runner, port = server.call(http.start(edge, config.host, config.http_port,
                                           ssl=config.tls.ssl_context() if config.tls else None))
     log.info("OpenAI-compatible HTTP API and chat page on %s://%s:%d/",

@@ -58,6 +58,7 @@ class VerifySpec:
     draft_probs: list
     sampling: SamplingParams
     logprobs: int | None = None  # see Sequence.logprobs
+    token_masks: tuple[bytes, ...] = ()  # structured output: see grammar.Constraint.masks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +298,8 @@ class TargetClient(ServiceClient):
                                    draft_token_ids=s.draft_token_ids, draft_probs=s.draft_probs,
                                    sampling=_sampling(s.sampling),
                                    logprobs=None if s.logprobs is None
-                                   else cache_pb2.LogprobsSpec(num_top=s.logprobs))
+                                   else cache_pb2.LogprobsSpec(num_top=s.logprobs),
+                                   token_masks=s.token_masks)
             for s in specs])
         result = self.stream.call(timeout=timeout, verify=command)
         return [VerifyOutcome(e.seq_id, e.num_accepted, list(e.output_token_ids), e.cache_len,

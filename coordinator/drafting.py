@@ -44,6 +44,8 @@ class RowDraft:
     # the kind it drafts with, or whose miss it records (None: no kind was asked for it)
     kind_index: int | None = None
     proposal: Proposal | None = None  # what that kind answered (None: nothing arrived)
+    # structured output: the masks of the positions it outputs from (see constrained)
+    token_masks: tuple[bytes, ...] = ()
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -74,6 +76,24 @@ class DraftedCohort:
     def plain(self) -> bool:
         """No row has a proposal: the step decodes plainly."""
         return all(row.proposal is None for row in self.rows)
+
+    def constrained(self) -> "DraftedCohort":
+        """The cohort with each constrained row's output masks, taken at its committed
+        tokens. A row's draft is cut before the first token its grammar forbids (which the
+        target would reject) where cutting cannot change what is drawn: drafts that carry no
+        distribution (greedy rows). A sampled draft is verified whole: the forbidden token is
+        rejected there with the right residual, which keeps sampling exact."""
+        if all(row.seq.constraint is None for row in self.rows):
+            return self
+        rows = []
+        for row in self.rows:
+            if row.seq.constraint is not None:
+                masks, allowed = row.seq.constraint.masks(row.draft_token_ids)
+                if allowed < row.num_drafts and not row.draft_probs:
+                    row, masks = dataclasses.replace(row, num_drafts=allowed), masks[:allowed + 1]
+                row = dataclasses.replace(row, token_masks=tuple(masks))
+            rows.append(row)
+        return dataclasses.replace(self, rows=rows)
 
     def still_open(self, active) -> "DraftedCohort | None":
         """The cohort less the rows that ended since (not in `active`); None if none is left."""

@@ -186,6 +186,12 @@ class Engine:
         current = current or self._prepare(exclude=set())
         if current is None:
             return
+        constrained = None
+        with self._isolated("grammar", self.pool.handles_of(current.seqs)):
+            constrained = current.constrained()  # at the rows' committed tokens
+        if constrained is None:  # its rows were ended
+            return
+        current = constrained
         in_flight = None
         if self.overlapping():
             in_flight = self._verifier.submit(self._verify, current)
@@ -247,7 +253,8 @@ class Engine:
         """Verify a drafted cohort (on the verifier thread when overlapping)."""
         specs = [VerifySpec(row.seq.seq_id, row.seq.target.cache_len,
                             row.seq.token_ids[row.seq.target.cache_len:], row.draft_token_ids,
-                            row.draft_probs, row.seq.sampling, row.seq.logprobs)
+                            row.draft_probs, row.seq.sampling, row.seq.logprobs,
+                            row.token_masks)
                  for row in cohort.rows]
         started = time.perf_counter()
         outcomes, timing = self.peers.target.verify(

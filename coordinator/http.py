@@ -27,6 +27,7 @@ import uuid
 from aiohttp import web
 
 from batchspec import errors, security
+from coordinator.grammar import Grammars, ResponseFormat
 from coordinator.requests import Ending, Limits, RequestInput, ValidRequest, stream_events, validate
 from coordinator.sequence import Finish
 from coordinator.text import TextCodec
@@ -55,7 +56,7 @@ class ServedModels:
 # rather than ignored, except NEUTRAL fields given their neutral value (what clients send by
 # default) and `user`, which is the caller's label and never changes an answer.
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                 "stream", "stream_options", "n", "user", "ignore_eos"}
+                 "stream", "stream_options", "n", "user", "ignore_eos", "response_format"}
 FIELDS = {"/v1/chat/completions": COMMON_FIELDS | {"messages", "max_completion_tokens",
                                                    "logprobs", "top_logprobs"},
           "/v1/completions": COMMON_FIELDS | {"prompt", "logprobs", "echo"}}
@@ -63,8 +64,7 @@ NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, 
            "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
            "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None,),
            "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-           "function_call": (None, "none"), "parallel_tool_calls": (None,),
-           "response_format": (None, {"type": "text"})}
+           "function_call": (None, "none"), "parallel_tool_calls": (None,)}
 
 
 def refuse_unknown_fields(path: str, body: dict) -> None:
@@ -110,10 +110,11 @@ def error_response(status: int, message: str, param: str | None = None) -> web.R
 
 class HttpEdge:
     def __init__(self, router, limits: Limits, codec: TextCodec | None, models: ServedModels,
-                 api_key: str | None = None):
+                 api_key: str | None = None, grammars: Grammars | None = None):
         self.router = router
         self.limits = limits
         self.codec = codec
+        self.grammars = grammars
         self.models = models
         self._expected = f"Bearer {api_key}".encode() if api_key else None
 
@@ -202,7 +203,8 @@ class HttpEdge:
             top_p=optional_number(body, "top_p", float),
             top_k=optional_number(body, "top_k", int),  # an extension, as in vLLM
             seed=optional_number(body, "seed", int), stop=tuple(stop or ()),
-            ignore_eos=flag(body, "ignore_eos"))  # an extension, as in vLLM
+            ignore_eos=flag(body, "ignore_eos"),  # an extension, as in vLLM
+            response_format=response_format(body.get("response_format")))
 
     async def _answer(self, request: web.Request, body: dict, given: RequestInput,
                       chat: bool):
@@ -222,7 +224,7 @@ class HttpEdge:
     async def _respond(self, request: web.Request, body: dict, given: RequestInput, chat: bool,
                        ending: Ending):
         valid = validate(given, self.limits, self.codec,
-                         default_max_new_tokens=DEFAULT_MAX_TOKENS)
+                         default_max_new_tokens=DEFAULT_MAX_TOKENS, grammars=self.grammars)
         echoing = flag(body, "echo")
         if (valid.logprobs is not None or echoing) and self.codec is None:
             raise HttpError(400, "logprobs and echo need a tokenizer; this coordinator has none",
@@ -518,6 +520,35 @@ def flag(body: dict, name: str) -> bool:
     if value is not None and not isinstance(value, bool):
         raise HttpError(400, f"{name} must be true or false, not {value!r}", name)
     return bool(value)
+
+
+def response_format(value) -> ResponseFormat | None:
+    """OpenAI's response_format: text (None), json_object, or json_schema (its `schema`;
+    enforced whether `strict` or not)."""
+    def bad(message):
+        return HttpError(400, f"response_format {message}", "response_format")
+
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object",
+                                                                 "json_schema"):
+        raise bad('must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                  '"json_schema", "json_schema": {"name": ..., "schema": {...}}}')
+    kind = value["type"]
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    if set(value) - allowed:
+        raise bad(f"{kind} takes no {', '.join(sorted(set(value) - allowed))}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise bad("json_schema needs json_schema.schema, a JSON schema object")
+    extra = set(spec) - {"name", "schema", "strict", "description"}
+    if extra:
+        raise bad(f"json_schema takes no {', '.join(sorted(extra))}")
+    return ResponseFormat("json_schema", json.dumps(spec["schema"]))
 
 
 def chat_messages(messages) -> tuple[tuple[str, str], ...]:

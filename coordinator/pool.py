@@ -32,14 +32,15 @@ class RequestPool:
     def submit(self, prompt_token_ids: list[int], max_new_tokens: int,
                sampling: SamplingParams = SamplingParams(), *, ignore_eos: bool = False,
                deadline: float | None = None, text=None, events=None,
-               logprobs: int | None = None,
-               prompt_logprobs: int | None = None) -> RequestHandle:
+               logprobs: int | None = None, prompt_logprobs: int | None = None,
+               constraint=None) -> RequestHandle:
         """Queue a request. text: a coordinator.text.TextStream that turns its tokens into
         text and finds its stop strings, on the engine thread; events: see RequestHandle;
-        logprobs, prompt_logprobs: see Sequence."""
+        logprobs, prompt_logprobs, constraint: see Sequence."""
         seq = Sequence(next(self._ids), list(prompt_token_ids), max_new_tokens,
                        frozenset() if ignore_eos else self.eos_token_ids, sampling, text=text,
-                       logprobs=logprobs, prompt_logprobs_top=prompt_logprobs)
+                       logprobs=logprobs, prompt_logprobs_top=prompt_logprobs,
+                       constraint=constraint)
         handle = RequestHandle(seq, deadline, events)
         with self._lock:
             if self.stopping:

@@ -15,6 +15,7 @@ import time
 
 from batchspec import errors
 from batchspec.params import SamplingParams
+from coordinator.grammar import Grammar, Grammars, ResponseFormat
 from coordinator.sequence import Finish, Sequence, TokenLogprob
 from coordinator.text import TextCodec, TextStream
 
@@ -51,6 +52,7 @@ class RequestInput:
     # log-probabilities (None: not asked; n: with the n most likely tokens per position)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None  # structured output (None: free text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +64,16 @@ class ValidRequest:
     ignore_eos: bool
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: Grammar | None = None  # each sequence of the request starts its own matcher
 
 
 def validate(request: RequestInput, limits: Limits, codec: TextCodec | None,
-             default_max_new_tokens: int | None = None) -> ValidRequest:
+             default_max_new_tokens: int | None = None,
+             grammars: Grammars | None = None) -> ValidRequest:
     """Check a request; raises InvalidArgument saying what to fix. With
     default_max_new_tokens, a max_new_tokens of 0 means that many, or what the context leaves
-    after the prompt if less (the HTTP edge's default); without, 0 is refused."""
+    after the prompt if less (the HTTP edge's default); without, 0 is refused. grammars:
+    compiles a response format (None: structured output is refused)."""
     bad = errors.InvalidArgument
     prompt_ids = _prompt_token_ids(request, codec)
     outside = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
@@ -98,7 +103,20 @@ def validate(request: RequestInput, limits: Limits, codec: TextCodec | None,
                       f"{MAX_TOP_LOGPROBS}")
     return ValidRequest(prompt_ids, max_new_tokens, to_sampling(request),
                         list(request.stop), request.ignore_eos, request.logprobs,
-                        request.prompt_logprobs)
+                        request.prompt_logprobs, _grammar(request, grammars))
+
+
+def _grammar(request: RequestInput, grammars: Grammars | None) -> Grammar | None:
+    """The request's response format compiled (None: none asked for)."""
+    if request.response_format is None:
+        return None
+    if grammars is None:
+        raise errors.InvalidArgument("structured output needs a tokenizer; this coordinator "
+                                     "has none (start it with --tokenizer)")
+    if request.ignore_eos:
+        raise errors.InvalidArgument("ignore_eos cannot be combined with a response format: "
+                                     "the format ends where end-of-sequence is allowed")
+    return grammars.compile(request.response_format)
 
 
 def _prompt_token_ids(request: RequestInput, codec: TextCodec | None) -> list[int]:
@@ -201,7 +219,8 @@ async def stream_events(router, valid: ValidRequest, codec: TextCodec | None, *,
     handle = router.submit(valid.prompt_token_ids, valid.max_new_tokens, valid.sampling,
                            ignore_eos=valid.ignore_eos, deadline=deadline, text=text,
                            events=events, logprobs=valid.logprobs,
-                           prompt_logprobs=valid.prompt_logprobs)
+                           prompt_logprobs=valid.prompt_logprobs,
+                           constraint=valid.grammar.start() if valid.grammar else None)
     if on_admitted is not None:
         on_admitted(handle)
     finished = False

@@ -86,6 +86,8 @@ class Sequence:
     logprobs: int | None = None
     prompt_logprobs_top: int | None = None
     prompt_logprobs: list[TokenLogprob] | None = dataclasses.field(default=None, repr=False)
+    # Structured output: a grammar.Constraint at the generated tokens (None: unconstrained).
+    constraint: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.token_ids:
@@ -121,6 +123,8 @@ class Sequence:
                 self.finish = Finish.STOP
             elif self.num_generated >= self.max_new_tokens:
                 self.finish = Finish.LENGTH
+        if self.constraint is not None:
+            self.constraint.advance(committed)
         return committed
 
     def draft_append_need(self, kind: int = 0) -> int:

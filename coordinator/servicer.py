@@ -8,6 +8,7 @@ from google.protobuf import message
 
 from batchspec import errors
 from batchspec.v1 import generate_pb2, generate_pb2_grpc
+from coordinator.grammar import Grammars, ResponseFormat
 from coordinator.requests import Ending, Limits, RequestInput, stream_events, validate
 from coordinator.sequence import Finish
 from coordinator.text import TextCodec
@@ -61,22 +62,41 @@ def to_input(request: generate_pb2.GenerateRequest) -> RequestInput:
         stop=tuple(request.stop), ignore_eos=request.ignore_eos,
         logprobs=request.logprobs.num_top if request.HasField("logprobs") else None,
         prompt_logprobs=request.prompt_logprobs.num_top
-        if request.HasField("prompt_logprobs") else None)
+        if request.HasField("prompt_logprobs") else None,
+        response_format=to_format(request))
+
+
+def to_format(request: generate_pb2.GenerateRequest) -> ResponseFormat | None:
+    if not request.HasField("response_format"):
+        return None
+    kind = request.response_format.WhichOneof("format")
+    if kind is None:
+        raise errors.InvalidArgument("response_format is set but names no format: set one of "
+                                     "json_object, json_schema and regex")
+    value = getattr(request.response_format, kind)
+    if kind == "json_object":
+        if not value:
+            raise errors.InvalidArgument("response_format.json_object must be true when set")
+        value = ""
+    return ResponseFormat(kind, value)
 
 
 class CoordinatorServicer(generate_pb2_grpc.CoordinatorServicer):
     """Generate on grpc.aio: an open stream is a suspended coroutine, not a thread, so the
     number of streams is bounded by admission (the pool and the queue), not by workers."""
 
-    def __init__(self, router, limits: Limits, codec: TextCodec | None):
+    def __init__(self, router, limits: Limits, codec: TextCodec | None,
+                 grammars: Grammars | None = None):
         self.router = router
         self.limits = limits
         self.codec = codec
+        self.grammars = grammars
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         ending = Ending("grpc", request.request_id, time.monotonic())
         try:
-            valid = validate(to_input(request), self.limits, self.codec)
+            valid = validate(to_input(request), self.limits, self.codec,
+                             grammars=self.grammars)
             remaining = context.time_remaining()  # None when the client set no deadline
             if remaining is not None and remaining < 1e6:
                 ending.deadline = ending.started + remaining

@@ -69,7 +69,17 @@ def to_verify_row(entry: target_pb2.VerifyEntry, vocab_size: int) -> verifier.Ve
     if entry.HasField("logprobs"):
         num_top = entry.logprobs.num_top
         logprobs.check_num_top(num_top)
+    masks = None
+    if entry.token_masks:
+        if len(entry.token_masks) != len(entry.draft_token_ids) + 1:
+            raise errors.InvalidArgument(
+                f"sequence {entry.seq_id}: {len(entry.token_masks)} token masks for "
+                f"{len(entry.draft_token_ids)} drafts; send one per draft and one more")
+        try:
+            masks = verifier.decode_masks(list(entry.token_masks), vocab_size)
+        except ValueError as error:
+            raise errors.InvalidArgument(f"sequence {entry.seq_id}: {error}") from error
     return verifier.VerifyRow(seq_id=entry.seq_id, expected_cache_len=entry.expected_cache_len,
                               append_token_ids=list(entry.append_token_ids),
                               draft_token_ids=list(entry.draft_token_ids), draft_probs=probs,
-                              sampling=sampling, num_top=num_top)
+                              sampling=sampling, num_top=num_top, token_masks=masks)

@@ -22,6 +22,8 @@ class VerifyRow:
     draft_probs: torch.Tensor | None  # [K, vocab] the drafts' distributions; None when greedy
     sampling: SamplingParams
     num_top: int | None = None  # log-probabilities of the outputs (and num_top alternatives)
+    # structured output: [K + 1, vocab] True where a token may be output j; None: any token
+    token_masks: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +61,7 @@ def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bo
     logits = group.step(input_ids, num_logits=width + 1, valid=valid)
     drafts = torch.tensor(padded, dtype=torch.long).reshape(len(rows), width)
     counts = torch.tensor([len(r.draft_token_ids) for r in rows])
-    result = accept(rows, drafts, logits, counts)
+    result = accept(rows, drafts, masked(logits, rows), counts)
     num_accepted = result.num_accepted.tolist()
     base = [r.expected_cache_len + len(r.append_token_ids) for r in rows]
     cache_lens = [b + n for b, n in zip(base, num_accepted)]
@@ -71,6 +73,37 @@ def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bo
               for i, (r, out) in enumerate(zip(rows, outputs))]
     return [VerifyOutcome(r.seq_id, n, out, c, lp) for r, n, out, c, lp
             in zip(rows, num_accepted, outputs, cache_lens, scored)], group
+
+
+def masked(logits: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:
+    """The logits outputs are picked from: -inf where a row's grammar forbids the token (a
+    copy; log-probabilities are scored on the model's own logits). Softmax over the rest is
+    the target's distribution renormalised on the allowed tokens, so greedy picks the best
+    allowed token, and rejection sampling rejects a forbidden draft (p = 0) and draws the
+    recovered token from allowed ones only."""
+    if all(r.token_masks is None for r in rows):
+        return logits
+    logits = logits.clone()
+    for i, r in enumerate(rows):
+        if r.token_masks is not None:
+            n = r.token_masks.shape[0]
+            logits[i, :n].masked_fill_(~r.token_masks.to(logits.device), float("-inf"))
+    return logits
+
+
+def decode_masks(masks: list[bytes], vocab_size: int) -> torch.Tensor:
+    """Wire masks (bit t % 8 of byte t // 8 allows token t) as [len(masks), vocab] bools.
+    Raises ValueError for a mask too short for the vocabulary or allowing no token."""
+    need = (vocab_size + 7) // 8
+    if any(len(m) < need for m in masks):
+        raise ValueError(f"a token mask is shorter than the vocabulary's {need} bytes")
+    raw = torch.frombuffer(bytearray(b"".join(m[:need] for m in masks)),
+                           dtype=torch.uint8).reshape(len(masks), need)
+    bits = (raw[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    allowed = bits.reshape(len(masks), need * 8)[:, :vocab_size].bool()
+    if not allowed.any(dim=1).all():
+        raise ValueError("a token mask allows no token")
+    return allowed
 
 
 def accept(rows: list[VerifyRow], drafts: torch.Tensor, logits: torch.Tensor,

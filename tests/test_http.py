@@ -151,7 +151,8 @@ def test_server_sent_events_end_with_done(stack):
     ({"messages": CHAT, "model": "gpt-4o"}, 404, "model"),
     ({"messages": CHAT, "logprobs": "yes"}, 400, "logprobs"),
     ({"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"messages": CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, None),  # word tokens
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools"),
     ({"messages": CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"),

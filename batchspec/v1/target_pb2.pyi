@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyEntry(_message.Message):
-    __slots__ = ("seq_id", "expected_cache_len", "append_token_ids", "draft_token_ids", "draft_probs", "sampling", "logprobs")
+    __slots__ = ("seq_id", "expected_cache_len", "append_token_ids", "draft_token_ids", "draft_probs", "sampling", "logprobs", "token_masks")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class VerifyEntry(_message.Message):
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     expected_cache_len: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -24,7 +25,8 @@ class VerifyEntry(_message.Message):
     draft_probs: _containers.RepeatedCompositeFieldContainer[_draft_pb2.SparseProbs]
     sampling: _cache_pb2.SamplingParams
     logprobs: _cache_pb2.LogprobsSpec
-    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_draft_pb2.SparseProbs, _Mapping]]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[_cache_pb2.LogprobsSpec, _Mapping]] = ...) -> None: ...
+    token_masks: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_draft_pb2.SparseProbs, _Mapping]]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[_cache_pb2.LogprobsSpec, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class VerifyCommand(_message.Message):
     __slots__ = ("realign", "entries")
