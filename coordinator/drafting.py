@@ -44,12 +44,15 @@ class RowDraft:
     # the kind it drafts with, or whose miss it records (None: no kind was asked for it)
     kind_index: int | None = None
     proposal: Proposal | None = None  # what that kind answered (None: nothing arrived)
-    # structured output: the masks of the positions it outputs from (see constrained)
+    # structured output: the masks of the positions it outputs from, and the grammar's
+    # forced tokens it verifies after its own drafts (see DraftedCohort.constrained)
     token_masks: tuple[bytes, ...] = ()
+    forced: tuple[int, ...] = ()
 
     @property
     def draft_token_ids(self) -> list[int]:
-        return self.proposal.draft_token_ids[:self.num_drafts] if self.proposal else []
+        own = self.proposal.draft_token_ids[:self.num_drafts] if self.proposal else []
+        return own + list(self.forced)
 
     @property
     def draft_probs(self) -> list:
@@ -77,21 +80,26 @@ class DraftedCohort:
         """No row has a proposal: the step decodes plainly."""
         return all(row.proposal is None for row in self.rows)
 
-    def constrained(self) -> "DraftedCohort":
+    def constrained(self, k: int) -> "DraftedCohort":
         """The cohort with each constrained row's output masks, taken at its committed
-        tokens. A row's draft is cut before the first token its grammar forbids (which the
-        target would reject) where cutting cannot change what is drawn: drafts that carry no
-        distribution (greedy rows). A sampled draft is verified whole: the forbidden token is
-        rejected there with the right residual, which keeps sampling exact."""
+        tokens. A greedy row's draft is cut before the first token its grammar forbids (the
+        target would reject it) and filled up to k drafts with the grammar's forced tokens
+        (a JSON schema's keys and punctuation). A sampled row's draft is verified whole, as
+        drawn: the forbidden token is rejected there with the right residual, which keeps
+        sampling exact, where cutting or adding tokens would not."""
         if all(row.seq.constraint is None for row in self.rows):
             return self
         rows = []
         for row in self.rows:
-            if row.seq.constraint is not None:
-                masks, allowed = row.seq.constraint.masks(row.draft_token_ids)
-                if allowed < row.num_drafts and not row.draft_probs:
-                    row, masks = dataclasses.replace(row, num_drafts=allowed), masks[:allowed + 1]
-                row = dataclasses.replace(row, token_masks=tuple(masks))
+            constraint = row.seq.constraint
+            if constraint is not None and row.seq.sampling.greedy:
+                masks, allowed, forced = constraint.cut(row.draft_token_ids,
+                                                        k - min(row.num_drafts, k))
+                row = dataclasses.replace(row, num_drafts=min(row.num_drafts, allowed),
+                                          forced=tuple(forced), token_masks=tuple(masks))
+            elif constraint is not None:
+                row = dataclasses.replace(
+                    row, token_masks=tuple(constraint.masks(row.draft_token_ids)[0]))
             rows.append(row)
         return dataclasses.replace(self, rows=rows)
 
@@ -373,11 +381,12 @@ class Drafter:
             # The draft cached committed[:before] and drafts 1..D-1 (D = drafted); those up to
             # the first rejection are now committed (a row verifies at most D of them). A
             # draft lost or re-prefilled since holds none of them (its cache_len moved on).
-            seq.drafts[index].valid_len = seq.committed_len + min(outcome.num_accepted,
-                                                                  drafted - 1)
+            seq.drafts[index].valid_len = seq.committed_len + min(
+                outcome.num_accepted, row.num_drafts, drafted - 1)  # its own, not forced ones
         for d, state in enumerate(seq.drafts):
             if d != index:
                 self.policy.observe(state.spec, 0, 0, d)  # not asked: its evidence fades
             elif answered:
                 # a kind that found nothing to propose is as good as one rejected at once
-                self.policy.observe(state.spec, max(row.num_drafts, 1), outcome.num_accepted, d)
+                self.policy.observe(state.spec, max(row.num_drafts, 1),
+                                    min(outcome.num_accepted, row.num_drafts), d)

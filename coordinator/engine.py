@@ -188,7 +188,8 @@ class Engine:
             return
         constrained = None
         with self._isolated("grammar", self.pool.handles_of(current.seqs)):
-            constrained = current.constrained()  # at the rows' committed tokens
+            # at the rows' committed tokens
+            constrained = current.constrained(self.config.num_draft_tokens)
         if constrained is None:  # its rows were ended
             return
         current = constrained

@@ -114,6 +114,15 @@ class Constraint:
         forbidden draft (which the target will reject) or an allowed end of sequence, the
         positions are never output from and their masks allow everything. The matcher is
         left where it was."""
+        masks, allowed, _ = self.cut(draft_token_ids, 0)
+        return masks + [self._all] * (len(draft_token_ids) + 1 - len(masks)), allowed
+
+    def cut(self, draft_token_ids: list[int], extend: int) -> tuple[list[bytes], int, list[int]]:
+        """(masks, allowed, forced) for a row that verifies drafts[:allowed] + forced: the
+        grammar's forced continuation after the allowed drafts (at most `extend` tokens, in
+        its own tokenization, which the target may split differently: they are drafts, not
+        certainties), and one mask per output position (allowed + len(forced) + 1). The
+        matcher is left where it was."""
         masks, consumed = [self._mask()], 0
         for token_id in draft_token_ids:
             if not allows(masks[-1], token_id) or token_id in self._eos:
@@ -124,10 +133,17 @@ class Constraint:
             masks.append(self._mask())
         allowed = consumed + (consumed < len(draft_token_ids)
                               and allows(masks[-1], draft_token_ids[consumed]))
-        if consumed and not self._matcher.rollback(consumed):
+        forced = []
+        if allowed == consumed and extend > 0:  # the matcher stands after the allowed drafts
+            for token_id in self._matcher.compute_ff_tokens()[:extend]:
+                if token_id in self._eos or not self._matcher.consume_token(token_id):
+                    break
+                forced.append(token_id)
+                masks.append(self._mask())
+        masks += [self._all] * (allowed + len(forced) + 1 - len(masks))  # after an end
+        if consumed + len(forced) and not self._matcher.rollback(consumed + len(forced)):
             raise errors.BatchspecError(f"grammar: {self._matcher.get_error()}")
-        masks += [self._all] * (len(draft_token_ids) + 1 - len(masks))
-        return masks, allowed
+        return masks, allowed, forced
 
     def advance(self, token_ids: list[int]) -> None:
         """The sequence committed these tokens (the target picked them under the masks)."""

@@ -10,11 +10,12 @@ import openai
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from batchspec.params import SamplingParams
 from batchspec.runtime import sampling
 from batchspec.v1 import generate_pb2
+from batchspec_tools.bench.grammar_mask import GrammarMask
 from coordinator.grammar import Grammars, ResponseFormat, allows
 from target_service import verifier
 
@@ -70,22 +71,11 @@ def stack(model_dirs, tokenizer_dir, request):
         yield running
 
 
-class GrammarMask(LogitsProcessor):
-    """The grammar as a transformers logits processor, straight from llguidance."""
-
-    def __init__(self, tokenizer_dir, grammar: str, prompt_len: int, eos: int):
-        text = open(f"{tokenizer_dir}/tokenizer.json").read()
-        lltok = llguidance.LLTokenizer(text, n_vocab=tiny_models.VOCAB, eos_token=eos)
-        self.matcher = llguidance.LLMatcher(lltok, grammar)
-        self.prompt_len, self.seen = prompt_len, 0
-
-    def __call__(self, input_ids, scores):
-        generated = input_ids[0, self.prompt_len:].tolist()
-        assert self.matcher.consume_tokens(generated[self.seen:])
-        self.seen = len(generated)
-        mask = self.matcher.compute_bitmask()
-        allowed = torch.tensor([allows(mask, t) for t in range(scores.shape[-1])])
-        return scores.masked_fill(~allowed, float("-inf"))
+def grammar_mask(tokenizer_dir, grammar: str, prompt_len: int, eos: int) -> GrammarMask:
+    """The reference's constraint, built from the tokenizer file by llguidance itself."""
+    text = open(f"{tokenizer_dir}/tokenizer.json").read()
+    lltok = llguidance.LLTokenizer(text, n_vocab=tiny_models.VOCAB, eos_token=eos)
+    return GrammarMask(llguidance.LLMatcher(lltok, grammar), prompt_len)
 
 
 def reference(target, tokenizer_dir, grammar, prompt, eos, max_new_tokens):
@@ -93,8 +83,8 @@ def reference(target, tokenizer_dir, grammar, prompt, eos, max_new_tokens):
         out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
                               do_sample=False, eos_token_id=eos, pad_token_id=eos,
                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              logits_processor=[GrammarMask(tokenizer_dir, grammar,
-                                                            len(prompt), eos)])
+                              logits_processor=[grammar_mask(tokenizer_dir, grammar,
+                                                             len(prompt), eos)])
     tokens = out[0, len(prompt):].tolist()
     return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
 
@@ -221,3 +211,14 @@ def test_sampling_under_a_mask_draws_from_the_targets_masked_distribution():
     assert freq[~allowed].sum() == 0
     assert (freq - expected).abs().max() < 0.015
     assert (result.num_accepted > 0).float().mean() > 0.2  # drafts were accepted, too
+
+
+def test_a_greedy_row_is_filled_with_the_grammars_forced_tokens(tokenizer_dir, eos):
+    grammars = Grammars(open(f"{tokenizer_dir}/tokenizer.json").read(), tiny_models.VOCAB, [eos])
+    tok = Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json")
+    constraint = grammars.compile(ResponseFormat("regex", "(red|green)-[0-9]")).start()
+    assert constraint.cut([], 4)[2] == []  # "r" or "g": nothing is forced yet
+    masks, allowed, forced = constraint.cut(tok.encode("gx").ids, 3)
+    assert allowed == 1 and tok.decode(forced) == "ree" and len(masks) == 5
+    assert [t for t in range(tiny_models.VOCAB) if allows(masks[1], t)] == forced[:1]
+    assert constraint.cut(tok.encode("g").ids, 0) == (masks[:2], 1, [])  # rolled back
