@@ -244,9 +244,13 @@ class ServiceClient:
         except grpc.RpcError as error:
             raise errors.Unavailable(f"{self.address}: {_describe(error)}") from error
 
-    def prefill(self, entries: list[tuple[int, list[int]]]) -> list[int]:
+    def prefill(self, entries: list[tuple[int, list[int]]],
+                copies: dict[int, int] | None = None) -> list[int]:
+        """copies: seq_id -> the sequence whose cache it starts from (PrefillEntry.copy_from)."""
+        copies = copies or {}
         result = self.stream.call(prefill=cache_pb2.PrefillCommand(entries=[
-            cache_pb2.PrefillEntry(seq_id=s, token_ids=t) for s, t in entries]))
+            cache_pb2.PrefillEntry(seq_id=s, token_ids=t, copy_from=copies.get(s))
+            for s, t in entries]))
         return list(result.cache_lens)
 
     def trim(self, entries: list[tuple[int, int, int]]) -> list[int]:

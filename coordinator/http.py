@@ -239,8 +239,10 @@ class HttpEdge:
         reply = Reply(self.models.model_id, chat, len(valid.prompt_token_ids), ending, [
             Scores(self.codec, valid.logprobs is not None, valid.prompt_token_ids, echo)
             for _ in range(n)])
+        # the n choices go to one target, which caches their prompt once
         streams = [stream_events(self.router, choice_request(valid, i), self.codec,
-                                 on_admitted=ending.admitted) for i in range(n)]
+                                 on_admitted=ending.admitted, together=id(reply) if n > 1 else None)
+                   for i in range(n)]
         try:
             if not body.get("stream"):
                 await all_or_none(reply.consume(i, s) for i, s in enumerate(streams))

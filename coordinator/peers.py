@@ -83,7 +83,8 @@ class Peers:
                 for s in seqs:
                     s.prompt_logprobs = scored.get(s.seq_id, s.prompt_logprobs)
             else:
-                self.target.prefill([s.prefill_entry() for s in seqs])
+                self.target.prefill([s.prefill_entry() for s in seqs],
+                                    shared_prompts(seqs, self.pool.active_sequences()))
         for s in seqs:
             s.target.cache_len = s.committed_len - 1
             s.drafts = [DraftState() for _ in self.kinds]
@@ -277,6 +278,26 @@ class Peers:
         self._prefill_in_runs(self.target, seqs)
         for s in seqs:
             s.target.cache_len = s.committed_len - 1
+
+
+def shared_prompts(new: list[Sequence], active: list[Sequence]) -> dict[int, int]:
+    """{seq_id: source} for the new sequences whose prompt another sequence already caches
+    in the target, or computes in the same prefill (n choices of one request, the same prompt
+    asked again): they start from its cache instead of running the prompt again. Sources are
+    active sequences (their cache holds the prompt, then what they generated) and new ones that
+    are computed; only fresh sequences with more than a token to cache are copied."""
+    sources = {tuple(s.prompt_token_ids): s.seq_id for s in active
+               if s.target.cache_len is not None}
+    copies = {}
+    for s in new:
+        key = tuple(s.prompt_token_ids)
+        if s.num_generated or len(key) < 3:
+            continue
+        if key in sources:
+            copies[s.seq_id] = sources[key]
+        else:
+            sources[key] = s.seq_id
+    return copies
 
 
 def _describe(client) -> ModelInfo | None:

@@ -208,11 +208,12 @@ class LoopEvents:
 
 async def stream_events(router, valid: ValidRequest, codec: TextCodec | None, *,
                         include_special_tokens: bool = False, deadline: float | None = None,
-                        on_admitted=None):
+                        on_admitted=None, together=None):
     """Submit a valid request to `router` and yield its events until the one that finishes
     it; raises the error that ends it. A consumer that stops early (the client went away)
     cancels it, which frees its slot and caches at the next step. on_admitted(handle) is
-    called once it is queued (for the log line)."""
+    called once it is queued (for the log line). together: requests given the same value
+    go to the same target (see Router.submit)."""
     text = (TextStream(codec, valid.stop, skip_special_tokens=not include_special_tokens)
             if codec else None)
     events = LoopEvents(asyncio.get_running_loop())
@@ -220,7 +221,8 @@ async def stream_events(router, valid: ValidRequest, codec: TextCodec | None, *,
                            ignore_eos=valid.ignore_eos, deadline=deadline, text=text,
                            events=events, logprobs=valid.logprobs,
                            prompt_logprobs=valid.prompt_logprobs,
-                           constraint=valid.grammar.start() if valid.grammar else None)
+                           constraint=valid.grammar.start() if valid.grammar else None,
+                           together=together)
     if on_admitted is not None:
         on_admitted(handle)
     finished = False

@@ -40,8 +40,11 @@ class Router:
         if self._on_health is not None:
             self._on_health(self.healthy())
 
-    def submit(self, *args, **kwargs) -> RequestHandle:
-        """See RequestPool.submit; refused while too many wait over all engines."""
+    def submit(self, *args, together=None, **kwargs) -> RequestHandle:
+        """See RequestPool.submit; refused while too many wait over all engines. Requests
+        submitted with the same `together` (n choices of one prompt) go to the same engine
+        while the live engines stay the same, so its target caches their prompt once;
+        others go to the least loaded."""
         with self._lock:
             if self.num_waiting() >= self.max_queue:
                 raise errors.ResourceExhausted("too many requests wait already; retry later")
@@ -50,7 +53,8 @@ class Router:
             live = [e for e in self.engines if e.target_up]
             if not live:
                 raise errors.Unavailable("no target service is reachable; retry later")
-            engine = min(live, key=lambda e: e.pool.load())
+            engine = (min(live, key=lambda e: e.pool.load()) if together is None
+                      else live[hash(together) % len(live)])
         return engine.submit(*args, **kwargs)
 
     def cancel(self, handle: RequestHandle) -> None:

@@ -36,6 +36,9 @@ class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceService
 
 def scored_prefill(runner, command: cache_pb2.PrefillCommand) -> cache_pb2.PrefillResult:
     """A prefill whose entries may ask for their prompt's log-probabilities."""
+    if any(e.HasField("copy_from") for e in command.entries):
+        raise errors.InvalidArgument("a prefill that scores prompts cannot copy caches: send "
+                                     "the entries with copy_from in a command of their own")
     scoring = {e.seq_id: (e.prompt_logprobs.num_top, e.next_token_id)
                for e in command.entries if e.HasField("prompt_logprobs")}
     lens, scored = runner.prefill_scored([(e.seq_id, list(e.token_ids))

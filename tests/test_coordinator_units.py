@@ -155,7 +155,7 @@ class FakeService:
     def describe(self, timeout=0.0):
         return ModelInfo("fake", 100, [3], 1000, 0, 0)
 
-    def prefill(self, entries):
+    def prefill(self, entries, copies=None):
         self.prefills.append([len(tokens) for _, tokens in entries])
         return self.prefills[-1]
 

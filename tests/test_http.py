@@ -204,12 +204,17 @@ def test_include_usage_ends_the_stream_with_a_usage_chunk(stack):
         whole.choices[0].message.content
 
 
-def test_n_choices_are_the_answers_of_their_own_seeds(stack):
+def test_n_choices_are_the_answers_of_their_own_seeds(stack, monkeypatch):
     """Choice i of a seeded request is what the same request with n = 1 and seed + i
-    answers: n samples, each exact, streamed or not."""
+    answers: n samples, each exact, streamed or not; the target runs their prompt once."""
+    computed = []  # the prompts the target runs through its model
+    prefill_batch = stack.target_runner._prefill_batch
+    monkeypatch.setattr(stack.target_runner, "_prefill_batch", lambda chunk: (
+        computed.extend(len(t) for _, t in chunk), prefill_batch(chunk))[1])
     ask = dict(model="batchspec", messages=CHAT, max_tokens=12, temperature=0.9)
     whole = client(stack).chat.completions.create(n=3, seed=5, **ask)
     assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert computed == [whole.usage.prompt_tokens - 1]  # once; the other two copy its cache
     alone = [client(stack).chat.completions.create(seed=5 + i, **ask) for i in range(3)]
     assert [c.message.content for c in whole.choices] == \
         [a.choices[0].message.content for a in alone]

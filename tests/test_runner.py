@@ -82,3 +82,33 @@ def test_ragged_groups_match_each_sequence_run_alone(model_dirs, arch, budget, m
     assert resident > 0  # the group's own batch was reused with holes
     if budget is not None:
         assert copied > 1  # and compacted when they grew past the budget
+
+
+def test_a_copied_prefill_shares_its_source_and_continues_as_a_computed_one(model_dirs):
+    """n choices of one prompt: the copies start from the source's first positions (no
+    forward), and a step after the copy gives the logits a computed prefill gives; the
+    source may be computed by the same command or cached already, never missing or short."""
+    from batchspec import errors
+
+    model = models.load_causal_lm(model_dirs["llama"][0])
+    runner = runner_lib.ModelRunner(model, name="llama", device=torch.device("cpu"),
+                                    eos_token_ids=[], max_context_len=256)
+    prompt = [5, 9, 14, 22, 31, 7]
+    assert runner.prefill_copies([(1, prompt), (2, prompt[:4]), (3, prompt)], {3: 1}) == [6, 4, 6]
+    assert runner.prefill_copies([(4, prompt[:5])], {4: 3}) == [5]
+    assert runner.caches[3].home is runner.caches[1].home  # views, not a copy
+    reference = runner_lib.ModelRunner(model, name="llama", device=torch.device("cpu"),
+                                       eos_token_ids=[], max_context_len=256)
+    reference.prefill([(4, prompt[:5])])
+
+    def next_logits(r, seq_id):
+        group = r.open_group([runner_lib.RowSpec(seq_id, 5, 5, [prompt[5]])], realign=False)
+        return group.step(torch.tensor([[prompt[5]]]), num_logits=1)
+
+    torch.testing.assert_close(next_logits(runner, 4), next_logits(reference, 4))
+    with pytest.raises(errors.NotFound):
+        runner.prefill_copies([(5, prompt)], {5: 77})
+    with pytest.raises(errors.FailedPrecondition):
+        runner.prefill_copies([(6, prompt)], {6: 2})  # 2 holds 4 positions, not 6
+    with pytest.raises(errors.InvalidArgument):
+        runner.prefill_copies([(7, prompt), (8, prompt)], {7: 8, 8: 7})

@@ -102,6 +102,13 @@ class CacheBook:
                 raise errors.InvalidArgument(
                     f"sequence {seq_id}: cannot trim to {keep} positions, only {expected} cached")
 
+    def prefill_copies(self, entries: list[tuple[int, list[int]]],
+                       copies: dict[int, int]) -> list[int]:
+        """prefill, where the sequences in `copies` (seq_id: source) start from their
+        source's cache; see PrefillEntry.copy_from."""
+        raise errors.InvalidArgument(f"{self.name} cannot start a sequence from another's "
+                                     "cache: prefill it without copy_from")
+
     def release(self, seq_ids: list[int]) -> int:
         self.check_unique(seq_ids)
         missing = [s for s in seq_ids if s not in self.caches]

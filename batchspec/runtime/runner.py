@@ -84,6 +84,31 @@ class ModelRunner(CacheBook):
         self.caches.update(computed)
         return [self.caches[s].length for s, _ in entries]
 
+    def prefill_copies(self, entries: list[tuple[int, list[int]]],
+                       copies: dict[int, int]) -> list[int]:
+        """prefill, where the sequences in `copies` (seq_id: source) take their positions
+        from their source's cache: views of the same tensors, no copy and no forward (a
+        cache's tensors are never written in place: forwards append into new ones)."""
+        self.check_prefill(entries)
+        lengths = {s: len(t) for s, t in entries}
+        for seq_id, source in copies.items():
+            if seq_id not in lengths or source in copies or source == seq_id:
+                raise errors.InvalidArgument(
+                    f"sequence {seq_id}: copy_from {source} must name a sequence computed by "
+                    "this command or cached already, for an entry of this command")
+            known = lengths.get(source, self.caches[source].length
+                                if source in self.caches else None)
+            if known is None:
+                raise errors.NotFound(f"sequence {seq_id}: copy_from {source} is not cached here")
+            if known < lengths[seq_id]:
+                raise errors.FailedPrecondition(
+                    f"sequence {seq_id}: copy_from {source} holds {known} positions, fewer than "
+                    f"the {lengths[seq_id]} to copy")
+        self.prefill([(s, t) for s, t in entries if s not in copies])
+        for seq_id, source in copies.items():
+            self.caches[seq_id] = truncate(self.caches[source], lengths[seq_id])
+        return [self.caches[s].length for s, _ in entries]
+
     def prefill_scored(self, entries: list[tuple[int, list[int]]],
                        scoring: dict[int, tuple[int, int]]):
         """prefill, and score the prompts of the sequences in `scoring` (seq_id: (num_top,

@@ -96,7 +96,9 @@ def command_error(error: BaseException) -> cache_pb2.CommandError:
 def handle_cache_command(runner: CacheBook, kind: str, command):
     """The commands both services obey, or None for a kind that is the service's own."""
     if kind == "prefill":
-        lens = runner.prefill([(e.seq_id, list(e.token_ids)) for e in command.entries])
+        entries = [(e.seq_id, list(e.token_ids)) for e in command.entries]
+        copies = {e.seq_id: e.copy_from for e in command.entries if e.HasField("copy_from")}
+        lens = runner.prefill_copies(entries, copies) if copies else runner.prefill(entries)
         return "prefill", cache_pb2.PrefillResult(cache_lens=lens)
     if kind == "trim":
         lens = runner.trim([(e.seq_id, e.expected_cache_len, e.keep_len) for e in command.entries])

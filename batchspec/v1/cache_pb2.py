@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61tchspec/v1/cache.proto\x12\x0c\x62\x61tchspec.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x1f\n\x0cLogprobsSpec\x12\x0f\n\x07num_top\x18\x01 \x01(\r\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"}\n\x0cPrefillEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x33\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x1a.batchspec.v1.LogprobsSpec\x12\x15\n\rnext_token_id\x18\x04 \x01(\x05\"=\n\x0ePrefillCommand\x12+\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1a.batchspec.v1.PrefillEntry\"=\n\x0ePromptLogprobs\x12+\n\x06tokens\x18\x01 \x03(\x0b\x32\x1b.batchspec.v1.TokenLogprobs\"Z\n\rPrefillResult\x12\x12\n\ncache_lens\x18\x01 \x03(\r\x12\x35\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x1c.batchspec.v1.PromptLogprobs\"I\n\tTrimEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x65xpected_cache_len\x18\x02 \x01(\r\x12\x10\n\x08keep_len\x18\x03 \x01(\r\"7\n\x0bTrimCommand\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.batchspec.v1.TrimEntry\" \n\nTrimResult\x12\x12\n\ncache_lens\x18\x01 \x03(\r\"!\n\x0eReleaseCommand\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"&\n\rReleaseResult\x12\x15\n\rnum_sequences\x18\x01 \x01(\r\"-\n\x0c\x43ommandError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"\xf4\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0fmax_context_len\x18\x04 \x01(\r\x12\x15\n\rnum_sequences\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12*\n\nstep_costs\x18\t \x03(\x0b\x32\x16.batchspec.v1.StepCost\x12\x17\n\x0fpacks_positions\x18\n \x01(\x08\"J\n\x08StepCost\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0f\n\x07\x63ontext\x18\x04 \x01(\r\"Z\n\rCommandTiming\x12\x17\n\x0f\x63ompute_seconds\x18\x01 \x01(\x01\x12\x17\n\x0frealign_seconds\x18\x02 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61tchspec/v1/cache.proto\x12\x0c\x62\x61tchspec.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x1f\n\x0cLogprobsSpec\x12\x0f\n\x07num_top\x18\x01 \x01(\r\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xa3\x01\n\x0cPrefillEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x33\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x1a.batchspec.v1.LogprobsSpec\x12\x15\n\rnext_token_id\x18\x04 \x01(\x05\x12\x16\n\tcopy_from\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x0c\n\n_copy_from\"=\n\x0ePrefillCommand\x12+\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1a.batchspec.v1.PrefillEntry\"=\n\x0ePromptLogprobs\x12+\n\x06tokens\x18\x01 \x03(\x0b\x32\x1b.batchspec.v1.TokenLogprobs\"Z\n\rPrefillResult\x12\x12\n\ncache_lens\x18\x01 \x03(\r\x12\x35\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x1c.batchspec.v1.PromptLogprobs\"I\n\tTrimEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x65xpected_cache_len\x18\x02 \x01(\r\x12\x10\n\x08keep_len\x18\x03 \x01(\r\"7\n\x0bTrimCommand\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.batchspec.v1.TrimEntry\" \n\nTrimResult\x12\x12\n\ncache_lens\x18\x01 \x03(\r\"!\n\x0eReleaseCommand\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"&\n\rReleaseResult\x12\x15\n\rnum_sequences\x18\x01 \x01(\r\"-\n\x0c\x43ommandError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"\xf4\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0fmax_context_len\x18\x04 \x01(\r\x12\x15\n\rnum_sequences\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12*\n\nstep_costs\x18\t \x03(\x0b\x32\x16.batchspec.v1.StepCost\x12\x17\n\x0fpacks_positions\x18\n \x01(\x08\"J\n\x08StepCost\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0f\n\x07\x63ontext\x18\x04 \x01(\r\"Z\n\rCommandTiming\x12\x17\n\x0f\x63ompute_seconds\x18\x01 \x01(\x01\x12\x17\n\x0frealign_seconds\x18\x02 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,32 +37,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOGPROBSSPEC']._serialized_end=156
   _globals['_TOKENLOGPROBS']._serialized_start=158
   _globals['_TOKENLOGPROBS']._serialized_end=235
-  _globals['_PREFILLENTRY']._serialized_start=237
-  _globals['_PREFILLENTRY']._serialized_end=362
-  _globals['_PREFILLCOMMAND']._serialized_start=364
-  _globals['_PREFILLCOMMAND']._serialized_end=425
-  _globals['_PROMPTLOGPROBS']._serialized_start=427
-  _globals['_PROMPTLOGPROBS']._serialized_end=488
-  _globals['_PREFILLRESULT']._serialized_start=490
-  _globals['_PREFILLRESULT']._serialized_end=580
-  _globals['_TRIMENTRY']._serialized_start=582
-  _globals['_TRIMENTRY']._serialized_end=655
-  _globals['_TRIMCOMMAND']._serialized_start=657
-  _globals['_TRIMCOMMAND']._serialized_end=712
-  _globals['_TRIMRESULT']._serialized_start=714
-  _globals['_TRIMRESULT']._serialized_end=746
-  _globals['_RELEASECOMMAND']._serialized_start=748
-  _globals['_RELEASECOMMAND']._serialized_end=781
-  _globals['_RELEASERESULT']._serialized_start=783
-  _globals['_RELEASERESULT']._serialized_end=821
-  _globals['_COMMANDERROR']._serialized_start=823
-  _globals['_COMMANDERROR']._serialized_end=868
-  _globals['_DESCRIBEREQUEST']._serialized_start=870
-  _globals['_DESCRIBEREQUEST']._serialized_end=887
-  _globals['_MODELINFO']._serialized_start=890
-  _globals['_MODELINFO']._serialized_end=1134
-  _globals['_STEPCOST']._serialized_start=1136
-  _globals['_STEPCOST']._serialized_end=1210
-  _globals['_COMMANDTIMING']._serialized_start=1212
-  _globals['_COMMANDTIMING']._serialized_end=1302
+  _globals['_PREFILLENTRY']._serialized_start=238
+  _globals['_PREFILLENTRY']._serialized_end=401
+  _globals['_PREFILLCOMMAND']._serialized_start=403
+  _globals['_PREFILLCOMMAND']._serialized_end=464
+  _globals['_PROMPTLOGPROBS']._serialized_start=466
+  _globals['_PROMPTLOGPROBS']._serialized_end=527
+  _globals['_PREFILLRESULT']._serialized_start=529
+  _globals['_PREFILLRESULT']._serialized_end=619
+  _globals['_TRIMENTRY']._serialized_start=621
+  _globals['_TRIMENTRY']._serialized_end=694
+  _globals['_TRIMCOMMAND']._serialized_start=696
+  _globals['_TRIMCOMMAND']._serialized_end=751
+  _globals['_TRIMRESULT']._serialized_start=753
+  _globals['_TRIMRESULT']._serialized_end=785
+  _globals['_RELEASECOMMAND']._serialized_start=787
+  _globals['_RELEASECOMMAND']._serialized_end=820
+  _globals['_RELEASERESULT']._serialized_start=822
+  _globals['_RELEASERESULT']._serialized_end=860
+  _globals['_COMMANDERROR']._serialized_start=862
+  _globals['_COMMANDERROR']._serialized_end=907
+  _globals['_DESCRIBEREQUEST']._serialized_start=909
+  _globals['_DESCRIBEREQUEST']._serialized_end=926
+  _globals['_MODELINFO']._serialized_start=929
+  _globals['_MODELINFO']._serialized_end=1173
+  _globals['_STEPCOST']._serialized_start=1175
+  _globals['_STEPCOST']._serialized_end=1249
+  _globals['_COMMANDTIMING']._serialized_start=1251
+  _globals['_COMMANDTIMING']._serialized_end=1341
 # @@protoc_insertion_point(module_scope)

@@ -35,16 +35,18 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillEntry(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "prompt_logprobs", "next_token_id")
+    __slots__ = ("seq_id", "token_ids", "prompt_logprobs", "next_token_id", "copy_from")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    COPY_FROM_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: LogprobsSpec
     next_token_id: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Union[LogprobsSpec, _Mapping]] = ..., next_token_id: _Optional[int] = ...) -> None: ...
+    copy_from: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Union[LogprobsSpec, _Mapping]] = ..., next_token_id: _Optional[int] = ..., copy_from: _Optional[int] = ...) -> None: ...
 
 class PrefillCommand(_message.Message):
     __slots__ = ("entries",)

@@ -48,8 +48,9 @@ class _InProcess:
                          tuple((c.rows, c.tokens, c.seconds) for c in r.step_costs),
                          str(r.device))
 
-    def prefill(self, entries):
-        return self.runner.prefill(entries)
+    def prefill(self, entries, copies=None):
+        return (self.runner.prefill_copies(entries, copies) if copies
+                else self.runner.prefill(entries))
 
     def trim(self, entries):
         return self.runner.trim(entries)
