@@ -1,0 +1,120 @@
+"""Sampling through the services, for every draft kind, with tests that can fail: the output
+distribution is the target's at temperature 0.7 and top-p 0.9 (a sampler that ignored either
+would be caught), with a draft close to the target and one far from it (a mix-up of the draft's
+and the target's probabilities would be caught), sampled drafts are really accepted (a sampler
+that rejects everything keeps the target's distribution, so this is asserted on its own), the
+bonus token after a fully accepted draft is the target's, and seeded requests repeat."""
+import concurrent.futures
+from collections import Counter
+
+import pytest
+import torch
+from test_sampling_e2e import chi_square_p_value
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from batchspec.runtime import tiny
+from batchspec.v1 import generate_pb2
+
+from conftest import running_stack
+
+NUM_SAMPLES = 600
+NUM_POSITIONS = 3
+TEMPERATURE, TOP_P = 0.7, 0.9
+ALPHA = 0.001 / NUM_POSITIONS  # per position; the whole test fails by chance below 0.001
+
+
+@pytest.fixture(scope="module")
+def far_draft(model_dirs, tmp_path_factory):
+    """A draft far from the target: another random model of the same shape and vocabulary."""
+    target_dir = model_dirs["llama"][0]
+    model = tiny.BUILDERS["llama"](seed=5)
+    eos = AutoConfig.from_pretrained(target_dir).eos_token_id
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
+    path = tmp_path_factory.mktemp("far") / "llama-far-draft"
+    model.save_pretrained(path)
+    return str(path)
+
+
+def lookup_prompt(target_dir) -> list[int]:
+    """A prompt whose lookup proposes the target's own likely tokens: a start, the target's
+    greedy continuation of it, then the start again."""
+    start = [11, 12, 13, 14]
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    return start + tiny.greedy_ignoring_eos(model, start, 6) + start
+
+
+def sample(stack, seeds, prompt):
+    """(tokens, drafted, accepted) per seed, sampled at TEMPERATURE and TOP_P."""
+    def one(seed):
+        responses = list(stack.stub().Generate(generate_pb2.GenerateRequest(
+            prompt_token_ids=prompt, max_new_tokens=NUM_POSITIONS, temperature=TEMPERATURE,
+            top_p=TOP_P, seed=seed, ignore_eos=True), timeout=120))
+        stats = responses[-1].stats
+        return (tuple(t for r in responses for t in r.token_ids), stats.num_drafted_tokens,
+                stats.num_accepted_tokens)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        return list(pool.map(one, seeds))
+
+
+def target_alone(model_dir, count, prompt):
+    """Target-only sampling written out from the definitions: logits / temperature, then the
+    smallest set of most likely tokens whose mass reaches top_p (a token is kept while the
+    mass before it is below top_p), renormalised."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.tensor([prompt] * count)
+    with torch.no_grad():
+        for _ in range(NUM_POSITIONS):
+            probs = torch.softmax(model(tokens).logits[:, -1].double() / TEMPERATURE, -1)
+            sorted_probs, order = probs.sort(-1, descending=True)
+            keep = sorted_probs.cumsum(-1) - sorted_probs < TOP_P
+            nucleus = torch.where(keep, sorted_probs, 0.0)
+            picked = torch.multinomial(nucleus.float(), 1, generator=generator)
+            tokens = torch.cat([tokens, order.gather(-1, picked)], dim=1)
+    return [tuple(row) for row in tokens[:, len(prompt):].tolist()]
+
+
+def assert_follows_the_target(ours, target_dir, prompt):
+    reference = target_alone(target_dir, len(ours), prompt)
+    for position in range(NUM_POSITIONS):
+        # the prefix up to this position: later positions compare conditionals jointly
+        p_value = chi_square_p_value(Counter(s[:position + 1] for s in ours),
+                                     Counter(s[:position + 1] for s in reference))
+        assert p_value > ALPHA, f"position {position}: p = {p_value:.2e}"
+
+
+@pytest.mark.parametrize("kinds,draft", [(("model",), "near"), (("model",), "far"),
+                                         (("ngram",), None), (("ngram", "model"), "near")],
+                         ids=["model-near", "model-far", "ngram", "router"])
+def test_sampled_output_is_the_targets_and_drafts_are_accepted(model_dirs, far_draft, kinds,
+                                                                draft):
+    target_dir, near_dir = model_dirs["llama"]
+    prompt = lookup_prompt(target_dir)
+    with running_stack(target_dir, far_draft if draft == "far" else near_dir, drafts=kinds,
+                       batch_size=16, num_draft_tokens=3) as stack:
+        results = sample(stack, range(NUM_SAMPLES), prompt)
+        again = sample(stack, range(20), prompt)
+    assert [r[0] for r in again] == [r[0] for r in results[:20]]  # seeded requests repeat
+    drafted, accepted = sum(r[1] for r in results), sum(r[2] for r in results)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)  # sampled drafts were accepted
+    if draft == "far":
+        assert accepted < 0.5 * drafted  # and a far draft is mostly rejected
+    assert_follows_the_target([r[0] for r in results], target_dir, prompt)
+
+
+def test_the_bonus_token_after_a_fully_accepted_draft_is_the_targets(model_dirs,
+                                                                     tmp_path_factory):
+    """A draft equal to the target proposes the target's own distribution, so its drafts are
+    accepted and a step ends with a bonus token, drawn from the target at the position after
+    the drafts: K = 2 over 3 positions makes the third token a bonus."""
+    target_dir = model_dirs["llama"][0]
+    prompt = [11, 12, 13, 14]
+    with running_stack(target_dir, target_dir, batch_size=16, num_draft_tokens=2) as stack:
+        results = sample(stack, range(NUM_SAMPLES), prompt)
+    # nearly every draft accepted (q travels in float16, so p / q is 1 only to ~1e-3), and
+    # nearly every request one step: 2 accepted drafts, then the bonus as its third token
+    drafted, accepted = sum(r[1] for r in results), sum(r[2] for r in results)
+    assert accepted >= 0.98 * drafted
+    assert sum(r[1] == r[2] == 2 for r in results) > 0.9 * NUM_SAMPLES
+    assert_follows_the_target([r[0] for r in results], target_dir, prompt)
