@@ -286,17 +286,20 @@ def shared_prompts(new: list[Sequence], active: list[Sequence]) -> dict[int, int
     asked again): they start from its cache instead of running the prompt again. Sources are
     active sequences (their cache holds the prompt, then what they generated) and new ones that
     are computed; only fresh sequences with more than a token to cache are copied."""
-    sources = {tuple(s.prompt_token_ids): s.seq_id for s in active
-               if s.target.cache_len is not None}
+    sources: dict[int, list[Sequence]] = {}  # by prompt hash; a hit is compared in full
+    for s in active:
+        if s.target.cache_len is not None:
+            sources.setdefault(s.prompt_hash, []).append(s)
     copies = {}
     for s in new:
-        key = tuple(s.prompt_token_ids)
-        if s.num_generated or len(key) < 3:
+        if s.num_generated or len(s.prompt_token_ids) < 3:
             continue
-        if key in sources:
-            copies[s.seq_id] = sources[key]
+        same = [t for t in sources.get(s.prompt_hash, [])
+                if t.prompt_token_ids == s.prompt_token_ids]
+        if same:
+            copies[s.seq_id] = same[0].seq_id
         else:
-            sources[key] = s.seq_id
+            sources.setdefault(s.prompt_hash, []).append(s)
     return copies
 
 

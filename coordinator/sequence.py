@@ -92,6 +92,8 @@ class Sequence:
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        # computed once: admissions look prompts up among every active sequence
+        self.prompt_hash = hash(tuple(self.prompt_token_ids))
 
     @property
     def committed_len(self) -> int:
