@@ -4,8 +4,8 @@ The grammar engine is llguidance: it needs no torch (the coordinator has none), 
 mask over a 49k vocabulary in tens of microseconds, takes consumed tokens back (drafts are
 tried against the grammar and rolled back), and compiles JSON schemas itself. The coordinator
 holds one matcher per constrained sequence, at the sequence's committed tokens; before each
-verification it masks every position the row outputs from, and cuts a draft where the grammar
-forbids it when that cannot change what is sampled (see `constrain`). The target applies the
+verification it masks every position the row outputs from, and cuts a greedy row's draft
+where the grammar forbids it (see `drafting.DraftedCohort.constrained`). The target applies the
 masks, so greedy answers are the target's own under the constraint and sampling draws from
 the target's masked distribution.
 
@@ -35,7 +35,7 @@ def allows(mask: bytes, token_id: int) -> bool:
 
 class Grammars:
     """Compiles formats against the served tokenizer. The engine's view of the tokenizer is
-    built on first use (about a second for a 49k vocabulary) and shared after."""
+    built on first use (about 0.2 s for SmolLM2's 49k vocabulary) and shared after."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
         self._tokenizer_json = tokenizer_json
