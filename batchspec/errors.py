@@ -40,6 +40,13 @@ class Unavailable(BatchspecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Draining(Unavailable):
+    """The service is shutting down: it takes no new sequence (place it on another replica)
+    but still serves those it holds. Carried as UNAVAILABLE with reason DRAINING."""
+
+    reason = "DRAINING"
+
+
 class DeadlineExceeded(BatchspecError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -74,11 +81,22 @@ def code_number(code: grpc.StatusCode) -> int:
     return code.value[0]
 
 
-def from_status_code(code: grpc.StatusCode | int, message: str) -> BatchspecError:
-    """Rebuild the typed error a peer reported (by StatusCode or google.rpc.Code number)."""
+# Errors that a status code alone does not tell apart: by (code, reason).
+_BY_REASON = {(Draining.code, Draining.reason): Draining}
+
+
+def reason_of(error: BaseException) -> str:
+    """The reason word a typed error carries besides its code ("" for most)."""
+    return getattr(error, "reason", "")
+
+
+def from_status_code(code: grpc.StatusCode | int, message: str,
+                     reason: str = "") -> BatchspecError:
+    """Rebuild the typed error a peer reported (by StatusCode or google.rpc.Code number,
+    and the reason word where it sent one)."""
     if isinstance(code, int):
         code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
-    cls = _BY_CODE.get(code, BatchspecError)
+    cls = _BY_REASON.get((code, reason)) or _BY_CODE.get(code, BatchspecError)
     return cls(message)
 
 

@@ -3,6 +3,7 @@ import asyncio
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -10,6 +11,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
+
+# gRPC metadata key of a command stream: the service instance its client believes it talks to.
+INSTANCE_METADATA = "batchspec-instance"
 
 # Keep-alive pings let a peer notice a dead process within seconds, not minutes.
 CHANNEL_OPTIONS = [
@@ -149,8 +153,9 @@ def set_serving(health_servicer, names, serving: bool = True) -> None:
 
 def run_until_signalled(server, health_servicer, names, *, grace_s: float = 10.0,
                         on_stop=None) -> None:
-    """Serve until SIGTERM/SIGINT, then stop admitting, let in-flight RPCs finish for up to
-    grace_s seconds, and return."""
+    """Serve until SIGTERM/SIGINT, then report NOT_SERVING, let on_stop(grace_s) finish the
+    work in hand (it returns by the end of the grace period), stop the server with what is
+    left of grace_s for in-flight RPCs, and return."""
     stop = threading.Event()
 
     def handle(signum, _frame):
@@ -160,8 +165,9 @@ def run_until_signalled(server, health_servicer, names, *, grace_s: float = 10.0
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
     stop.wait()
+    end = time.monotonic() + grace_s
     set_serving(health_servicer, names, serving=False)
     if on_stop is not None:
         on_stop(grace_s)
-    server.stop(grace_s).wait()
+    server.stop(max(0.0, end - time.monotonic())).wait()
     log.info("stopped")

@@ -1,22 +1,21 @@
 """python -m coordinator --target HOST:P --draft HOST:P --port P"""
 import argparse
 import dataclasses
-import itertools
 import logging
+import time
 
 from batchspec import cliargs, errors, security
 from batchspec import server as server_lib
 from batchspec.metrics import CoordinatorMetrics, serve_metrics
-from coordinator import config, http
+from coordinator import config, fleet, http, membership
 from coordinator.clients import DraftClient, ModelInfo, TargetClient
 from coordinator.config import CoordinatorConfig
-from coordinator.drafts import group_by_model
-from coordinator.engine import Engine
+from coordinator.fleet import Fleet
 from coordinator.grammar import Grammars
+from coordinator.membership import Membership
 from coordinator.requests import Limits
 from coordinator.router import Router
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer, add_to_server
-from coordinator.stats import StepLog
 from coordinator.telemetry import Telemetry
 from coordinator.text import TextCodec
 
@@ -26,10 +25,13 @@ log = logging.getLogger("coordinator")
 def build_parser() -> argparse.ArgumentParser:
     parser = cliargs.parser("batchspec coordinator", "Serve the public Generate API.")
     parser.add_argument("--target", action="append", required=True,
-                        help="target service HOST:PORT; repeat or comma-separate for replicas")
+                        help="target replicas: HOST:PORT, dns:NAME:PORT (every address NAME "
+                             "resolves to, re-resolved), file:PATH (one HOST:PORT per line, "
+                             "re-read when it changes) or k8s:NAMESPACE/SERVICE:PORT (the "
+                             "Service's ready endpoints, watched); repeat or comma-separate")
     parser.add_argument("--draft", action="append", default=[],
-                        help="draft service HOST:PORT; repeat or comma-separate. Services of "
-                             "one model are replicas of one draft; different models (say the "
+                        help="draft replicas, in the same forms as --target. Services of one "
+                             "model are replicas of one draft; different models (say the "
                              "model draft and the n-gram draft) are drafts chosen per sequence "
                              "(omit for target-only decoding)")
     config.add_flags(parser, config.CONNECTION_FLAGS + config.PUBLIC_FLAGS
@@ -60,9 +62,12 @@ class Running:
     metrics_port: int | None
     http_port: int | None = None
     http_runner: object = None
+    membership: Membership | None = None
 
     def stop(self, grace_s: float = 0.0) -> None:
         server_lib.set_serving(self.health, [SERVICE_NAME], serving=False)
+        if self.membership is not None:
+            self.membership.stop()
         self.router.stop(grace_s)
         if self.http_runner is not None:
             self.server.call(self.http_runner.cleanup())
@@ -74,64 +79,67 @@ class Services:
     """What the services said of themselves at start-up."""
 
     target: ModelInfo  # the first target replica's (all host the same model)
-    draft_models: list[str]  # per draft address, the model it serves
-    kinds: list[list[str]]  # draft addresses grouped by model: one list per draft kind
+    targets: list[str]  # the target addresses found at start
+    kinds: list[tuple[str, list[str]]]  # (model, draft addresses) per draft kind
+
+    @property
+    def draft_models(self) -> list[str]:
+        return [model for model, _ in self.kinds]
 
 
-def connect(client, timeout_s: float) -> ModelInfo:
-    """Wait for a service and describe it (then close this probe connection)."""
-    try:
-        client.wait_ready(timeout_s)
-        return client.describe()
-    finally:
-        client.close()
+def initial_members(sources: list, timeout_s: float, what: str) -> list[str]:
+    """The addresses the sources name now; for targets, waits (up to timeout_s) until a
+    dynamic source names one."""
+    end = time.monotonic() + timeout_s
+    while True:
+        addresses = sorted(Membership.resolve(sources))
+        if addresses or what != "target" or time.monotonic() > end:
+            break
+        time.sleep(0.5)
+    if what == "target" and not addresses:
+        raise errors.Unavailable(f"no target replica found in {', '.join(map(str, sources))} "
+                                 f"within {timeout_s:.0f} s")
+    return addresses
 
 
-def connect_all(config: CoordinatorConfig) -> Services:
-    """Describe every service; refuse targets of different models and drafts whose
-    vocabulary the target's does not cover."""
+def connect_all(config: CoordinatorConfig, target_sources: list,
+                draft_sources: list) -> Services:
+    """Describe every service the sources name at start; refuse targets of different models
+    and drafts whose vocabulary the target's does not cover."""
     credentials = config.peer_credentials()
-    infos = [connect(TargetClient(a, credentials=credentials), config.connect_timeout_s)
-             for a in config.targets]
-    info = infos[0]
-    if len({(i.vocab_size, tuple(i.eos_token_ids)) for i in infos}) != 1:
-        raise errors.FailedPrecondition("target replicas host different models")
-    draft_models = []
-    for address in config.drafts:
-        draft_info = connect(DraftClient(address, credentials=credentials),
-                             config.connect_timeout_s)
-        if draft_info.vocab_size > info.vocab_size:
-            raise errors.FailedPrecondition(
-                f"the draft at {address} ({draft_info.model}) has a vocabulary of "
-                f"{draft_info.vocab_size} tokens, larger than the target's "
-                f"({info.vocab_size}): they do not share a tokenizer")
-        draft_models.append(draft_info.model)
-    return Services(info, draft_models, group_by_model(list(config.drafts), draft_models))
+    targets = initial_members(target_sources, config.connect_timeout_s, "target")
+    infos = [fleet.describe(TargetClient(a, credentials=credentials), config.connect_timeout_s)
+             for a in targets]
+    for address, info in zip(targets, infos):
+        fleet.check_target(info, infos[0], address)
+    kinds: dict[str, list[str]] = {}
+    for address in initial_members(draft_sources, config.connect_timeout_s, "draft"):
+        draft_info = fleet.describe(DraftClient(address, credentials=credentials),
+                                    config.connect_timeout_s)
+        fleet.check_draft(draft_info, infos[0], address)
+        kinds.setdefault(draft_info.model, []).append(address)
+    return Services(infos[0], targets, list(kinds.items()))
 
 
-def build_router(config: CoordinatorConfig, eos_token_ids, telemetry: Telemetry,
-                 kinds: list[list[str]]) -> Router:
-    """One engine per target replica. kinds: draft addresses grouped by the model they
-    serve; engine i uses replica i of each kind first and fails over to the others in turn.
-    Each engine has its own connections (its own command streams)."""
-    seq_ids = itertools.count(1)
-    credentials = config.peer_credentials()
+def build_fleet(config: CoordinatorConfig, services: Services, telemetry: Telemetry) -> Fleet:
+    """One engine per target replica found at start. Drafts serving one model are replicas
+    of one kind; engine i uses replica i of each kind first and fails over to the others in
+    turn. Each engine has its own connections (its own command streams)."""
     router = Router(config.engine.max_queue, telemetry)
-    step_log = StepLog(config.step_log) if config.step_log else None
-    for i, address in enumerate(config.targets):
-        drafts = [[DraftClient(kind[(i + j) % len(kind)], config.stall_timeout_s, credentials)
-                   for j in range(len(kind))] for kind in kinds]
-        router.add(Engine(TargetClient(address, config.stall_timeout_s, credentials), drafts,
-                          config.engine, eos_token_ids, telemetry=telemetry, router=router,
-                          seq_ids=seq_ids, step_log=step_log))
-    return router
+    built = Fleet(config, router, telemetry, services.target, services.kinds)
+    for address in services.targets:
+        built.build_engine(address)
+    return built
 
 
-def start(config: CoordinatorConfig) -> Running:
-    """Connect to the services, start the engines and the server. Health is SERVING once
-    every peer answered, then while a target is reachable (without a draft it still
-    decodes)."""
-    services = connect_all(config)
+def start(config: CoordinatorConfig, resolve=None) -> Running:
+    """Connect to the services, start the engines, the server and membership. Health is
+    SERVING once every peer answered, then while a target takes requests (without a draft it
+    still decodes). resolve(name) -> IPs: the DNS lookup of dns: sources (default the
+    system's)."""
+    target_sources = [membership.parse_source(s, resolve) for s in config.targets]
+    draft_sources = [membership.parse_source(s, resolve) for s in config.drafts]
+    services = connect_all(config, target_sources, draft_sources)
     codec = TextCodec(config.tokenizer) if config.tokenizer else None
     metrics = CoordinatorMetrics(services.target.model, config.engine.num_draft_tokens)
     metrics_port = None
@@ -139,7 +147,8 @@ def start(config: CoordinatorConfig) -> Running:
         metrics_port = serve_metrics(metrics.registry, config.metrics_port,
                                      config.host).server_port
         log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)
-    router = build_router(config, services.target.eos_token_ids, Telemetry(metrics), services.kinds)
+    built = build_fleet(config, services, Telemetry(metrics))
+    router = built.router
     limits = Limits(services.target.vocab_size, services.target.max_context_len,
                     config.max_new_tokens)
     grammars = (Grammars(codec.tokenizer.to_str(), limits.vocab_size,
@@ -153,18 +162,20 @@ def start(config: CoordinatorConfig) -> Running:
     router.start(on_health=lambda serving: server_lib.set_serving(
         server.health, [SERVICE_NAME], serving))
     server.start()
+    members = Membership(built, target_sources, draft_sources, config.membership_interval_s)
+    members.start()
     http_runner, http_port = start_http(config, server, router, limits, codec, services,
                                         grammars)
     server_lib.set_serving(server.health, [SERVICE_NAME])
     log.info("coordinator on %s:%d (%s%s): targets %s (%s), drafts %s, K=%d, batch %d, "
              "pool %d, queue %d", config.host, server.port, "TLS" if config.tls else
-             "plaintext", ", API key" if interceptors else "", ",".join(config.targets),
-             services.target.model, "; ".join(f"{m}: {','.join(k)}" for m, k in zip(
-                 dict.fromkeys(services.draft_models), services.kinds)) or "none",
+             "plaintext", ", API key" if interceptors else "", ",".join(services.targets),
+             services.target.model, "; ".join(f"{m}: {','.join(k)}"
+                                              for m, k in services.kinds) or "none",
              config.engine.num_draft_tokens, config.engine.cohort_policy.batch_size,
              config.engine.max_num_seqs, config.engine.max_queue)
     return Running(server, server.port, server.health, router,
-                   metrics, metrics_port, http_port, http_runner)
+                   metrics, metrics_port, http_port, http_runner, members)
 
 
 def start_http(config: CoordinatorConfig, server, router: Router, limits: Limits,
@@ -173,7 +184,7 @@ def start_http(config: CoordinatorConfig, server, router: Router, limits: Limits
     if config.http_port is None:
         return None, None
     edge = http.HttpEdge(router, limits, codec, http.ServedModels(
-        services.target.model, services.target.model, tuple(dict.fromkeys(services.draft_models))),
+        services.target.model, services.target.model, tuple(services.draft_models)),
         security.read_api_key(config.api_key_file) if config.api_key_file else None, grammars)
     runner, port = server.call(http.start(edge, config.host, config.http_port,
                                           ssl=config.tls.ssl_context() if config.tls else None))

@@ -29,6 +29,8 @@ class ModelInfo:
     step_costs: tuple[tuple[int, int, float], ...] = ()
     device: str = ""  # e.g. "cpu", "cuda:0"
     packs_positions: bool = False  # a verify pays for each row's real tokens only
+    instance_id: str = ""  # new at every start of the service
+    draining: bool = False  # shutting down: takes no new sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,13 +100,17 @@ class CommandStream:
     """One bidirectional command stream: `call` sends a command and waits for its result.
     A broken stream raises errors.Unavailable; a refused command raises its typed error."""
 
-    def __init__(self, method, command_type, stall_timeout_s: float = 120.0):
+    def __init__(self, method, command_type, stall_timeout_s: float = 120.0,
+                 instance_id: str | None = None):
+        """instance_id: the service instance this stream is for (see ServiceClient.instance);
+        the service refuses the stream if it is another."""
         self._stall_timeout_s = stall_timeout_s
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._command_type = command_type
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._responses = method(iter(self._requests.get, _END))
+        metadata = ((server_lib.INSTANCE_METADATA, instance_id),) if instance_id else None
+        self._responses = method(iter(self._requests.get, _END), metadata=metadata)
         self._watchdog = _Watchdog(stall_timeout_s, self._responses.cancel)
 
     def call(self, timeout: float | None = None, **command):
@@ -130,7 +136,8 @@ class CommandStream:
                                      f"(expected {command_id})")
         result_type = result.WhichOneof("result")
         if result_type == "error":
-            raise errors.from_status_code(result.error.code, result.error.message)
+            raise errors.from_status_code(result.error.code, result.error.message,
+                                          result.error.reason)
         return getattr(result, result_type)
 
     def close(self):
@@ -178,7 +185,7 @@ def _model_info(info) -> ModelInfo:
     return ModelInfo(info.model, info.vocab_size, list(info.eos_token_ids),
                      info.max_context_len, info.num_sequences, info.num_cached_tokens,
                      tuple((c.rows, c.tokens, c.seconds) for c in info.step_costs),
-                     info.device, info.packs_positions)
+                     info.device, info.packs_positions, info.instance_id, info.draining)
 
 
 class Probe:
@@ -211,20 +218,23 @@ class ServiceClient:
         self.channel = server_lib.open_channel(address, credentials)
         self.stub = self.stub_type(self.channel)
         self._stream: CommandStream | None = None
+        # The service instance our caches there belong to (ModelInfo.instance_id), once it
+        # described itself: streams are opened for it alone. None: not known yet.
+        self.instance: str | None = None
 
     @property
     def stream(self) -> CommandStream:
         if self._stream is None:
             self._stream = CommandStream(self.stub.RunCommands, self.command_type,
-                                         self.stall_timeout_s)
+                                         self.stall_timeout_s, self.instance)
         return self._stream
 
-    def probe(self) -> "Probe":
+    def probe(self, timeout: float | None = None) -> "Probe":
         """Ask the service to describe itself, without waiting: gRPC carries the call on its
         own threads. The service answers Describe only when its runner takes commands, so an
         answer means it is back; no answer within the stall timeout means it is still down."""
         return Probe(self.stub.Describe.future(cache_pb2.DescribeRequest(),
-                                               timeout=self.stall_timeout_s))
+                                               timeout=timeout or self.stall_timeout_s))
 
     def reset(self) -> None:
         """Drop the stream (after a failure); the next call opens a new one."""

@@ -7,6 +7,7 @@ import dataclasses
 import pathlib
 
 from batchspec import security
+from coordinator import membership
 from coordinator.scheduler import CohortPolicy
 
 DEFAULT_PORT = 50051
@@ -76,10 +77,16 @@ class CoordinatorConfig:
     # the OpenAI-compatible HTTP edge and its chat page; None: off, 0: a free port
     http_port: int | None = None
     step_log: str | None = None  # a file that gets one JSON line per step; None: off
+    # seconds between two reads of the dns:, file: and k8s: replica sources
+    membership_interval_s: float = 2.0
 
     def __post_init__(self):
         if not self.targets:
             raise ValueError("at least one --target is needed")
+        for spec in self.targets + self.drafts:
+            membership.parse_source(spec)  # ValueError on a malformed one
+        if self.membership_interval_s <= 0:
+            raise ValueError("membership_interval_s must be > 0")
         for name, port in (("port", self.port), ("http_port", self.http_port)):
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], not {port}")
@@ -170,6 +177,8 @@ CONNECTION_FLAGS = (
          CoordinatorConfig.connect_timeout_s, float),
     Flag(("--metrics-port",), "serve Prometheus metrics on this port (0: a free one)",
          CoordinatorConfig.metrics_port, int),
+    Flag(("--membership-interval",), "seconds between two reads of the dns:, file: and k8s: "
+         "replica sources", CoordinatorConfig.membership_interval_s, float),
 )
 
 
@@ -218,8 +227,10 @@ def config_from_args(args) -> CoordinatorConfig:
                              metrics_port=args.metrics_port, http_port=args.http_port,
                              tls=security.server_tls(args.tls_cert, args.tls_key),
                              peer_tls=peer_tls_from_args(args), api_key_file=args.api_key_file,
-                             step_log=args.step_log)
+                             step_log=args.step_log,
+                             membership_interval_s=args.membership_interval)
 
 
 def split_addresses(values: list[str]) -> tuple[str, ...]:
+    """Repeated --target/--draft values, each possibly comma-separated: replica sources."""
     return tuple(a.strip() for v in values for a in v.split(",") if a.strip())

@@ -22,8 +22,6 @@ class DraftKind:
     reported (the address until they answer)."""
 
     def __init__(self, index: int, replicas: list):
-        if not replicas:
-            raise ValueError("a draft kind needs at least one replica")
         self.index = index
         self.replicas = list(replicas)
         self.current = 0
@@ -31,9 +29,10 @@ class DraftKind:
         self.cost = None  # its goodput.ServiceCost, once calibrated
         # seconds of its cheapest measured command (the order drafts are asked in a step)
         self.unit_cost = float("inf")
-        self.name = self.replicas[0].address
+        self.name = self.replicas[0].address if self.replicas else "(no replica)"
         self.ask_use = 1.0  # recent share of asks before planning that a plan drafted with
         self.asks_skipped = 0  # steps since it was last asked before planning, while idle
+        self.full_until = 0.0  # refused new sequences for capacity: not asked before this
 
     @property
     def client(self):
@@ -52,13 +51,4 @@ class DraftKind:
         self.ask_use = ASK_USE_DECAY * self.ask_use + (1 - ASK_USE_DECAY) * used
 
     def next_replica(self) -> None:
-        self.current = (self.current + 1) % len(self.replicas)
-
-
-def group_by_model(addresses: list[str], models: list[str]) -> list[list[str]]:
-    """Draft addresses grouped into kinds by the model each serves, in first-seen order:
-    replicas of one model form one kind."""
-    kinds: dict[str, list[str]] = {}
-    for address, model in zip(addresses, models):
-        kinds.setdefault(model, []).append(address)
-    return list(kinds.values())
+        self.current = (self.current + 1) % max(1, len(self.replicas))

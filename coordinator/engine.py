@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import queue
 import threading
 import time
 
@@ -81,6 +82,12 @@ class Engine:
                 config, policy))
         self._thread: threading.Thread | None = None
         self._thread_exit = False
+        # membership changes, run on the engine thread before its next step (see post)
+        self._posted: queue.SimpleQueue = queue.SimpleQueue()
+        self.removed = False  # its target left the membership: it moves its work and ends
+        # most requests one admission takes: halved while the target refuses new sequences
+        # for capacity, doubled back after each admission that went through; None: no cap
+        self._admit_cap: int | None = None
         self._prepared: DraftedCohort | None = None  # drafted while the last cohort verified
         self._overlapping: bool | None = None  # config.overlap, resolved by configure()
         # runs verify commands, so that the engine thread can draft meanwhile
@@ -111,6 +118,23 @@ class Engine:
     @property
     def target_up(self) -> bool:
         return self.peers.target_up
+
+    @property
+    def accepting(self) -> bool:
+        """It takes new requests: its target is up, not draining, and still a member."""
+        return self.peers.target_up and not self.peers.target_draining and not self.removed
+
+    def post(self, action) -> None:
+        """Run action() on the engine thread before its next step (from any thread): how
+        membership changes reach the engine's peers, which only its thread touches."""
+        self._posted.put(action)
+        self.pool.wake()
+
+    def remove(self) -> None:
+        """Its target left the membership (from any thread): the engine moves its requests
+        to the other engines once one takes them, frees its caches, and ends."""
+        self.removed = True
+        self.post(lambda: None)
 
     @property
     def stopping(self) -> bool:
@@ -159,14 +183,38 @@ class Engine:
     def _run(self) -> None:
         while True:
             # a lost service is retried even with nothing to do, so it can take work again
-            self.pool.wait_for_work(lambda: not self._thread_exit and self.peers.target_up)
+            self.pool.wait_for_work(lambda: not self._thread_exit and self.peers.target_up
+                                    and self._posted.empty() and not self.removed)
             if self._thread_exit:
                 return
             try:
+                self._run_posted()
+                if self.removed and self._leave():
+                    return
                 self.step()
             except Exception:  # outside any request's part of the step (reaping, reconnection)
                 log.exception("engine step failed")
                 time.sleep(0.05)
+
+    def _run_posted(self) -> None:
+        while not self._posted.empty():
+            self._posted.get()()
+
+    def _leave(self) -> bool:
+        """A removed engine hands its requests to the others and ends; True once done. Until
+        another engine takes them it keeps serving them here."""
+        if self.pool.idle() or (self.peers.target_up and self.peers.target_leaving()) \
+                or (not self.peers.target_up and self.peers.hand_off_waiting()):
+            self._prepared = None
+            self.peers.release(self.pool.active_sequences())
+            self.peers.close()
+            self._verifier.shutdown(wait=False)
+            if self.peers.router is not None:
+                self.peers.router.discard(self)
+            log.info("engine of target %s ended: it left the membership",
+                     self.peers.target.address)
+            return True
+        return False
 
     # ---- one step (engine thread) ---------------------------------------------------------------
     def step(self) -> None:
@@ -179,7 +227,12 @@ class Engine:
         if not self.peers.ensure():
             time.sleep(self.peers.retry_pause())
             return
-        self._admit()
+        self.peers.watch()
+        if self.peers.target_draining and self.peers.target_leaving():
+            self._prepared = None
+            return
+        if not self.peers.target_draining and time.monotonic() >= self.peers.target_full_until:
+            self._admit()  # a draining target takes no new sequence, a full one not yet
         started = time.perf_counter()
         current = self._prepared.still_open(self.pool.active) if self._prepared else None
         self._prepared = None
@@ -220,12 +273,22 @@ class Engine:
 
     def _admit(self) -> None:
         """Move the next run of waiting requests that fits the pool into it (prefilled)."""
-        new = self.pool.next_admission(self.config.max_prefill_tokens)
+        new = self.pool.next_admission(self.config.max_prefill_tokens, self._admit_cap)
         if not new:
             return
         with self._isolated("admission", new):
             try:
                 self.peers.prefill_target([h.seq for h in new])
+            except errors.Draining:  # found before a draining check did
+                self.pool.requeue(new)
+                self.peers.target_draining = True
+                return
+            except errors.ResourceExhausted as error:  # the target is full (other clients)
+                self.pool.requeue(new)
+                # admit fewer at once until one goes through (a command is all or nothing)
+                self._admit_cap = max(1, len(new) // 2)
+                self.peers.target_full(error)
+                return
             except errors.Unavailable as error:
                 self.pool.requeue(new)
                 self._target_lost(error)
@@ -234,6 +297,9 @@ class Engine:
                 for handle in new:
                     handle.fail(error)
                 return
+            if self._admit_cap is not None:
+                self._admit_cap = min(2 * self._admit_cap, self.config.max_num_seqs)
+                self.peers.target_took()
             for handle in new:
                 handle.seq.last_step = self.stats.num_steps
                 self.pool.activate(handle)

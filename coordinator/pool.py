@@ -76,10 +76,14 @@ class RequestPool:
             self.waiting = list(handles) + self.waiting
             self._lock.notify_all()
 
-    def next_admission(self, max_prefill_tokens: int) -> list[RequestHandle]:
-        """Take the next run of waiting requests that fits the pool and one prefill command."""
+    def next_admission(self, max_prefill_tokens: int,
+                       max_count: int | None = None) -> list[RequestHandle]:
+        """Take the next run of waiting requests (at most max_count) that fits the pool and
+        one prefill command."""
         with self._lock:
             room = self.max_num_seqs - len(self.active)
+            if max_count is not None:
+                room = min(room, max_count)
             runs = scheduler.split_by_tokens([h.seq for h in self.waiting[:room]],
                                              max_prefill_tokens)
             count = len(runs[0]) if runs else 0

@@ -21,6 +21,7 @@ class Router:
         self.engines: list[Engine] = []
         self.max_queue = max_queue
         self._lock = threading.Lock()
+        self._ended = EngineStats()  # the counters of engines that left the membership
         # told SERVING while some target is reachable, from start() on. A lost draft only
         # slows decoding (the engine decodes with the target alone, output unchanged), so a
         # load balancer must keep sending work; the engine logs it and reconnects.
@@ -33,7 +34,22 @@ class Router:
         return engine
 
     def healthy(self) -> bool:
-        return any(e.target_up for e in self.engines)
+        return any(e.accepting for e in self.engines)
+
+    def accepting(self, source=None) -> list[Engine]:
+        """The engines that take new requests, but the one whose peers are `source`."""
+        return [e for e in list(self.engines) if e.peers is not source and e.accepting]
+
+    def others_accepting(self, source) -> bool:
+        return bool(self.accepting(source))
+
+    def discard(self, engine: Engine) -> None:
+        """An engine that left the membership ended (its requests moved)."""
+        with self._lock:
+            if engine in self.engines:
+                self.engines.remove(engine)
+                self._ended = self._ended + engine.stats
+        self.health_changed()
 
     def health_changed(self) -> None:
         """An engine lost or regained a peer."""
@@ -50,7 +66,7 @@ class Router:
                 raise errors.ResourceExhausted("too many requests wait already; retry later")
             # requests already taken wait for a lost target to come back; new ones are
             # refused while none is reachable, as the health check says NOT_SERVING
-            live = [e for e in self.engines if e.target_up]
+            live = self.accepting()
             if not live:
                 raise errors.Unavailable("no target service is reachable; retry later")
             engine = (min(live, key=lambda e: e.pool.load()) if together is None
@@ -58,13 +74,13 @@ class Router:
         return engine.submit(*args, **kwargs)
 
     def cancel(self, handle: RequestHandle) -> None:
-        for engine in self.engines:
+        for engine in list(self.engines):
             engine.cancel(handle)
 
     def hand_off(self, source, handles: list[RequestHandle]) -> bool:
         """Move `handles` from the engine whose peers are `source` to the live others;
         False when there are none."""
-        live = [e for e in self.engines if e.peers is not source and e.target_up]
+        live = self.accepting(source)
         if not live:
             return False
         for handle in handles:  # adopt() raises the adopter's load at once: this balances
@@ -97,4 +113,4 @@ class Router:
     @property
     def stats(self) -> EngineStats:
         """Every engine's counters, added up."""
-        return functools.reduce(operator.add, (e.stats for e in self.engines), EngineStats())
+        return functools.reduce(operator.add, (e.stats for e in list(self.engines)), self._ended)

@@ -26,6 +26,7 @@ class EngineStats:
     prefill_seconds: float = 0.0  # coordinator-side round trips, both services
     num_sampled_rows: int = 0  # (sequence, step) pairs that sent draft distributions
     num_draft_probs_bytes: int = 0  # their wire size, summed
+    num_capacity_waits: int = 0  # admissions the target refused for capacity (then waited)
 
     def __add__(self, other: "EngineStats") -> "EngineStats":
         return EngineStats(*(getattr(self, f.name) + getattr(other, f.name)

@@ -145,11 +145,15 @@ class FakeService:
         self.address = address
         self.answering = threading.Event()
         self.prefills = []  # prefix lengths of each prefill command
+        self.instance = None
 
-    def probe(self):
+    def probe(self, timeout=None):
         return FakeProbe(self)
 
     def reset(self):
+        pass
+
+    def close(self):
         pass
 
     def describe(self, timeout=0.0):

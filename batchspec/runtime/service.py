@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import threading
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 from batchspec import cliargs, errors, security
@@ -20,6 +22,57 @@ if TYPE_CHECKING:  # the n-gram draft serves without torch
     from batchspec.runtime.cachebook import CacheBook
 
 log = logging.getLogger(__name__)
+
+class Gate:
+    """Who may start new sequences here, over every client of the service: its instance id
+    (new at each start), draining (after SIGTERM: no new sequence, those held still served)
+    and capacity (sequences, cached positions; 0: unlimited). Checked before a prefill runs,
+    under the runner's lock."""
+
+    def __init__(self, max_sequences: int = 0, max_cached_tokens: int = 0):
+        self.instance_id = uuid.uuid4().hex
+        self.max_sequences = max_sequences
+        self.max_cached_tokens = max_cached_tokens
+        self.draining = threading.Event()
+
+    def check_stream(self, context) -> None:
+        """Refuse a command stream opened for another instance of this service: its client
+        believes we hold caches that died with that instance."""
+        expected = dict(context.invocation_metadata()).get(server_lib.INSTANCE_METADATA)
+        if expected and expected != self.instance_id:
+            errors.abort_with(context, errors.FailedPrecondition(
+                f"this service restarted: it is instance {self.instance_id}, not {expected}, "
+                "and holds none of that instance's caches"))
+
+    def admit(self, runner: CacheBook, entries: list[tuple[int, list[int]]]) -> None:
+        """Refuse a prefill of new sequences while draining or beyond capacity."""
+        if not entries:
+            return
+        if self.draining.is_set():
+            raise errors.Draining("this service is draining (shutting down): place new "
+                                  "sequences on another replica")
+        if self.max_sequences and len(runner.caches) + len(entries) > self.max_sequences:
+            raise errors.ResourceExhausted(
+                f"{len(runner.caches)} sequences cached here, at most {self.max_sequences}: "
+                "place these elsewhere or retry later")
+        tokens = sum(len(t) for _, t in entries)
+        if self.max_cached_tokens and (runner.num_cached_tokens() + tokens
+                                       > self.max_cached_tokens):
+            raise errors.ResourceExhausted(
+                f"{runner.num_cached_tokens()} positions cached here, {tokens} more asked, at "
+                f"most {self.max_cached_tokens}: place these elsewhere or retry later")
+
+    def drain(self, runner: CacheBook, grace_s: float) -> None:
+        """Take no new sequence; wait until every held one was released (its client moved it
+        or finished it) or grace_s passed."""
+        self.draining.set()
+        end = time.monotonic() + grace_s
+        held = len(runner.caches)
+        log.info("draining: %d sequences held, up to %.0f s for them to finish or move",
+                 held, grace_s)
+        while runner.caches and time.monotonic() < end:
+            time.sleep(0.05)
+        log.info("drained: %d sequences still held", len(runner.caches))
 
 
 def serve_commands(commands, runner: CacheBook, handle, result_type, context,
@@ -65,12 +118,15 @@ class ModelServicer:
 
     result_type = None
 
-    def __init__(self, runner: CacheBook, dtype: str = "float32", metrics=None):
+    def __init__(self, runner: CacheBook, dtype: str = "float32", metrics=None,
+                 gate: Gate | None = None):
         self.runner = runner
         self.dtype = dtype
         self.metrics = metrics
+        self.gate = gate or Gate()
 
     def RunCommands(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        self.gate.check_stream(context)
         yield from serve_commands(request_iterator, self.runner, self.handle, self.result_type,
                                   context, self.metrics)
 
@@ -78,9 +134,11 @@ class ModelServicer:
         # under the runner's lock, as a command runs: a consistent snapshot, and an answer
         # means the service takes commands (the coordinator probes a lost service this way)
         with self.runner.lock:
-            return describe(self.runner, self.dtype)
+            return describe(self.runner, self.dtype, self.gate)
 
     def handle(self, kind, command):
+        if kind == "prefill":
+            self.gate.admit(self.runner, [(e.seq_id, e.token_ids) for e in command.entries])
         handled = handle_cache_command(self.runner, kind, command)
         return handled if handled is not None else self.handle_own(kind, command)
 
@@ -90,7 +148,8 @@ class ModelServicer:
 
 def command_error(error: BaseException) -> cache_pb2.CommandError:
     code = errors.to_status_code(error)
-    return cache_pb2.CommandError(code=errors.code_number(code), message=str(error))
+    return cache_pb2.CommandError(code=errors.code_number(code), message=str(error),
+                                  reason=errors.reason_of(error))
 
 
 def handle_cache_command(runner: CacheBook, kind: str, command):
@@ -109,8 +168,11 @@ def handle_cache_command(runner: CacheBook, kind: str, command):
     return None
 
 
-def describe(runner: CacheBook, dtype: str) -> cache_pb2.ModelInfo:
+def describe(runner: CacheBook, dtype: str, gate: Gate) -> cache_pb2.ModelInfo:
     return cache_pb2.ModelInfo(model=runner.name, vocab_size=runner.vocab_size,
+                               instance_id=gate.instance_id, draining=gate.draining.is_set(),
+                               max_sequences=gate.max_sequences,
+                               max_cached_tokens=gate.max_cached_tokens,
                                eos_token_ids=runner.eos_token_ids,
                                max_context_len=runner.max_context_len,
                                num_sequences=len(runner.caches),
@@ -140,9 +202,11 @@ class ServiceConfig:
     device: str = "cpu"
     dtype: str = "float32"
     num_layers: int | None = None
-    grace_s: float = 10.0
+    grace_s: float = 30.0
     metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: a free port
     tls: security.ServerTls | None = None  # with client_ca set: mutual TLS
+    max_sequences: int = 0  # over every client; 0: unlimited
+    max_cached_tokens: int = 0  # cached positions over every client; 0: unlimited
 
     def __post_init__(self):
         models.check_spec(self.model)
@@ -153,6 +217,8 @@ class ServiceConfig:
             raise ValueError(f"dtype must be one of {models.DTYPES}, not {self.dtype!r}")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError("num_layers must be >= 1")
+        if self.max_sequences < 0 or self.max_cached_tokens < 0:
+            raise ValueError("--max-sequences and --max-cached-tokens must be >= 0")
 
 
 def build_runner(config: ServiceConfig) -> runner_lib.ModelRunner:
@@ -182,8 +248,15 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int) ->
                         help="parameter dtype")
     parser.add_argument("--num-layers", type=int, default=None,
                         help="keep only the model's first N layers (a cheap draft)")
-    parser.add_argument("--grace", type=float, default=10.0,
-                        help="seconds to finish in-flight work on SIGTERM")
+    parser.add_argument("--grace", type=float, default=30.0,
+                        help="on SIGTERM: seconds to keep serving the sequences held (no new "
+                             "ones) while clients move or finish them (default 30)")
+    parser.add_argument("--max-sequences", type=int, default=0,
+                        help="sequences cached at once, over every coordinator; beyond, new "
+                             "ones are refused with RESOURCE_EXHAUSTED (default 0: no limit)")
+    parser.add_argument("--max-cached-tokens", type=int, default=0,
+                        help="positions cached at once (KV memory), over every coordinator "
+                             "(default 0: no limit)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port (0: a free one)")
     parser.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
@@ -195,16 +268,18 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int) ->
 def config_from_args(args) -> ServiceConfig:
     return ServiceConfig(model=args.model, host=args.host, port=args.port, device=args.device,
                          dtype=args.dtype, num_layers=args.num_layers, grace_s=args.grace,
-                         metrics_port=args.metrics_port,
+                         metrics_port=args.metrics_port, max_sequences=args.max_sequences,
+                         max_cached_tokens=args.max_cached_tokens,
                          tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_ca))
 
 
 def start_model_service(config: ServiceConfig, make_servicer, add_to_server, service_name, *,
-                        build=None, warm=None):
+                        build=None, warm=None, gate: Gate | None = None):
     """Load the model, start serving; returns (server, port, health, runner). Health turns
     SERVING only after the model is loaded and has run one warm-up forward. The model is
     loaded, tuned and run on the compute thread only (see batchspec.runtime.compute).
-    build(config) -> runner and warm(runner) default to a model runner's."""
+    build(config) -> runner and warm(runner) default to a model runner's; gate: see Gate
+    (default: one from the config's capacity)."""
     runner = compute.run(build or build_runner, config)
     compute.run(warm or warm_up, runner)
     role = service_name.rsplit(".", 1)[-1]
@@ -212,7 +287,8 @@ def start_model_service(config: ServiceConfig, make_servicer, add_to_server, ser
     if config.metrics_port is not None:
         http = serve_metrics(metrics.registry, config.metrics_port, config.host)
         log.info("%s metrics on http://%s:%d/metrics", role, config.host, http.server_port)
-    servicer = make_servicer(runner, dtype=config.dtype, metrics=metrics)
+    gate = gate or Gate(config.max_sequences, config.max_cached_tokens)
+    servicer = make_servicer(runner, dtype=config.dtype, metrics=metrics, gate=gate)
     server, port, health = server_lib.create_server(
         f"{config.host}:{config.port}", [(add_to_server, servicer, service_name)],
         credentials=config.tls.credentials() if config.tls else None)
@@ -263,11 +339,15 @@ def main(role: str, default_port: int, hosting, add_to_server, service_name, arg
     config = server_lib.parse_config(parser, argv, config_from_args)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
     make_servicer, build, warm = hosting(config)
+    gate = Gate(config.max_sequences, config.max_cached_tokens)
     try:
-        server, port, health, _ = start_model_service(config, make_servicer, add_to_server,
-                                                      service_name, build=build, warm=warm)
+        server, port, health, runner = start_model_service(
+            config, make_servicer, add_to_server, service_name, build=build, warm=warm,
+            gate=gate)
     except (OSError, RuntimeError, ValueError) as error:  # a model or device not to be had
         log.error("cannot serve %s on %s: %s", config.model, config.device, error)
         raise SystemExit(1) from None
     print(f"{role} listening on {config.host}:{port}", flush=True)
-    server_lib.run_until_signalled(server, health, [service_name], grace_s=config.grace_s)
+    # SIGTERM: NOT_SERVING, then draining: the held sequences are served until released
+    server_lib.run_until_signalled(server, health, [service_name], grace_s=config.grace_s,
+                                   on_stop=lambda grace_s: gate.drain(runner, grace_s))

@@ -103,19 +103,21 @@ class ReleaseResult(_message.Message):
     def __init__(self, num_sequences: _Optional[int] = ...) -> None: ...
 
 class CommandError(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "reason")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_context_len", "num_sequences", "num_cached_tokens", "device", "dtype", "step_costs", "packs_positions")
+    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_context_len", "num_sequences", "num_cached_tokens", "device", "dtype", "step_costs", "packs_positions", "instance_id", "draining", "max_sequences", "max_cached_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +128,10 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     STEP_COSTS_FIELD_NUMBER: _ClassVar[int]
     PACKS_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -136,7 +142,11 @@ class ModelInfo(_message.Message):
     dtype: str
     step_costs: _containers.RepeatedCompositeFieldContainer[StepCost]
     packs_positions: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., packs_positions: _Optional[bool] = ...) -> None: ...
+    instance_id: str
+    draining: bool
+    max_sequences: int
+    max_cached_tokens: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., packs_positions: _Optional[bool] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., max_sequences: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StepCost(_message.Message):
     __slots__ = ("rows", "tokens", "seconds", "context")

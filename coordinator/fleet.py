@@ -1,0 +1,164 @@
+"""The replicas the coordinator drives and how they change while it serves: one engine per
+target replica, the draft replicas grouped into kinds by the model they serve.
+
+`Membership` (coordinator.membership) calls `add_target`, `remove_target`, `add_draft` and
+`remove_draft` from its thread. A new target gets an engine of its own (started, then given
+new requests by the router); a removed one's engine moves its requests to the others and ends.
+A draft replica change reaches each engine as a posted action (only an engine's thread touches
+its peers), so it changes only where drafts go.
+
+Sequence ids carry a random 31-bit prefix per coordinator: several coordinators may share the
+model services, whose caches are keyed by sequence id, without colliding.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import secrets
+
+from batchspec import errors
+from coordinator.clients import DraftClient, ModelInfo, TargetClient
+from coordinator.engine import Engine
+from coordinator.router import Router
+from coordinator.stats import StepLog
+
+log = logging.getLogger(__name__)
+
+# How long adding a replica waits for it to answer before the next refresh asks again.
+DESCRIBE_TIMEOUT_S = 2.0
+
+
+def sequence_ids():
+    """Ids unique to this coordinator: a random prefix in the high bits, a counter below."""
+    return itertools.count((secrets.randbits(31) << 32) + 1)
+
+
+def describe(client, timeout_s: float) -> ModelInfo:
+    """Wait for a service and describe it (then close this probe connection)."""
+    try:
+        client.wait_ready(timeout_s)
+        return client.describe(timeout=timeout_s)
+    finally:
+        client.close()
+
+
+def check_draft(info: ModelInfo, target: ModelInfo, address: str) -> None:
+    if info.vocab_size > target.vocab_size:
+        raise errors.FailedPrecondition(
+            f"the draft at {address} ({info.model}) has a vocabulary of {info.vocab_size} "
+            f"tokens, larger than the target's ({target.vocab_size}): they do not share a "
+            "tokenizer")
+
+
+def check_target(info: ModelInfo, target: ModelInfo, address: str) -> None:
+    if (info.vocab_size, tuple(info.eos_token_ids)) != (target.vocab_size,
+                                                        tuple(target.eos_token_ids)):
+        raise errors.FailedPrecondition(f"the target at {address} hosts another model "
+                                        f"({info.model}) than the first ({target.model})")
+
+
+class Fleet:
+    def __init__(self, config, router: Router, telemetry, target: ModelInfo,
+                 kinds: list[tuple[str, list[str]]]):
+        """config: CoordinatorConfig; target: the first target's ModelInfo (every target
+        must host its model); kinds: (model, draft addresses) per draft kind."""
+        self.config = config
+        self.router = router
+        self.telemetry = telemetry
+        self.target = target
+        self.kinds = [(model, list(addresses)) for model, addresses in kinds]
+        self.credentials = config.peer_credentials()
+        self.seq_ids = sequence_ids()
+        self.step_log = StepLog(config.step_log) if config.step_log else None
+        self._refused: set[str] = set()  # addresses refused once (logged once)
+
+    # ---- engines --------------------------------------------------------------------------------
+    def build_engine(self, address: str) -> Engine:
+        """An engine for the target at `address`; it uses the draft replicas from its place
+        in the router on (engines spread over replicas), failing over to the others in turn."""
+        i = len(self.router.engines)
+        drafts = [[self._draft_client(addresses[(i + j) % len(addresses)])
+                   for j in range(len(addresses))] for _, addresses in self.kinds]
+        return self.router.add(Engine(
+            TargetClient(address, self.config.stall_timeout_s, self.credentials), drafts,
+            self.config.engine, self.target.eos_token_ids, telemetry=self.telemetry,
+            router=self.router, seq_ids=self.seq_ids, step_log=self.step_log))
+
+    def _draft_client(self, address: str) -> DraftClient:
+        return DraftClient(address, self.config.stall_timeout_s, self.credentials)
+
+    def target_addresses(self) -> set[str]:
+        return {e.peers.target.address for e in self.router.engines if not e.removed}
+
+    def draft_addresses(self) -> set[str]:
+        return {a for _, addresses in self.kinds for a in addresses}
+
+    # ---- membership changes (the membership thread) --------------------------------------------
+    def add_target(self, address: str) -> None:
+        info = self._describe(TargetClient, address)
+        if info is None or not self._checked(check_target, info, address):
+            return
+        engine = self.build_engine(address)
+        engine.start()
+        self.router.health_changed()
+        log.info("target %s joined (%s): it takes new requests", address, info.model)
+
+    def remove_target(self, address: str) -> None:
+        for engine in list(self.router.engines):
+            if engine.peers.target.address == address and not engine.removed:
+                log.info("target %s left: its requests move to the other targets", address)
+                engine.remove()
+
+    def add_draft(self, address: str) -> None:
+        info = self._describe(DraftClient, address)
+        if info is None or not self._checked(check_draft, info, address):
+            return
+        index = next((i for i, (model, _) in enumerate(self.kinds) if model == info.model),
+                     None)
+        if index is None:
+            if address not in self._refused:
+                self._refused.add(address)
+                log.warning("draft %s serves %s, which no draft kind of this coordinator "
+                            "serves: kinds are fixed at start, so it is not used", address,
+                            info.model)
+            return
+        addresses = self.kinds[index][1]
+        addresses.append(address)
+        for i, engine in enumerate(list(self.router.engines)):
+            engine.post(functools.partial(engine.peers.add_draft_replica, index,
+                                          self._draft_client(address),
+                                          addresses[i % len(addresses)]))
+        log.info("draft %s joined (%s): %d replicas of that draft", address, info.model,
+                 len(addresses))
+
+    def remove_draft(self, address: str) -> None:
+        for _, addresses in self.kinds:
+            if address in addresses:
+                addresses.remove(address)
+        for engine in list(self.router.engines):
+            engine.post(functools.partial(engine.peers.remove_draft_replica, address))
+        log.info("draft %s left: drafts go to the other replicas", address)
+
+    def _describe(self, client_type, address: str) -> ModelInfo | None:
+        try:
+            info = describe(client_type(address, credentials=self.credentials),
+                            DESCRIBE_TIMEOUT_S)
+        except errors.Unavailable as error:
+            log.info("%s does not answer yet (%s): asked again at the next refresh", address,
+                     error)
+            return None
+        if info.draining:
+            log.info("%s is draining: not added", address)
+            return None
+        return info
+
+    def _checked(self, check, info: ModelInfo, address: str) -> bool:
+        try:
+            check(info, self.target, address)
+            return True
+        except errors.FailedPrecondition as error:
+            if address not in self._refused:
+                self._refused.add(address)
+                log.error("%s", error)
+            return False

@@ -1,0 +1,184 @@
+"""Live membership: replica sources (dns:, file:, k8s:), service instances, draining and
+capacity, units first; the loopback tests with real service processes are in
+test_membership_e2e.py."""
+import pytest
+
+from batchspec import errors
+from batchspec.runtime import service
+from batchspec.runtime.cachebook import CacheBook
+from coordinator import membership
+from coordinator.config import CoordinatorConfig
+from coordinator.fleet import sequence_ids
+
+
+def test_sources_parse_and_refuse_malformed_specs():
+    assert isinstance(membership.parse_source("10.0.0.1:50052"), membership.Static)
+    dns = membership.parse_source("dns:targets.internal:50052")
+    assert (dns.name, dns.port) == ("targets.internal", 50052)
+    assert membership.parse_source("file:/etc/batchspec/targets").path == "/etc/batchspec/targets"
+    k8s = membership.parse_source("k8s:serving/batchspec-target:50052")
+    assert (k8s.namespace, k8s.service, k8s.port) == ("serving", "batchspec-target", 50052)
+    for bad in ("dns:nameonly", "k8s:noslash:1", "k8s:ns/svc:port", "file:", "hostonly",
+                "host:99999"):
+        with pytest.raises(ValueError):
+            membership.parse_source(bad)
+    with pytest.raises(ValueError):  # the config refuses them at start, with the flag's error
+        CoordinatorConfig(targets=("dns:nameonly",))
+
+
+def test_a_file_source_is_read_again_when_it_changes(tmp_path):
+    path = tmp_path / "targets"
+    path.write_text("# replicas\n127.0.0.1:5001\n\n127.0.0.1:5002  # the second\n")
+    source = membership.parse_source(f"file:{path}")
+    assert source.addresses() == {"127.0.0.1:5001", "127.0.0.1:5002"}
+    path.write_text("127.0.0.1:5002\n127.0.0.1:5003\n")
+    assert source.addresses() == {"127.0.0.1:5002", "127.0.0.1:5003"}
+    path.write_text("not an address\n")  # a bad rewrite keeps the last good answer
+    assert source.addresses() == {"127.0.0.1:5002", "127.0.0.1:5003"}
+    path.unlink()
+    assert source.addresses() == {"127.0.0.1:5002", "127.0.0.1:5003"}
+
+
+def test_a_dns_source_keeps_its_last_answer_when_resolution_fails():
+    answers = {"drafts.test": ["127.0.0.2"]}
+
+    def resolve(name):
+        if name not in answers:
+            raise OSError("temporary failure in name resolution")
+        return answers[name]
+
+    source = membership.parse_source("dns:drafts.test:7000", resolve)
+    assert source.addresses() == {"127.0.0.2:7000"}
+    answers["drafts.test"] = ["127.0.0.2", "127.0.0.3", "::1"]
+    assert source.addresses() == {"127.0.0.2:7000", "127.0.0.3:7000", "[::1]:7000"}
+    del answers["drafts.test"]
+    assert source.addresses() == {"127.0.0.2:7000", "127.0.0.3:7000", "[::1]:7000"}
+
+
+def endpoint_slice(name, endpoints, version="1"):
+    """An EndpointSlice as the API sends it in a watch event (discovery.k8s.io/v1)."""
+    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+            "metadata": {"name": name, "namespace": "serving", "resourceVersion": version,
+                         "labels": {"kubernetes.io/service-name": "batchspec-target"}},
+            "ports": [{"name": "grpc", "port": 50052, "protocol": "TCP"}],
+            "endpoints": endpoints}
+
+
+def endpoint(ip, ready=True, terminating=False, serving=None):
+    conditions = {"ready": ready, "terminating": terminating}
+    if serving is not None:
+        conditions["serving"] = serving
+    return {"addresses": [ip] if ip else [], "conditions": conditions,
+            "targetRef": {"kind": "Pod", "name": f"target-{ip}"}}
+
+
+def test_the_k8s_source_follows_recorded_endpointslice_events():
+    """Ready endpoints are replicas; not ready, terminating (still serving while it drains)
+    and address-less ones are not; a deleted slice takes its endpoints with it."""
+    source = membership.K8sSource("serving", "batchspec-target", 50052)
+    source._thread = object()  # no API server here: feed the watch by hand
+    events = [
+        ("ADDED", endpoint_slice("target-abc", [endpoint("10.1.0.4"),
+                                                endpoint("10.1.0.5", ready=False),
+                                                endpoint(None)]),
+         {"10.1.0.4:50052"}),
+        ("MODIFIED", endpoint_slice("target-abc", [endpoint("10.1.0.4"), endpoint("10.1.0.5"),
+                                                   endpoint("10.1.0.6")], "2"),
+         {"10.1.0.4:50052", "10.1.0.5:50052", "10.1.0.6:50052"}),
+        ("ADDED", endpoint_slice("target-def", [endpoint("10.1.1.7")]),
+         {"10.1.0.4:50052", "10.1.0.5:50052", "10.1.0.6:50052", "10.1.1.7:50052"}),
+        ("MODIFIED", endpoint_slice("target-abc", [
+            endpoint("10.1.0.4", ready=False, terminating=True, serving=True),
+            endpoint("10.1.0.5"), endpoint("10.1.0.6", ready=False)], "3"),
+         {"10.1.0.5:50052", "10.1.1.7:50052"}),
+        ("BOOKMARK", {"metadata": {"resourceVersion": "4"}},
+         {"10.1.0.5:50052", "10.1.1.7:50052"}),
+        ("DELETED", endpoint_slice("target-def", [endpoint("10.1.1.7")], "5"),
+         {"10.1.0.5:50052"}),
+    ]
+    for kind, obj, expected in events:
+        source.apply({"type": kind, "object": obj})
+        assert source.addresses() == expected, kind
+
+
+class FakeFleet:
+    """What Membership changes: sets of addresses, and the calls it made."""
+
+    def __init__(self, targets=(), drafts=()):
+        self.targets, self.drafts, self.calls = set(targets), set(drafts), []
+
+    def target_addresses(self):
+        return set(self.targets)
+
+    def draft_addresses(self):
+        return set(self.drafts)
+
+    def add_target(self, address):
+        self.calls.append(("add_target", address))
+        self.targets.add(address)
+
+    def remove_target(self, address):
+        self.calls.append(("remove_target", address))
+        self.targets.discard(address)
+
+    def add_draft(self, address):
+        self.calls.append(("add_draft", address))
+        if address != "127.0.0.9:1":  # one that does not answer yet: asked again next time
+            self.drafts.add(address)
+
+    def remove_draft(self, address):
+        self.calls.append(("remove_draft", address))
+        self.drafts.discard(address)
+
+
+def test_membership_applies_what_appeared_and_what_left(tmp_path):
+    path = tmp_path / "targets"
+    path.write_text("127.0.0.1:1\n")
+    ips = ["127.0.0.2"]
+    fleet = FakeFleet({"127.0.0.1:1"}, {"127.0.0.2:1"})
+    members = membership.Membership(fleet, [membership.parse_source(f"file:{path}")],
+                                    [membership.parse_source("dns:d.test:1", lambda _: ips)])
+    members.refresh()
+    assert fleet.calls == []
+    path.write_text("127.0.0.1:2\n127.0.0.1:1\n")
+    ips[:] = ["127.0.0.3", "127.0.0.9"]
+    members.refresh()
+    assert fleet.calls == [("add_target", "127.0.0.1:2"), ("add_draft", "127.0.0.3:1"),
+                           ("add_draft", "127.0.0.9:1"), ("remove_draft", "127.0.0.2:1")]
+    fleet.calls.clear()
+    path.write_text("127.0.0.1:2\n")
+    members.refresh()
+    assert fleet.calls == [("remove_target", "127.0.0.1:1"), ("add_draft", "127.0.0.9:1")]
+
+
+class Book(CacheBook):
+    def __init__(self):
+        super().__init__(name="m", vocab_size=10, eos_token_ids=[1], max_context_len=100)
+
+
+def test_the_gate_refuses_new_sequences_when_draining_or_full():
+    book = Book()
+    gate = service.Gate(max_sequences=2, max_cached_tokens=10)
+    gate.admit(book, [(1, [2, 3, 4])])
+    book.caches = {1: type("Entry", (), {"length": 3})()}
+    with pytest.raises(errors.ResourceExhausted):
+        gate.admit(book, [(2, [2]), (3, [2])])  # 3 sequences > 2
+    with pytest.raises(errors.ResourceExhausted):
+        gate.admit(book, [(2, [2] * 8)])  # 11 positions > 10
+    gate.admit(book, [(2, [2] * 7)])
+    gate.draining.set()
+    with pytest.raises(errors.Draining) as refused:
+        gate.admit(book, [(2, [2])])
+    # the wire keeps what it is: UNAVAILABLE, reason DRAINING, rebuilt as Draining
+    wire = service.command_error(refused.value)
+    rebuilt = errors.from_status_code(wire.code, wire.message, wire.reason)
+    assert wire.reason == "DRAINING" and type(rebuilt) is errors.Draining
+    assert isinstance(rebuilt, errors.Unavailable)
+    assert type(errors.from_status_code(wire.code, wire.message)) is errors.Unavailable
+
+
+def test_sequence_ids_of_two_coordinators_do_not_collide():
+    first, second = sequence_ids(), sequence_ids()
+    a, b = [next(first) for _ in range(1000)], [next(second) for _ in range(1000)]
+    assert not set(a) & set(b) and a == sorted(a) and a[1] - a[0] == 1
+    assert all(0 < i < 2**63 for i in a + b)  # uint64 on the wire, positive
