@@ -81,18 +81,19 @@ class Services:
     target: ModelInfo  # the first target replica's (all host the same model)
     targets: list[str]  # the target addresses found at start
     kinds: list[tuple[str, list[str]]]  # (model, draft addresses) per draft kind
+    tls_names: dict[str, str | None]  # address -> the name its certificate carries
 
     @property
     def draft_models(self) -> list[str]:
         return [model for model, _ in self.kinds]
 
 
-def initial_members(sources: list, timeout_s: float, what: str) -> list[str]:
-    """The addresses the sources name now; for targets, waits (up to timeout_s) until a
-    dynamic source names one."""
+def initial_members(sources: list, timeout_s: float, what: str) -> dict[str, str | None]:
+    """The addresses the sources name now (with their TLS names); for targets, waits (up to
+    timeout_s) until a dynamic source names one."""
     end = time.monotonic() + timeout_s
     while True:
-        addresses = sorted(Membership.resolve(sources))
+        addresses = dict(sorted(Membership.resolve(sources).items()))
         if addresses or what != "target" or time.monotonic() > end:
             break
         time.sleep(0.5)
@@ -108,17 +109,18 @@ def connect_all(config: CoordinatorConfig, target_sources: list,
     and drafts whose vocabulary the target's does not cover."""
     credentials = config.peer_credentials()
     targets = initial_members(target_sources, config.connect_timeout_s, "target")
-    infos = [fleet.describe(TargetClient(a, credentials=credentials), config.connect_timeout_s)
-             for a in targets]
+    infos = [fleet.describe(TargetClient(a, credentials=credentials, tls_name=name),
+                            config.connect_timeout_s) for a, name in targets.items()]
     for address, info in zip(targets, infos):
         fleet.check_target(info, infos[0], address)
     kinds: dict[str, list[str]] = {}
-    for address in initial_members(draft_sources, config.connect_timeout_s, "draft"):
-        draft_info = fleet.describe(DraftClient(address, credentials=credentials),
-                                    config.connect_timeout_s)
+    drafts = initial_members(draft_sources, config.connect_timeout_s, "draft")
+    for address, name in drafts.items():
+        draft_info = fleet.describe(DraftClient(address, credentials=credentials,
+                                                tls_name=name), config.connect_timeout_s)
         fleet.check_draft(draft_info, infos[0], address)
         kinds.setdefault(draft_info.model, []).append(address)
-    return Services(infos[0], targets, list(kinds.items()))
+    return Services(infos[0], list(targets), list(kinds.items()), {**targets, **drafts})
 
 
 def build_fleet(config: CoordinatorConfig, services: Services, telemetry: Telemetry) -> Fleet:
@@ -126,9 +128,10 @@ def build_fleet(config: CoordinatorConfig, services: Services, telemetry: Teleme
     of one kind; engine i uses replica i of each kind first and fails over to the others in
     turn. Each engine has its own connections (its own command streams)."""
     router = Router(config.engine.max_queue, telemetry)
-    built = Fleet(config, router, telemetry, services.target, services.kinds)
+    built = Fleet(config, router, telemetry, services.target, services.kinds,
+                  services.tls_names)
     for address in services.targets:
-        built.build_engine(address)
+        built.build_engine(address, services.tls_names.get(address))
     return built
 
 

@@ -211,11 +211,17 @@ class ServiceClient:
     stub_type = None
     command_type = None
 
-    def __init__(self, address: str, stall_timeout_s: float = 120.0, credentials=None):
-        """credentials: grpc.ChannelCredentials for (mutual) TLS; None for plaintext."""
+    def __init__(self, address: str, stall_timeout_s: float = 120.0, credentials=None,
+                 tls_name: str | None = None):
+        """credentials: grpc.ChannelCredentials for (mutual) TLS; None for plaintext.
+        tls_name: the name the service's certificate must carry, where it is not the
+        address's host (a replica found by DNS or Kubernetes is dialled by IP)."""
         self.address = address
         self.stall_timeout_s = stall_timeout_s
-        self.channel = server_lib.open_channel(address, credentials)
+        options = server_lib.CHANNEL_OPTIONS
+        if credentials is not None and tls_name:
+            options = options + [("grpc.ssl_target_name_override", tls_name)]
+        self.channel = server_lib.open_channel(address, credentials, options)
         self.stub = self.stub_type(self.channel)
         self._stream: CommandStream | None = None
         # The service instance our caches there belong to (ModelInfo.instance_id), once it

@@ -60,9 +60,10 @@ def check_target(info: ModelInfo, target: ModelInfo, address: str) -> None:
 
 class Fleet:
     def __init__(self, config, router: Router, telemetry, target: ModelInfo,
-                 kinds: list[tuple[str, list[str]]]):
+                 kinds: list[tuple[str, list[str]]], tls_names: dict | None = None):
         """config: CoordinatorConfig; target: the first target's ModelInfo (every target
-        must host its model); kinds: (model, draft addresses) per draft kind."""
+        must host its model); kinds: (model, draft addresses) per draft kind; tls_names:
+        address -> the name its certificate carries, where not its host."""
         self.config = config
         self.router = router
         self.telemetry = telemetry
@@ -72,21 +73,27 @@ class Fleet:
         self.seq_ids = sequence_ids()
         self.step_log = StepLog(config.step_log) if config.step_log else None
         self._refused: set[str] = set()  # addresses refused once (logged once)
+        # address -> the name its TLS certificate carries, where not its host (see
+        # membership: replicas found by DNS or Kubernetes are dialled by IP)
+        self.tls_names: dict[str, str | None] = dict(tls_names or {})
 
     # ---- engines --------------------------------------------------------------------------------
-    def build_engine(self, address: str) -> Engine:
+    def build_engine(self, address: str, tls_name: str | None = None) -> Engine:
         """An engine for the target at `address`; it uses the draft replicas from its place
         in the router on (engines spread over replicas), failing over to the others in turn."""
         i = len(self.router.engines)
         drafts = [[self._draft_client(addresses[(i + j) % len(addresses)])
                    for j in range(len(addresses))] for _, addresses in self.kinds]
+        self.tls_names[address] = tls_name
         return self.router.add(Engine(
-            TargetClient(address, self.config.stall_timeout_s, self.credentials), drafts,
+            TargetClient(address, self.config.stall_timeout_s, self.credentials, tls_name),
+            drafts,
             self.config.engine, self.target.eos_token_ids, telemetry=self.telemetry,
             router=self.router, seq_ids=self.seq_ids, step_log=self.step_log))
 
     def _draft_client(self, address: str) -> DraftClient:
-        return DraftClient(address, self.config.stall_timeout_s, self.credentials)
+        return DraftClient(address, self.config.stall_timeout_s, self.credentials,
+                           self.tls_names.get(address))
 
     def target_addresses(self) -> set[str]:
         return {e.peers.target.address for e in self.router.engines if not e.removed}
@@ -95,11 +102,11 @@ class Fleet:
         return {a for _, addresses in self.kinds for a in addresses}
 
     # ---- membership changes (the membership thread) --------------------------------------------
-    def add_target(self, address: str) -> None:
-        info = self._describe(TargetClient, address)
+    def add_target(self, address: str, tls_name: str | None = None) -> None:
+        info = self._describe(TargetClient, address, tls_name)
         if info is None or not self._checked(check_target, info, address):
             return
-        engine = self.build_engine(address)
+        engine = self.build_engine(address, tls_name)
         engine.start()
         self.router.health_changed()
         log.info("target %s joined (%s): it takes new requests", address, info.model)
@@ -110,10 +117,11 @@ class Fleet:
                 log.info("target %s left: its requests move to the other targets", address)
                 engine.remove()
 
-    def add_draft(self, address: str) -> None:
-        info = self._describe(DraftClient, address)
+    def add_draft(self, address: str, tls_name: str | None = None) -> None:
+        info = self._describe(DraftClient, address, tls_name)
         if info is None or not self._checked(check_draft, info, address):
             return
+        self.tls_names[address] = tls_name
         index = next((i for i, (model, _) in enumerate(self.kinds) if model == info.model),
                      None)
         if index is None:
@@ -140,10 +148,10 @@ class Fleet:
             engine.post(functools.partial(engine.peers.remove_draft_replica, address))
         log.info("draft %s left: drafts go to the other replicas", address)
 
-    def _describe(self, client_type, address: str) -> ModelInfo | None:
+    def _describe(self, client_type, address: str, tls_name: str | None) -> ModelInfo | None:
         try:
-            info = describe(client_type(address, credentials=self.credentials),
-                            DESCRIBE_TIMEOUT_S)
+            info = describe(client_type(address, credentials=self.credentials,
+                                        tls_name=tls_name), DESCRIBE_TIMEOUT_S)
         except errors.Unavailable as error:
             log.info("%s does not answer yet (%s): asked again at the next refresh", address,
                      error)

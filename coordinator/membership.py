@@ -43,6 +43,7 @@ class Static:
     """One `HOST:PORT`."""
 
     dynamic = False
+    tls_name = None  # the name a TLS certificate is checked against: the address's host
 
     def __init__(self, address: str):
         self.address = check_address(address, "a replica")
@@ -62,6 +63,7 @@ class DnsSource:
 
     def __init__(self, name: str, port: int, resolve=None):
         self.name, self.port = name, port
+        self.tls_name = name  # replicas are dialled by IP; their certificates name NAME
         self._resolve = resolve or _getaddrinfo
         self._last: set[str] = set()
 
@@ -87,6 +89,7 @@ class FileSource:
     whenever its modification time or size changes (a template tool rewrites it)."""
 
     dynamic = True
+    tls_name = None
 
     def __init__(self, path: str):
         self.path = path
@@ -127,6 +130,8 @@ class K8sSource:
 
     def __init__(self, namespace: str, service: str, port: int):
         self.namespace, self.service, self.port = namespace, service, port
+        # pods are dialled by IP; their certificates name the Service
+        self.tls_name = f"{service}.{namespace}.svc"
         self._slices: dict[str, set[str]] = {}  # EndpointSlice name -> its ready addresses
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -229,20 +234,22 @@ class Membership:
         self._thread: threading.Thread | None = None
 
     @staticmethod
-    def resolve(sources: list) -> set[str]:
-        return set().union(*(source.addresses() for source in sources)) if sources else set()
+    def resolve(sources: list) -> dict[str, str | None]:
+        """{address: the name its TLS certificate is checked against (None: its host)}."""
+        return {address: source.tls_name for source in sources
+                for address in source.addresses()}
 
     def refresh(self) -> None:
         """One pass: add what appeared, remove what left (targets, then drafts)."""
         targets, drafts = self.resolve(self.targets), self.resolve(self.drafts)
         have_targets, have_drafts = self.fleet.target_addresses(), self.fleet.draft_addresses()
-        for address in sorted(targets - have_targets):
-            self.fleet.add_target(address)
-        for address in sorted(have_targets - targets):
+        for address in sorted(targets.keys() - have_targets):
+            self.fleet.add_target(address, targets[address])
+        for address in sorted(have_targets - targets.keys()):
             self.fleet.remove_target(address)
-        for address in sorted(drafts - have_drafts):
-            self.fleet.add_draft(address)
-        for address in sorted(have_drafts - drafts):
+        for address in sorted(drafts.keys() - have_drafts):
+            self.fleet.add_draft(address, drafts[address])
+        for address in sorted(have_drafts - drafts.keys()):
             self.fleet.remove_draft(address)
 
     def start(self) -> None:

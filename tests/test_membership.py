@@ -113,7 +113,7 @@ class FakeFleet:
     def draft_addresses(self):
         return set(self.drafts)
 
-    def add_target(self, address):
+    def add_target(self, address, tls_name=None):
         self.calls.append(("add_target", address))
         self.targets.add(address)
 
@@ -121,7 +121,7 @@ class FakeFleet:
         self.calls.append(("remove_target", address))
         self.targets.discard(address)
 
-    def add_draft(self, address):
+    def add_draft(self, address, tls_name=None):
         self.calls.append(("add_draft", address))
         if address != "127.0.0.9:1":  # one that does not answer yet: asked again next time
             self.drafts.add(address)
