@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from batchspec import cliargs
+from batchspec import cliargs, security
 from batchspec_tools import processes
 
 log = logging.getLogger("batchspec")
@@ -103,6 +103,10 @@ def serve_parser() -> argparse.ArgumentParser:
                         help="seconds to wait for each service to become healthy")
     coordinator = parser.add_argument_group("coordinator (as `batchspec coordinator`)")
     config.add_flags(coordinator, serve_flags())
+    coordinator.add_argument("--tls-cert", default=None,
+                             help="serve the public API (gRPC and HTTP) over TLS with this "
+                                  "certificate (PEM); the services stay on loopback")
+    coordinator.add_argument("--tls-key", default=None, help="its private key (PEM)")
     return parser
 
 
@@ -124,6 +128,7 @@ def serve(argv) -> int:
     try:  # refused here, before any service starts, as the services would refuse them
         config.engine_config_from_args(args)
         check_models_and_devices(args, names)
+        public_tls = security.server_tls(args.tls_cert, args.tls_key)
     except ValueError as error:
         parser.error(str(error))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
@@ -140,7 +145,9 @@ def serve(argv) -> int:
     if tokenizer:
         coordinator_cmd += ["--tokenizer", tokenizer]
     coordinator_cmd += config.forward(args, serve_flags())
-    return run_services(args, services, coordinator_cmd)
+    if public_tls:
+        coordinator_cmd += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
+    return run_services(args, services, coordinator_cmd, public_tls)
 
 
 def check_models_and_devices(args, names: list[str]) -> None:
@@ -167,9 +174,10 @@ def serve_services(args, names: list[str]) -> list[tuple[list[str], int, str]]:
     return services
 
 
-def run_services(args, services, coordinator_cmd: list[str]) -> int:
+def run_services(args, services, coordinator_cmd: list[str], public_tls=None) -> int:
     """Start the services one after the other, then the coordinator; serve until a signal or
-    a child's exit; stop them all. 1 when a child failed."""
+    a child's exit; stop them all. 1 when a child failed. public_tls: the coordinator's
+    security.ServerTls, if it serves over TLS."""
     children = []
     stopping = []
     started = True
@@ -181,12 +189,17 @@ def run_services(args, services, coordinator_cmd: list[str]) -> int:
             children.append(subprocess.Popen(cmd))
             processes.wait_healthy(f"127.0.0.1:{port}", name, args.startup_timeout, children)
         children.append(subprocess.Popen(coordinator_cmd))
-        processes.wait_healthy(f"127.0.0.1:{args.port}", "batchspec.v1.Coordinator",
-                               args.startup_timeout, children)
-        log.info("batchspec is serving gRPC on 127.0.0.1:%d%s; try: batchspec generate "
-                 "--address 127.0.0.1:%d \"Hello\"", args.port,
-                 f" and HTTP on http://127.0.0.1:{args.http_port}/" if args.http_port else "",
-                 args.port)
+        if public_tls:  # its certificate's CA is not known here: wait for its port
+            processes.wait_listening(f"127.0.0.1:{args.port}", args.startup_timeout, children)
+        else:
+            processes.wait_healthy(f"127.0.0.1:{args.port}", "batchspec.v1.Coordinator",
+                                   args.startup_timeout, children)
+        scheme = "https" if public_tls else "http"
+        log.info("batchspec is serving gRPC%s on 127.0.0.1:%d%s; try: batchspec generate "
+                 "--address 127.0.0.1:%d%s \"Hello\"", " (TLS)" if public_tls else "",
+                 args.port,
+                 f" and HTTP on {scheme}://127.0.0.1:{args.http_port}/" if args.http_port
+                 else "", args.port, " --tls-ca CA.pem" if public_tls else "")
         while not stopping and all(c.poll() is None for c in children):
             time.sleep(0.2)
     except KeyboardInterrupt:

@@ -33,6 +33,27 @@ def free_port() -> int:
             return port
 
 
+def wait_listening(address: str, timeout: float, children=()) -> None:
+    """Poll until `address` accepts TCP connections (a TLS server whose CA is not known
+    here; it starts listening once it serves); fail early if a child died."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _check_alive(children)
+        try:
+            with socket.create_connection((host, int(port)), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} not listening after {timeout}s")
+
+
+def _check_alive(children) -> None:
+    dead = [c for c in children if c.poll() is not None]
+    if dead:
+        raise RuntimeError(f"{dead[0].args[2]} exited with {dead[0].returncode}")
+
+
 def wait_healthy(address: str, service: str, timeout: float, children=(),
                  credentials=None) -> None:
     """Poll grpc.health.v1 until `service` is SERVING; fail early if a child died.
@@ -46,9 +67,7 @@ def wait_healthy(address: str, service: str, timeout: float, children=(),
     with server_lib.open_channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
-            dead = [c for c in children if c.poll() is not None]
-            if dead:
-                raise RuntimeError(f"{dead[0].args[2]} exited with {dead[0].returncode}")
+            _check_alive(children)
             try:
                 status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
                 if status.status == health_pb2.HealthCheckResponse.SERVING:

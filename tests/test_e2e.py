@@ -3,6 +3,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -45,27 +46,113 @@ def test_serve_four_processes_exact_on_32_concurrent_requests(model_dirs, arch):
     assert code == 0
 
 
-def test_serve_with_http_answers_an_openai_client(model_dirs, tmp_path):
-    """`batchspec serve --http-port P`: the official client streams a chat completion with no
-    other set-up than the base URL."""
-    import openai
-    from test_http import make_chat_tokenizer
+def https_client(base_url, ca, api_key):
+    """The official OpenAI client over HTTPS, trusting `ca`."""
+    import ssl
 
-    target_dir, draft_dir = model_dirs["llama"]
+    import openai
+
+    return openai.OpenAI(base_url=base_url, api_key=api_key, http_client=openai.DefaultHttpxClient(
+        verify=ssl.create_default_context(cafile=ca)))
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(batchspec_command() + list(args), capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_serve_over_tls_answers_an_openai_client_over_https(model_dirs, tmp_path):
+    """`batchspec serve --http-port P --tls-cert C --tls-key K --api-key-file F`: HTTPS and
+    gRPC over TLS with a key; the official client streams a chat completion over HTTPS and
+    `batchspec health` checks the TLS server."""
+    from test_http import make_chat_tokenizer
+    from test_serving import make_certificates
+
+    target_dir, _ = model_dirs["llama"]
     tokenizer = make_chat_tokenizer(tmp_path)
+    certs = make_certificates(tmp_path)
+    (tmp_path / "api-key").write_text("s3cret\n")
     port, http_port = free_port(), free_port()
     server = subprocess.Popen(batchspec_command() + [
-        "serve", "--target-model", target_dir, "--draft-model", f"{draft_dir},ngram",
+        "serve", "--target-model", target_dir, "--draft-model", "ngram",
         "--tokenizer", tokenizer, "--port", str(port), "--http-port", str(http_port),
-        "--startup-timeout", "120"])
+        "--tls-cert", certs["server"] + ".pem", "--tls-key", certs["server"] + ".key",
+        "--api-key-file", str(tmp_path / "api-key"), "--startup-timeout", "120"])
     try:
-        wait_healthy(f"127.0.0.1:{port}", "batchspec.v1.Coordinator", 120, [server])
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused")
+        address = f"127.0.0.1:{port}"
+        end = time.monotonic() + 120
+        while run_cli("health", address, "batchspec.v1.Coordinator",
+                      "--tls-ca", certs["ca"] + ".pem").returncode != 0:
+            assert server.poll() is None and time.monotonic() < end
+            time.sleep(0.5)
+        assert run_cli("health", address, "batchspec.v1.Coordinator").returncode != 0
+        client = https_client(f"https://127.0.0.1:{http_port}/v1", certs["ca"] + ".pem",
+                              "s3cret")
         chunks = list(client.chat.completions.create(
             model="batchspec", messages=[{"role": "user", "content": "hello robot"}],
             max_tokens=16, temperature=0, stream=True))
+        import openai
+        with pytest.raises(openai.AuthenticationError):
+            https_client(f"https://127.0.0.1:{http_port}/v1", certs["ca"] + ".pem",
+                         "wrong").models.list()
     finally:
         server.send_signal(signal.SIGTERM)
         code = server.wait(timeout=60)
     assert "".join(c.choices[0].delta.content or "" for c in chunks)
     assert chunks[-1].usage.completion_tokens >= 1 and code == 0
+
+
+def test_tls_wiring_through_the_real_cli(model_dirs, tmp_path):
+    """As compose.tls.yaml runs them: target and draft with --tls-cert/--tls-key/--tls-ca
+    (mutual TLS), the coordinator showing its own --tls-cert to them as client certificate,
+    `batchspec health` against each TLS server as the healthchecks run it, `batchspec
+    generate` over TLS with the API key, and HTTPS on the HTTP edge with the openai client."""
+    from test_http import make_chat_tokenizer
+    from test_serving import make_certificates
+
+    target_dir, draft_dir = model_dirs["llama"]
+    certs = {k: v for k, v in make_certificates(tmp_path).items()}
+    ca, cert, key = certs["ca"] + ".pem", certs["server"] + ".pem", certs["server"] + ".key"
+    tls = ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca]
+    (tmp_path / "api-key").write_text("s3cret\n")
+    tokenizer = make_chat_tokenizer(tmp_path)
+    ports = {name: free_port() for name in ("target", "draft", "coordinator", "http")}
+    children = [subprocess.Popen(batchspec_command() + [
+        role, "--model", model, "--port", str(ports[role])] + tls)
+        for role, model in (("target", target_dir), ("draft", draft_dir))]
+    try:
+        client_cert = ["--client-cert", cert, "--client-key", key]
+        for role, service in (("target", "TargetService"), ("draft", "DraftService")):
+            address, name = f"127.0.0.1:{ports[role]}", f"batchspec.v1.{service}"
+            end = time.monotonic() + 120
+            while run_cli("health", address, name, "--tls-ca", ca, *client_cert).returncode:
+                assert all(c.poll() is None for c in children) and time.monotonic() < end
+                time.sleep(0.5)
+            # mutual TLS: without a client certificate the service lets nobody in
+            assert run_cli("health", address, name, "--tls-ca", ca).returncode != 0
+        children.append(subprocess.Popen(batchspec_command() + [
+            "coordinator", "--target", f"127.0.0.1:{ports['target']}",
+            "--draft", f"127.0.0.1:{ports['draft']}", "--port", str(ports["coordinator"]),
+            "--http-port", str(ports["http"]), "--tokenizer", tokenizer,
+            "--api-key-file", str(tmp_path / "api-key")] + tls))
+        address = f"127.0.0.1:{ports['coordinator']}"
+        end = time.monotonic() + 120
+        while run_cli("health", address, "batchspec.v1.Coordinator", "--tls-ca", ca).returncode:
+            assert children[-1].poll() is None and time.monotonic() < end
+            time.sleep(0.5)
+        answer = run_cli("generate", "--address", address, "--tls-ca", ca, "--api-key-file",
+                         str(tmp_path / "api-key"), "--max-new-tokens", "8", "hello robot")
+        assert answer.returncode == 0 and answer.stdout.strip(), answer.stderr
+        refused = run_cli("generate", "--address", address, "--tls-ca", ca,
+                          "--max-new-tokens", "8", "hello robot")
+        assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
+        client = https_client(f"https://127.0.0.1:{ports['http']}/v1", ca, "s3cret")
+        reply = client.chat.completions.create(
+            model="batchspec", messages=[{"role": "user", "content": "hello robot"}],
+            max_tokens=8, temperature=0)
+        assert reply.choices[0].message.content and reply.usage.completion_tokens >= 1
+    finally:
+        for child in reversed(children):
+            child.send_signal(signal.SIGTERM)
+        codes = [child.wait(timeout=60) for child in children]
+    assert codes == [0, 0, 0]
