@@ -93,7 +93,7 @@ def initial_members(sources: list, timeout_s: float, what: str) -> dict[str, str
     timeout_s) until a dynamic source names one."""
     end = time.monotonic() + timeout_s
     while True:
-        addresses = dict(sorted(Membership.resolve(sources).items()))
+        addresses = Membership.resolve(sources)  # in the order the flags name them
         if addresses or what != "target" or time.monotonic() > end:
             break
         time.sleep(0.5)

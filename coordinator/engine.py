@@ -13,7 +13,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import queue
 import threading
 import time
 
@@ -29,6 +28,7 @@ from coordinator.pool import RequestPool
 from coordinator.requests import RequestHandle
 from coordinator.sequence import Sequence
 from coordinator.stats import EngineStats, Recorder, StepRecord
+from coordinator.turnover import Turnover
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +82,7 @@ class Engine:
                 config, policy))
         self._thread: threading.Thread | None = None
         self._thread_exit = False
-        # membership changes, run on the engine thread before its next step (see post)
-        self._posted: queue.SimpleQueue = queue.SimpleQueue()
-        self.removed = False  # its target left the membership: it moves its work and ends
-        # most requests one admission takes: halved while the target refuses new sequences
-        # for capacity, doubled back after each admission that went through; None: no cap
-        self._admit_cap: int | None = None
+        self.turnover = Turnover(self.peers, self.pool, config.max_num_seqs)
         self._prepared: DraftedCohort | None = None  # drafted while the last cohort verified
         self._overlapping: bool | None = None  # config.overlap, resolved by configure()
         # runs verify commands, so that the engine thread can draft meanwhile
@@ -122,19 +117,8 @@ class Engine:
     @property
     def accepting(self) -> bool:
         """It takes new requests: its target is up, not draining, and still a member."""
-        return self.peers.target_up and not self.peers.target_draining and not self.removed
-
-    def post(self, action) -> None:
-        """Run action() on the engine thread before its next step (from any thread): how
-        membership changes reach the engine's peers, which only its thread touches."""
-        self._posted.put(action)
-        self.pool.wake()
-
-    def remove(self) -> None:
-        """Its target left the membership (from any thread): the engine moves its requests
-        to the other engines once one takes them, frees its caches, and ends."""
-        self.removed = True
-        self.post(lambda: None)
+        return self.peers.target_up and not self.peers.target_draining \
+            and not self.turnover.removed
 
     @property
     def stopping(self) -> bool:
@@ -184,37 +168,27 @@ class Engine:
         while True:
             # a lost service is retried even with nothing to do, so it can take work again
             self.pool.wait_for_work(lambda: not self._thread_exit and self.peers.target_up
-                                    and self._posted.empty() and not self.removed)
+                                    and self.turnover.idle())
             if self._thread_exit:
                 return
             try:
-                self._run_posted()
-                if self.removed and self._leave():
+                self.turnover.run_posted()
+                if self.turnover.removed and self._leave():
                     return
                 self.step()
             except Exception:  # outside any request's part of the step (reaping, reconnection)
                 log.exception("engine step failed")
                 time.sleep(0.05)
 
-    def _run_posted(self) -> None:
-        while not self._posted.empty():
-            self._posted.get()()
-
     def _leave(self) -> bool:
-        """A removed engine hands its requests to the others and ends; True once done. Until
-        another engine takes them it keeps serving them here."""
-        if self.pool.idle() or (self.peers.target_up and self.peers.target_leaving()) \
-                or (not self.peers.target_up and self.peers.hand_off_waiting()):
-            self._prepared = None
-            self.peers.release(self.pool.active_sequences())
-            self.peers.close()
-            self._verifier.shutdown(wait=False)
-            if self.peers.router is not None:
-                self.peers.router.discard(self)
-            log.info("engine of target %s ended: it left the membership",
-                     self.peers.target.address)
-            return True
-        return False
+        """A removed engine hands its requests to the others and ends (True); until another
+        engine takes them it keeps serving them here."""
+        if not self.turnover.moved_away():
+            return False
+        self._prepared = None
+        self._verifier.shutdown(wait=False)
+        self.turnover.end(self)
+        return True
 
     # ---- one step (engine thread) ---------------------------------------------------------------
     def step(self) -> None:
@@ -227,12 +201,12 @@ class Engine:
         if not self.peers.ensure():
             time.sleep(self.peers.retry_pause())
             return
-        self.peers.watch()
-        if self.peers.target_draining and self.peers.target_leaving():
+        self.turnover.watch()
+        if self.peers.target_draining and self.turnover.target_leaving():
             self._prepared = None
             return
-        if not self.peers.target_draining and time.monotonic() >= self.peers.target_full_until:
-            self._admit()  # a draining target takes no new sequence, a full one not yet
+        if self.turnover.may_admit():
+            self._admit()
         started = time.perf_counter()
         current = self._prepared.still_open(self.pool.active) if self._prepared else None
         self._prepared = None
@@ -273,7 +247,7 @@ class Engine:
 
     def _admit(self) -> None:
         """Move the next run of waiting requests that fits the pool into it (prefilled)."""
-        new = self.pool.next_admission(self.config.max_prefill_tokens, self._admit_cap)
+        new = self.pool.next_admission(self.config.max_prefill_tokens, self.turnover.admit_cap)
         if not new:
             return
         with self._isolated("admission", new):
@@ -285,9 +259,7 @@ class Engine:
                 return
             except errors.ResourceExhausted as error:  # the target is full (other clients)
                 self.pool.requeue(new)
-                # admit fewer at once until one goes through (a command is all or nothing)
-                self._admit_cap = max(1, len(new) // 2)
-                self.peers.target_full(error)
+                self.turnover.target_full(error, len(new))
                 return
             except errors.Unavailable as error:
                 self.pool.requeue(new)
@@ -297,9 +269,7 @@ class Engine:
                 for handle in new:
                     handle.fail(error)
                 return
-            if self._admit_cap is not None:
-                self._admit_cap = min(2 * self._admit_cap, self.config.max_num_seqs)
-                self.peers.target_took()
+            self.turnover.admitted()
             for handle in new:
                 handle.seq.last_step = self.stats.num_steps
                 self.pool.activate(handle)

@@ -96,7 +96,7 @@ class Fleet:
                            self.tls_names.get(address))
 
     def target_addresses(self) -> set[str]:
-        return {e.peers.target.address for e in self.router.engines if not e.removed}
+        return {e.peers.target.address for e in self.router.engines if not e.turnover.removed}
 
     def draft_addresses(self) -> set[str]:
         return {a for _, addresses in self.kinds for a in addresses}
@@ -113,9 +113,9 @@ class Fleet:
 
     def remove_target(self, address: str) -> None:
         for engine in list(self.router.engines):
-            if engine.peers.target.address == address and not engine.removed:
+            if engine.peers.target.address == address and not engine.turnover.removed:
                 log.info("target %s left: its requests move to the other targets", address)
-                engine.remove()
+                engine.turnover.remove()
 
     def add_draft(self, address: str, tls_name: str | None = None) -> None:
         info = self._describe(DraftClient, address, tls_name)
@@ -134,7 +134,7 @@ class Fleet:
         addresses = self.kinds[index][1]
         addresses.append(address)
         for i, engine in enumerate(list(self.router.engines)):
-            engine.post(functools.partial(engine.peers.add_draft_replica, index,
+            engine.turnover.post(functools.partial(engine.turnover.add_draft_replica, index,
                                           self._draft_client(address),
                                           addresses[i % len(addresses)]))
         log.info("draft %s joined (%s): %d replicas of that draft", address, info.model,
@@ -145,7 +145,7 @@ class Fleet:
             if address in addresses:
                 addresses.remove(address)
         for engine in list(self.router.engines):
-            engine.post(functools.partial(engine.peers.remove_draft_replica, address))
+            engine.turnover.post(functools.partial(engine.turnover.remove_draft_replica, address))
         log.info("draft %s left: drafts go to the other replicas", address)
 
     def _describe(self, client_type, address: str, tls_name: str | None) -> ModelInfo | None:

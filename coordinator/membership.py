@@ -235,9 +235,10 @@ class Membership:
 
     @staticmethod
     def resolve(sources: list) -> dict[str, str | None]:
-        """{address: the name its TLS certificate is checked against (None: its host)}."""
+        """{address: the name its TLS certificate is checked against (None: its host)}, in
+        the order of the sources (the first draft kind is the first flag's)."""
         return {address: source.tls_name for source in sources
-                for address in source.addresses()}
+                for address in sorted(source.addresses())}
 
     def refresh(self) -> None:
         """One pass: add what appeared, remove what left (targets, then drafts)."""

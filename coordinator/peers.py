@@ -28,8 +28,6 @@ log = logging.getLogger(__name__)
 # How long a service that refused new sequences for capacity is left alone before asking again.
 FULL_BACKOFF_S = 0.5
 
-# How often an engine asks its target and current drafts, off its thread, whether they drain.
-WATCH_EVERY_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +51,6 @@ class Peers:
         # the target reported draining (shutting down): no admission; requests move away
         # as soon as another engine takes them. Cleared when a fresh instance answers.
         self.target_draining = False
-        self.target_full_until = 0.0  # the target refused new sequences for capacity
-        self._full_spell = False  # refusals since the last admission that went through
-        self._watches: dict[str, Probe] = {}  # service address -> its draining check
-        self._next_watch = 0.0
         # service address -> ids of sequences that may still hold caches there although we
         # lost the stream (a release that failed, or a loss while they were cached); released
         # when the service answers again, unless it restarted empty
@@ -175,6 +169,11 @@ class Peers:
         self._health_changed()
         self._lost(kind.client, lambda seq: seq.drafts[kind.index])
 
+    def close(self) -> None:
+        """Close every connection (the engine ends)."""
+        for client in [self.target] + [c for kind in self.kinds for c in kind.replicas]:
+            client.close()
+
     def draft_leaving(self, kind: DraftKind) -> None:
         """The kind's current replica drains (or left the membership): free what it holds of
         ours while it still answers, and go on with the kind's next replica, found by probing
@@ -190,101 +189,11 @@ class Peers:
         kind.next_replica()
         self._schedule_retry(soon=True)
 
-    def target_leaving(self) -> bool:
-        """The target drains (or left the membership): move every request to the other
-        engines, freeing what it holds of ours first, and wait for it like a lost target (a
-        draining one's probe is not an answer). False, with nothing changed, while no other
-        engine takes new work: the target still serves the sequences it holds."""
-        if self.router is None or not self.router.others_accepting(self):
-            return False
-        handles = self.pool.handles()
-        active = self.pool.active_sequences()
-        self.release(active)
-        for seq in active:
-            seq.target.forget()
-            for state in seq.drafts:
-                state.forget()
-        self.target.reset()
-        self.target_up = False
-        self._schedule_retry(soon=True)
-        if handles:
-            self.router.hand_off(self, handles)
-            self.pool.take_all(handles)
-        log.info("target %s is leaving: %d requests moved to other replicas",
-                 self.target.address, len(handles))
-        self._health_changed()
-        return True
-
-    # ---- membership (engine thread, posted by coordinator.fleet) ---------------------------------
-    def add_draft_replica(self, index: int, client, preferred: str | None = None) -> None:
-        """A replica of draft kind `index` appeared; then use the replica at `preferred`
-        (spreading engines over the replicas) if it is not the one in use."""
-        kind = self.kinds[index]
-        kind.replicas.append(client)
-        if len(kind.replicas) == 1:  # the kind had none: probe it before use
-            kind.current, kind.up = 0, False
-            self._schedule_retry(soon=True)
-        if preferred is not None and kind.client.address != preferred:
-            self._switch_replica(kind, preferred)
-
-    def remove_draft_replica(self, address: str) -> None:
-        """A draft replica left the membership: what it holds of ours is freed (if it still
-        answers) and rows are drafted by the kind's other replicas, or by no draft."""
-        for kind in self.kinds:
-            where = [i for i, c in enumerate(kind.replicas) if c.address == address]
-            if not where:
-                continue
-            if where[0] == kind.current and kind.up:
-                self.draft_leaving(kind)
-            client = kind.replicas.pop(where[0])
-            kind.current -= where[0] < kind.current
-            kind.current %= max(1, len(kind.replicas))
-            if not kind.replicas:
-                kind.up = False
-            client.close()
-        self._stale.pop(address, None)
-        self._health_changed()
-
-    def _switch_replica(self, kind: DraftKind, address: str) -> None:
-        if kind.up:
-            self.draft_leaving(kind)  # frees ours there and probes before the next use
-        kind.current = next(i for i, c in enumerate(kind.replicas) if c.address == address)
-
-    def target_full(self, error) -> None:
-        """The target refused new sequences for capacity (it serves other coordinators
-        too): the waiting requests go to another engine that takes them, or wait here and
-        admission is asked again after FULL_BACKOFF_S."""
-        self.target_full_until = time.monotonic() + FULL_BACKOFF_S
-        self.recorder.stats.num_capacity_waits += 1
-        waiting = [h for h in self.pool.handles() if h.seq.seq_id not in self.pool.active]
-        moved = self.router is not None and bool(waiting) and self.router.others_accepting(self)
-        if moved:
-            self.router.hand_off(self, waiting)
-            self.pool.take_all(waiting)
-        # logged once per spell: a full target is asked again every FULL_BACKOFF_S
-        (log.debug if self._full_spell else log.info)(
-            "target %s is full (%s): %s", self.target.address, error,
-            f"{len(waiting)} waiting requests moved" if moved else "requests wait")
-        self._full_spell = True
-
-    def target_took(self) -> None:
-        """An admission went through: a spell of capacity refusals, if any, is over."""
-        self._full_spell = False
-
-    def hand_off_waiting(self) -> bool:
-        """The target is down: give every request to other engines (True), if any takes."""
-        return self.pool.idle() or self._hand_off()
-
-    def close(self) -> None:
-        """Close every connection (the engine ends)."""
-        for client in [self.target] + [c for kind in self.kinds for c in kind.replicas]:
-            client.close()
-
     def target_lost(self, error) -> None:
         self.target_up = False
         self._health_changed()
         self._lost(self.target, lambda seq: seq.target)
-        if self._hand_off():
+        if self.hand_off():
             log.warning("target %s lost (%s): its requests moved to other replicas",
                         self.target.address, error)
         else:
@@ -305,7 +214,7 @@ class Peers:
             cache_of(seq).forget()
         self._schedule_retry()
 
-    def _hand_off(self) -> bool:
+    def hand_off(self) -> bool:
         """Give every request to other engines, if there are any to take them."""
         handles = self.pool.handles()
         if not handles or self.router is None:
@@ -321,32 +230,6 @@ class Peers:
             return False  # nobody took them: they wait here (drafts refilled on first use)
         self.pool.take_all(handles)
         return True
-
-    def watch(self) -> None:
-        """Act on the last draining checks of the target and each kind's current replica
-        and start the next ones, at most every WATCH_EVERY_S (probes run on gRPC's threads:
-        the engine never waits for them)."""
-        now = time.monotonic()
-        if now < self._next_watch:
-            return
-        self._next_watch = now + WATCH_EVERY_S
-        watched = [(self.target, self.target_up, self._target_draining)]
-        watched += [(kind.client, kind.up, lambda kind=kind: self.draft_leaving(kind))
-                    for kind in self.kinds if kind.replicas]
-        for client, up, on_draining in watched:
-            probe = self._watches.get(client.address)
-            if probe is not None and not probe.done():
-                continue
-            info = probe.info() if probe is not None else None
-            if up and info is not None and info.draining \
-                    and client.instance in (None, info.instance_id):
-                on_draining()
-            self._watches[client.address] = client.probe(timeout=5.0)
-
-    def _target_draining(self) -> None:
-        if not self.target_draining:
-            log.info("target %s is draining: no new sequence there", self.target.address)
-        self.target_draining = True
 
     # ---- reconnection ---------------------------------------------------------------------------
     def _schedule_retry(self, soon: bool = False) -> None:
@@ -399,7 +282,7 @@ class Peers:
                 log.info("%s restarted (instance %s): it holds none of our caches",
                          client.address, info.instance_id)
             elif info.num_sequences:
-                self.forget_stale(client, self._stale.get(client.address, set())
+                forget_stale(client, self._stale.get(client.address, set())
                                   | set(self.pool.active))
             self._stale.pop(client.address, None)
             resync()
@@ -422,25 +305,6 @@ class Peers:
             self._probes[client.address] = client.probe()
         return info
 
-    @staticmethod
-    def forget_stale(client, seq_ids: set[int]) -> None:
-        """The service kept running while its stream broke: drop what it still holds of
-        ours (finished, cancelled or active sequences), since the record here is the truth.
-        One command for all of them; a release is all-or-nothing, so if some are gone
-        already, the rest go one by one."""
-        if not seq_ids:
-            return
-        try:
-            client.release(sorted(seq_ids))
-            return
-        except errors.NotFound:
-            pass
-        for seq_id in sorted(seq_ids):
-            try:
-                client.release([seq_id])
-            except errors.NotFound:
-                pass
-
     def _resync_target(self) -> None:
         seqs = self.pool.active_sequences()
         try:
@@ -454,7 +318,7 @@ class Peers:
     def _readmit(self, seqs: list[Sequence]) -> None:
         """Send active sequences back to the head of the queue, holding nothing anywhere:
         admission prefills them again from their committed tokens as capacity allows."""
-        self.forget_stale(self.target, {s.seq_id for s in seqs})
+        forget_stale(self.target, {s.seq_id for s in seqs})
         self._release_drafts(seqs)
         handles = self.pool.handles_of(seqs)
         for seq in seqs:
@@ -463,6 +327,25 @@ class Peers:
         self.pool.requeue(handles)
         log.info("%s is full: %d requests wait to be admitted again", self.target.address,
                  len(handles))
+
+
+def forget_stale(client, seq_ids: set[int]) -> None:
+    """The service kept running while its stream broke: drop what it still holds of
+    ours (finished, cancelled or active sequences), since the record here is the truth.
+    One command for all of them; a release is all-or-nothing, so if some are gone
+    already, the rest go one by one."""
+    if not seq_ids:
+        return
+    try:
+        client.release(sorted(seq_ids))
+        return
+    except errors.NotFound:
+        pass
+    for seq_id in sorted(seq_ids):
+        try:
+            client.release([seq_id])
+        except errors.NotFound:
+            pass
 
 
 def shared_prompts(new: list[Sequence], active: list[Sequence]) -> dict[int, int]:

@@ -8,11 +8,11 @@ import time
 import pytest
 
 from batchspec import errors
+from coordinator import peers as peers_module
 from coordinator import scheduler
 from coordinator.clients import ModelInfo
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
-from coordinator.peers import Peers
 from coordinator.router import Router
 from coordinator.sequence import DraftState, Finish, Sequence
 
@@ -208,7 +208,7 @@ class HoldingService(FakeService):
 
 
 def test_stale_sequences_are_released_in_one_command_or_one_by_one():
-    forget_stale = Peers.forget_stale
+    forget_stale = peers_module.forget_stale
     service = HoldingService({1, 2, 3, 9})
     forget_stale(service, {1, 2, 3})
     assert service.releases == [[1, 2, 3]] and service.held == {9}

@@ -155,3 +155,24 @@ def test_compute_run_returns_raises_and_nests():
     assert compute.run(compute.run, lambda x: x + 1, 1) == 2  # a nested call does not deadlock
     with pytest.raises(errors.NotFound, match="gone"):
         compute.run(lambda: (_ for _ in ()).throw(errors.NotFound("gone")))
+
+
+def test_what_a_closed_stream_prefilled_is_released_and_only_that(target):
+    """A coordinator that dies leaves nothing cached: when a command stream ends, the
+    sequences it prefilled and did not release are released; a sequence released there and
+    prefilled again on another stream belongs to that one and stays."""
+    _, runner, port = target
+    first, second = TargetClient(f"127.0.0.1:{port}"), TargetClient(f"127.0.0.1:{port}")
+    try:
+        first.prefill([(71, [5, 6, 7]), (72, [5, 6]), (73, [8, 9])])
+        first.release([73])
+        second.prefill([(73, [8, 9, 10])])
+        first.reset()  # the stream ends as a crashed client's would
+        from conftest import wait_for
+        assert wait_for(lambda: 71 not in runner.caches and 72 not in runner.caches)
+        assert runner.caches[73].length == 3  # the second stream's
+        second.release([73])
+        assert not {71, 72, 73} & set(runner.caches)
+    finally:
+        first.close()
+        second.close()

@@ -124,11 +124,42 @@ class ModelServicer:
         self.dtype = dtype
         self.metrics = metrics
         self.gate = gate or Gate()
+        # seq_id -> the command stream that prefilled it (changed under the runner's lock)
+        self.owners: dict[int, object] = {}
 
     def RunCommands(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        """One client's command stream. The sequences it prefills belong to it: when it ends
+        (the client closed it, crashed, or was cut off) those it did not release are released,
+        so a coordinator that dies leaves nothing behind. A client never uses a cache through
+        another stream than the one that made it (after a break it prefills again)."""
         self.gate.check_stream(context)
-        yield from serve_commands(request_iterator, self.runner, self.handle, self.result_type,
+        stream = object()
+        context.add_callback(lambda: self._release_orphans(stream))
+
+        def handle(kind, command):
+            result = self.handle(kind, command)
+            if kind == "prefill":
+                for entry in command.entries:
+                    self.owners[entry.seq_id] = stream
+            elif kind == "release":
+                for seq_id in command.seq_ids:
+                    self.owners.pop(seq_id, None)
+            return result
+
+        yield from serve_commands(request_iterator, self.runner, handle, self.result_type,
                                   context, self.metrics)
+
+    def _release_orphans(self, stream) -> None:
+        """Release what the ended `stream` prefilled and still owns (see RunCommands)."""
+        with self.runner.lock:
+            owned = [s for s, owner in self.owners.items() if owner is stream]
+            for seq_id in owned:
+                del self.owners[seq_id]
+            orphans = [s for s in owned if s in self.runner.caches]
+            if orphans:
+                compute.run(self.runner.release, orphans)
+                log.info("a command stream ended: released the %d sequences it still held",
+                         len(orphans))
 
     def Describe(self, request, context):  # noqa: N802 (gRPC method name)
         # under the runner's lock, as a command runs: a consistent snapshot, and an answer

@@ -30,6 +30,7 @@ class _InProcess:
     def __init__(self, runner: runner_lib.ModelRunner, name: str):
         self.runner = runner
         self.address = name
+        self.instance = None  # one instance for the life of this process
 
     def reset(self) -> None:
         pass
@@ -37,7 +38,7 @@ class _InProcess:
     def close(self) -> None:
         pass
 
-    def probe(self) -> "_Answered":
+    def probe(self, timeout: float | None = None) -> "_Answered":
         """Answered at once: the runner lives in this process."""
         return _Answered(self.describe())
 
