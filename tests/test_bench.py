@@ -56,7 +56,7 @@ def test_bench_by_category_reports_each_draft_and_the_router_per_category(tmp_pa
     methods = "hf_batch1,hf_batched,grpc,grpc_ngram,grpc_router"
     done = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--quick", "--out",
                            str(out), "--by-category", "--methods", methods,
-                           "--draft-policy", "fixed"],
+                           "--draft-policy", "fixed", "--batch-sizes", "4", "--ks", "2"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((out / "results.json").read_text())["rows"]
@@ -148,6 +148,7 @@ def test_closed_loop_clients_against_the_same_server_without_drafts(tmp_path):
     out = tmp_path / "report"
     done = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--quick", "--out",
                            str(out), "--methods", "grpc_router", "--concurrency", "1,3",
+                           "--batch-sizes", "4", "--ks", "2",
                            "--repeat", "2", "--step-logs", str(tmp_path / "steps")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

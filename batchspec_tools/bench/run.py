@@ -166,10 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompts to run (categories taken in turn)")
     parser.add_argument("--max-new-tokens", type=int, default=64,
                         help="most tokens generated per prompt")
-    parser.add_argument("--batch-sizes", default="1,2,4,8,16,32",
-                        help="batch sizes to sweep, comma-separated")
-    parser.add_argument("--ks", default=str(EngineConfig.num_draft_tokens),
-                        help="K values (with the goodput policy: the most a step drafts)")
+    parser.add_argument("--batch-sizes", default=None,
+                        help="batch sizes to sweep, comma-separated (default 1,2,4,8,16,32; "
+                             "with --quick 1,4)")
+    parser.add_argument("--ks", default=None,
+                        help="K values (with the goodput policy: the most a step drafts; "
+                             f"default {EngineConfig.num_draft_tokens}; with --quick 2,4)")
     parser.add_argument("--draft-policy", choices=("goodput", "fixed"),
                         default=EngineConfig.draft_policy,
                         help="batchspec's draft length: goodput (the default of `serve`) or "
@@ -217,9 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args) -> BenchConfig:
     ints = lambda text: tuple(int(x) for x in text.split(",") if x)  # noqa: E731
+    batch_sizes = ints(args.batch_sizes) if args.batch_sizes else \
+        (1, 4) if args.quick else (1, 2, 4, 8, 16, 32)
+    ks = ints(args.ks) if args.ks else (2, 4) if args.quick else (EngineConfig.num_draft_tokens,)
     if args.quick:
-        return BenchConfig(target="tiny", num_prompts=8, max_new_tokens=12, batch_sizes=(1, 4),
-                           ks=(2, 4), out=args.out, quick=True, by_category=args.by_category,
+        return BenchConfig(target="tiny", num_prompts=8, max_new_tokens=12,
+                           batch_sizes=batch_sizes, ks=ks, out=args.out, quick=True, by_category=args.by_category,
                            repeat=args.repeat,
                            methods=tuple(m for m in args.methods.split(",") if m),
                            draft_policy=args.draft_policy,
@@ -229,7 +234,7 @@ def config_from_args(args) -> BenchConfig:
                            concurrency=ints(args.concurrency), step_logs=args.step_logs)
     return BenchConfig(target=args.target, draft=args.draft, draft_layers=args.draft_layers,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                       batch_sizes=ints(args.batch_sizes), ks=ints(args.ks),
+                       batch_sizes=batch_sizes, ks=ks,
                        methods=tuple(m for m in args.methods.split(",") if m), out=args.out,
                        min_draft_confidence=args.min_draft_confidence,
                        draft_policy=args.draft_policy,
