@@ -1,6 +1,10 @@
 """Live membership: replica sources (dns:, file:, k8s:), service instances, draining and
 capacity, units first; the loopback tests with real service processes are in
 test_membership_e2e.py."""
+import json
+import threading
+import urllib.parse
+
 import pytest
 
 from batchspec import errors
@@ -9,6 +13,8 @@ from batchspec.runtime.cachebook import CacheBook
 from coordinator import membership
 from coordinator.config import CoordinatorConfig
 from coordinator.fleet import sequence_ids
+
+from conftest import wait_for
 
 
 def test_sources_parse_and_refuse_malformed_specs():
@@ -182,3 +188,82 @@ def test_sequence_ids_of_two_coordinators_do_not_collide():
     a, b = [next(first) for _ in range(1000)], [next(second) for _ in range(1000)]
     assert not set(a) & set(b) and a == sorted(a) and a[1] - a[0] == 1
     assert all(0 < i < 2**63 for i in a + b)  # uint64 on the wire, positive
+
+
+class FakeApiServer:
+    """The two EndpointSlice calls of the Kubernetes API the k8s: source makes, over HTTP:
+    a list, then a watch that streams the events the test puts in `events` (None ends the
+    stream, as the API server ends a watch after its timeout)."""
+
+    def __init__(self, items):
+        import http.server
+        import queue
+
+        self.items, self.events, self.paths = items, queue.Queue(), []
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                fake.paths.append(self.path)
+                watching = "watch=true" in self.path.lower()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                if not watching:
+                    body = json.dumps({"kind": "EndpointSliceList",
+                                       "apiVersion": "discovery.k8s.io/v1",
+                                       "metadata": {"resourceVersion": "10"},
+                                       "items": fake.items}).encode()
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                while (event := fake.events.get()) is not None:
+                    line = (json.dumps(event) + "\n").encode()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def kubeconfig(self, path):
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "test",
+            "clusters": [{"name": "test", "cluster": {
+                "server": f"http://127.0.0.1:{self.server.server_port}"}}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
+            "users": [{"name": "test", "user": {"token": "unused"}}]}))
+        return str(path)
+
+
+def test_the_k8s_source_lists_then_watches_through_the_kubernetes_client(tmp_path,
+                                                                           monkeypatch):
+    """The real `kubernetes` client against a fake API server: the source lists the
+    Service's EndpointSlices by label, then follows the watch from the list's version."""
+    api = FakeApiServer([endpoint_slice("target-abc", [endpoint("10.1.0.4")])])
+    monkeypatch.setenv("KUBECONFIG", api.kubeconfig(tmp_path / "kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    source = membership.parse_source("k8s:serving/batchspec-target:50052")
+    try:
+        source.addresses()  # starts the watch
+        assert wait_for(lambda: source.addresses() == {"10.1.0.4:50052"})
+        api.events.put({"type": "MODIFIED", "object": endpoint_slice(
+            "target-abc", [endpoint("10.1.0.4", ready=False, terminating=True),
+                           endpoint("10.1.0.5")], "11")})
+        assert wait_for(lambda: source.addresses() == {"10.1.0.5:50052"})
+        (list_path, listed), (_, watched) = [(urllib.parse.urlsplit(p).path,
+                                               urllib.parse.parse_qs(urllib.parse.urlsplit(p).query))
+                                              for p in api.paths[:2]]
+        assert list_path == "/apis/discovery.k8s.io/v1/namespaces/serving/endpointslices"
+        assert listed["labelSelector"] == ["kubernetes.io/service-name=batchspec-target"]
+        assert watched["resourceVersion"] == ["10"] and watched["watch"][0].lower() == "true"
+    finally:
+        api.events.put(None)
+        api.server.shutdown()
