@@ -12,7 +12,7 @@ from batchspec_tools.bench.run import GRPC_DRAFTS, METHODS, USES_BATCH, USES_K
 def test_quick_bench_writes_a_complete_exact_report(tmp_path):
     out = tmp_path / "report"
     done = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--quick", "--out",
-                           str(out), "--arrival-rates", "40"],
+                           str(out), "--arrival-rates", "40", "--ks", "4"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "results.json").read_text())

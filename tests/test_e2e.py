@@ -1,4 +1,5 @@
 """End to end: `batchspec serve` starts the three real processes, as a user would."""
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -24,19 +25,57 @@ def batchspec_command() -> list[str]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_serve_four_processes_exact_on_32_concurrent_requests(model_dirs, arch):
-    """Target, model draft, n-gram draft and coordinator, as `batchspec serve` starts them."""
+def test_serve_four_processes_exact_on_32_concurrent_requests(model_dirs, arch, tmp_path):
+    """Target, model draft, n-gram draft and coordinator, as `batchspec serve` starts them.
+    With llama, `serve` also takes --tls-cert/--tls-key, an API key and --http-port: gRPC
+    over TLS with the key, `batchspec health` against it (refused without the CA), and the
+    official `openai` client streaming a chat completion over HTTPS (a wrong key: 401)."""
+    import openai
+    from test_http import make_chat_tokenizer
+    from test_serving import make_certificates
+
     target_dir, draft_dir = model_dirs[arch]
-    port = free_port()
+    port, http_port = free_port(), free_port()
+    tls = arch == "llama"
+    flags = []
+    if tls:
+        certs = make_certificates(tmp_path)
+        ca = certs["ca"] + ".pem"
+        (tmp_path / "api-key").write_text("s3cret\n")
+        flags = ["--tls-cert", certs["server"] + ".pem", "--tls-key", certs["server"] + ".key",
+                 "--api-key-file", str(tmp_path / "api-key"), "--http-port", str(http_port),
+                 "--tokenizer", make_chat_tokenizer(tmp_path)]
     server = subprocess.Popen(batchspec_command() + [
         "serve", "--target-model", target_dir, "--draft-model", f"{draft_dir},ngram",
-        "--port", str(port),
-        "--batch-size", "8", "-k", "4", "--startup-timeout", "120"])
+        "--port", str(port), "--batch-size", "8", "-k", "4", "--startup-timeout", "120"]
+        + flags)
+    address = f"127.0.0.1:{port}"
     try:
-        wait_healthy(f"127.0.0.1:{port}", "batchspec.v1.Coordinator", 120, [server])
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        if tls:
+            end = time.monotonic() + 120
+            while run_cli("health", address, "batchspec.v1.Coordinator",
+                          "--tls-ca", ca).returncode != 0:
+                assert server.poll() is None and time.monotonic() < end
+                time.sleep(0.5)
+            assert run_cli("health", address, "batchspec.v1.Coordinator").returncode != 0
+            channel = grpc.secure_channel(address, grpc.composite_channel_credentials(
+                grpc.ssl_channel_credentials(pathlib.Path(ca).read_bytes()),
+                grpc.access_token_call_credentials("s3cret")))
+        else:
+            wait_healthy(address, "batchspec.v1.Coordinator", 120, [server])
+            channel = grpc.insecure_channel(address)
+        with channel:
             requests = random_requests(seed=7, count=32)
             results = generate_all(generate_pb2_grpc.CoordinatorStub(channel), requests)
+        if tls:
+            client = https_client(f"https://127.0.0.1:{http_port}/v1", ca, "s3cret")
+            chunks = list(client.chat.completions.create(
+                model="batchspec", messages=[{"role": "user", "content": "hello robot"}],
+                max_tokens=16, temperature=0, stream=True))
+            assert "".join(c.choices[0].delta.content or "" for c in chunks)
+            assert chunks[-1].usage.completion_tokens >= 1
+            with pytest.raises(openai.AuthenticationError):
+                https_client(f"https://127.0.0.1:{http_port}/v1", ca, "wrong").models.list()
     finally:
         server.send_signal(signal.SIGTERM)
         code = server.wait(timeout=60)
@@ -59,47 +98,6 @@ def https_client(base_url, ca, api_key):
 def run_cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run(batchspec_command() + list(args), capture_output=True, text=True,
                           timeout=60)
-
-
-def test_serve_over_tls_answers_an_openai_client_over_https(model_dirs, tmp_path):
-    """`batchspec serve --http-port P --tls-cert C --tls-key K --api-key-file F`: HTTPS and
-    gRPC over TLS with a key; the official client streams a chat completion over HTTPS and
-    `batchspec health` checks the TLS server."""
-    from test_http import make_chat_tokenizer
-    from test_serving import make_certificates
-
-    target_dir, _ = model_dirs["llama"]
-    tokenizer = make_chat_tokenizer(tmp_path)
-    certs = make_certificates(tmp_path)
-    (tmp_path / "api-key").write_text("s3cret\n")
-    port, http_port = free_port(), free_port()
-    server = subprocess.Popen(batchspec_command() + [
-        "serve", "--target-model", target_dir, "--draft-model", "ngram",
-        "--tokenizer", tokenizer, "--port", str(port), "--http-port", str(http_port),
-        "--tls-cert", certs["server"] + ".pem", "--tls-key", certs["server"] + ".key",
-        "--api-key-file", str(tmp_path / "api-key"), "--startup-timeout", "120"])
-    try:
-        address = f"127.0.0.1:{port}"
-        end = time.monotonic() + 120
-        while run_cli("health", address, "batchspec.v1.Coordinator",
-                      "--tls-ca", certs["ca"] + ".pem").returncode != 0:
-            assert server.poll() is None and time.monotonic() < end
-            time.sleep(0.5)
-        assert run_cli("health", address, "batchspec.v1.Coordinator").returncode != 0
-        client = https_client(f"https://127.0.0.1:{http_port}/v1", certs["ca"] + ".pem",
-                              "s3cret")
-        chunks = list(client.chat.completions.create(
-            model="batchspec", messages=[{"role": "user", "content": "hello robot"}],
-            max_tokens=16, temperature=0, stream=True))
-        import openai
-        with pytest.raises(openai.AuthenticationError):
-            https_client(f"https://127.0.0.1:{http_port}/v1", certs["ca"] + ".pem",
-                         "wrong").models.list()
-    finally:
-        server.send_signal(signal.SIGTERM)
-        code = server.wait(timeout=60)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks)
-    assert chunks[-1].usage.completion_tokens >= 1 and code == 0
 
 
 def test_tls_wiring_through_the_real_cli(model_dirs, tmp_path):
