@@ -99,6 +99,10 @@ def test_pools_gpus_probes_draining_and_membership_by_default():
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account,
                                     "namespace": NAMESPACE}]
     assert set(by_kind(objects, "PodDisruptionBudget")) == set(deployments)
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for deployment in deployments.values():  # the images' own non-root user, by number
+        context = deployment["spec"]["template"]["spec"]["securityContext"]
+        assert context["runAsNonRoot"] and f"--uid {context['runAsUser']} " in dockerfile
 
 
 def test_tls_mounts_the_secret_and_probes_speak_tls():
