@@ -224,8 +224,8 @@ def config_from_args(args) -> BenchConfig:
     ks = ints(args.ks) if args.ks else (2, 4) if args.quick else (EngineConfig.num_draft_tokens,)
     if args.quick:
         return BenchConfig(target="tiny", num_prompts=8, max_new_tokens=12,
-                           batch_sizes=batch_sizes, ks=ks, out=args.out, quick=True, by_category=args.by_category,
-                           repeat=args.repeat,
+                           batch_sizes=batch_sizes, ks=ks, out=args.out, quick=True,
+                           by_category=args.by_category, repeat=args.repeat,
                            methods=tuple(m for m in args.methods.split(",") if m),
                            draft_policy=args.draft_policy,
                            arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",")
