@@ -403,37 +403,50 @@ class GrpcStack:
 
     SERVICES = ("target", "model", "ngram")
 
-    def __init__(self, workload: Workload):
-        from batchspec_tools.processes import free_port, wait_healthy
+    def __init__(self, workload: Workload, together: bool = False):
+        """together: start the three services at once (tiny models, whose kernel timing is
+        negligible); else one after the other, each timing its CPU kernels on a quiet CPU."""
+        from batchspec_tools.processes import free_port
 
         self.procs, self.logs = [], []
         self.ports = {role: free_port() for role in self.SERVICES}
         self.metrics = {role: free_port() for role in self.SERVICES}
         model_cmd = ["--model", workload.draft, "--dtype", workload.dtype] + (
             ["--num-layers", str(workload.draft_layers)] if workload.draft_layers else [])
-        # one after the other: each times its CPU kernels at start-up, best on a quiet CPU
-        for role, module, extra in (
-                ("target", "target_service", ["--model", workload.target,
-                                              "--dtype", workload.dtype]),
-                ("model", "draft_service", model_cmd),
-                ("ngram", "draft_service", ["--model", "ngram"])):
-            # its log kept, so a service that dies at start says why
-            log = tempfile.NamedTemporaryFile(prefix=f"batchspec-bench-{role}-", suffix=".log",
-                                              delete=False)
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", module, "--port", str(self.ports[role]),
-                 "--metrics-port", str(self.metrics[role])] + extra,
-                stdout=subprocess.DEVNULL, stderr=log))
-            log.close()
-            self.logs.append(log.name)
-            name = "TargetService" if role == "target" else "DraftService"
-            try:
-                wait_healthy(f"127.0.0.1:{self.ports[role]}", f"batchspec.v1.{name}", 600,
-                             self.procs)
-            except RuntimeError as error:
-                tail = pathlib.Path(log.name).read_text(errors="replace")[-1500:]
-                raise RuntimeError(f"{error} (the {role} service; its log {log.name} "
-                                   f"ends:\n{tail})") from error
+        services = (("target", "target_service", ["--model", workload.target,
+                                                  "--dtype", workload.dtype]),
+                    ("model", "draft_service", model_cmd),
+                    ("ngram", "draft_service", ["--model", "ngram"]))
+        for role, module, extra in services:
+            self._start(role, module, extra)
+            if not together:
+                self._wait(role)
+        for role, _, _ in services if together else ():
+            self._wait(role)
+
+    def _start(self, role: str, module: str, extra: list[str]) -> None:
+        # its log kept, so a service that dies at start says why
+        log = tempfile.NamedTemporaryFile(prefix=f"batchspec-bench-{role}-", suffix=".log",
+                                          delete=False)
+        self.procs.append(subprocess.Popen(
+            [sys.executable, "-m", module, "--port", str(self.ports[role]),
+             "--metrics-port", str(self.metrics[role])] + extra,
+            stdout=subprocess.DEVNULL, stderr=log))
+        log.close()
+        self.logs.append(log.name)
+
+    def _wait(self, role: str) -> None:
+        from batchspec_tools.processes import wait_healthy
+
+        name = "TargetService" if role == "target" else "DraftService"
+        try:
+            wait_healthy(f"127.0.0.1:{self.ports[role]}", f"batchspec.v1.{name}", 600,
+                         self.procs)
+        except RuntimeError as error:
+            log = self.logs[self.SERVICES.index(role)]
+            tail = pathlib.Path(log).read_text(errors="replace")[-1500:]
+            raise RuntimeError(f"{error} (the {role} service; its log {log} "
+                               f"ends:\n{tail})") from error
 
     @contextlib.contextmanager
     def coordinator(self, workload: Workload, batch_size: int, k: int,
@@ -568,7 +581,7 @@ def run(config: BenchConfig) -> dict:
                 runner.step_costs = runner_lib.measure_step_costs(runner)
         wants_grpc = (set(GRPC_DRAFTS) & set(config.methods) or config.arrival_rates
                       or config.concurrency)
-        stack = GrpcStack(workload) if wants_grpc else None
+        stack = GrpcStack(workload, together=config.quick) if wants_grpc else None
         parts = workload.split() if config.by_category else {None: workload}
         rows, load, serving = [], [], []
         try:
