@@ -5,6 +5,7 @@ import json
 import threading
 import urllib.parse
 
+import grpc
 import pytest
 
 from batchspec import errors
@@ -267,3 +268,42 @@ def test_the_k8s_source_lists_then_watches_through_the_kubernetes_client(tmp_pat
     finally:
         api.events.put(None)
         api.server.shutdown()
+
+
+def test_replicas_found_by_dns_are_checked_against_the_name_over_tls(model_dirs, tmp_path):
+    """Over mutual TLS a replica found by dns:NAME is dialled by IP and its certificate is
+    checked against NAME: a certificate naming only NAME is accepted that way, and the same
+    service named by its IP is refused (its certificate does not name the IP)."""
+    from test_serving import make_certificates
+
+    from batchspec import security
+    from batchspec.v1 import generate_pb2, generate_pb2_grpc, target_pb2_grpc
+    from coordinator import __main__ as coordinator_main
+    from target_service.servicer import SERVICE_NAME, TargetServicer
+
+    certs = make_certificates(tmp_path, server_names=("targets.test",))
+    server_tls = security.ServerTls(certs["server"] + ".pem", certs["server"] + ".key",
+                                    client_ca=certs["ca"] + ".pem")
+    server, port, _, _ = service.start_model_service(
+        service.ServiceConfig(model=model_dirs["llama"][0], tls=server_tls), TargetServicer,
+        target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME)
+    peer = security.ClientTls(certs["ca"] + ".pem", certs["client"] + ".pem",
+                              certs["client"] + ".key")
+    try:
+        running = coordinator_main.start(
+            CoordinatorConfig(targets=(f"dns:targets.test:{port}",), port=0, peer_tls=peer,
+                              connect_timeout_s=10),
+            resolve=lambda name: ["127.0.0.1"] if name == "targets.test" else [])
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+                answer = list(generate_pb2_grpc.CoordinatorStub(channel).Generate(
+                    generate_pb2.GenerateRequest(prompt_token_ids=[5, 6, 7], max_new_tokens=4,
+                                                 ignore_eos=True), timeout=30))
+            assert sum(len(r.token_ids) for r in answer) == 4
+        finally:
+            running.stop(0)
+        with pytest.raises(errors.Unavailable):
+            coordinator_main.start(CoordinatorConfig(
+                targets=(f"127.0.0.1:{port}",), port=0, peer_tls=peer, connect_timeout_s=2))
+    finally:
+        server.stop(0)

@@ -221,9 +221,10 @@ def test_every_ended_request_leaves_one_log_line_with_its_reason(model_dirs, cap
 
 
 # ---- TLS, mutual TLS, API keys -------------------------------------------------------------------
-def make_certificates(root):
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, all
-    signed by the CA, plus a client certificate from a CA nobody trusts."""
+def make_certificates(root, server_names=None):
+    """A CA, a server certificate for 127.0.0.1/localhost (or for `server_names` alone) and a
+    client certificate, all signed by the CA, plus a client certificate from a CA nobody
+    trusts."""
     import ipaddress
 
     from cryptography import x509
@@ -258,7 +259,8 @@ def make_certificates(root):
 
     ca, ca_key = issue("batchspec test CA", None, None, ca=True)
     save("ca", ca, ca_key)
-    sans = (x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+    sans = (x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))) \
+        if server_names is None else tuple(x509.DNSName(name) for name in server_names)
     save("server", *issue("127.0.0.1", ca.subject, ca_key, sans=sans))
     save("client", *issue("coordinator", ca.subject, ca_key))
     rogue_ca, rogue_key = issue("rogue CA", None, None, ca=True)
