@@ -52,3 +52,16 @@ class DraftKind:
 
     def next_replica(self) -> None:
         self.current = (self.current + 1) % max(1, len(self.replicas))
+
+    def remove_replica(self, address: str):
+        """Drop the replica at `address` (its client, or None if there is none), keeping
+        `current` on the same replica when another one goes; with none left the kind is
+        down."""
+        where = [i for i, c in enumerate(self.replicas) if c.address == address]
+        if not where:
+            return None
+        client = self.replicas.pop(where[0])
+        self.current -= where[0] < self.current
+        self.current %= max(1, len(self.replicas))
+        self.up = self.up and bool(self.replicas)
+        return client

@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 FULL_BACKOFF_S = 0.5
 
 
-
 @dataclasses.dataclass(frozen=True)
 class PeersConfig:
     reconnect_backoff_s: tuple[float, float]  # first and longest retry delay
@@ -48,9 +47,7 @@ class Peers:
         self.recorder = recorder
         self.router = router
         self.target_up = True
-        # the target reported draining (shutting down): no admission; requests move away
-        # as soon as another engine takes them. Cleared when a fresh instance answers.
-        self.target_draining = False
+        self.target_draining = False  # it drains: admit nothing; until a fresh instance answers
         # service address -> ids of sequences that may still hold caches there although we
         # lost the stream (a release that failed, or a loss while they were cached); released
         # when the service answers again, unless it restarted empty
@@ -142,6 +139,13 @@ class Peers:
                 self._release_in(kind.client, [s for s in seqs
                                                if s.drafts[kind.index].cache_len is not None])
 
+    def _free_drafts(self, seqs: list[Sequence]) -> None:
+        """Release what the drafts hold of `seqs` and forget those records."""
+        self._release_drafts(seqs)
+        for seq in seqs:
+            for state in seq.drafts:
+                state.forget()
+
     def _release_in(self, client, seqs: list[Sequence]) -> None:
         if not seqs:
             return
@@ -169,15 +173,14 @@ class Peers:
         self._health_changed()
         self._lost(kind.client, lambda seq: seq.drafts[kind.index])
 
-    def close(self) -> None:
-        """Close every connection (the engine ends)."""
-        for client in [self.target] + [c for kind in self.kinds for c in kind.replicas]:
-            client.close()
+    def replica_gone(self, address: str) -> None:
+        """A service left the membership for good: nothing of it is retried or released."""
+        self._stale.pop(address, None)
+        self._health_changed()
 
     def draft_leaving(self, kind: DraftKind) -> None:
-        """The kind's current replica drains (or left the membership): free what it holds of
-        ours while it still answers, and go on with the kind's next replica, found by probing
-        (a draining replica's probe is not an answer)."""
+        """The kind's current replica drains or left: free ours there while it answers; go on
+        with the next replica, found by probing (a draining one's probe is no answer)."""
         log.info("draft %s (%s) is leaving: its sequences are drafted elsewhere",
                  kind.client.address, kind.name)
         self._release_in(kind.client, [s for s in self.pool.active_sequences()
@@ -187,7 +190,7 @@ class Peers:
             seq.drafts[kind.index].forget()
         kind.up = False
         kind.next_replica()
-        self._schedule_retry(soon=True)
+        self.schedule_retry(soon=True)
 
     def target_lost(self, error) -> None:
         self.target_up = False
@@ -212,7 +215,7 @@ class Peers:
         self._mark_stale(client, [s for s in seqs if cache_of(s).cache_len is not None])
         for seq in seqs:
             cache_of(seq).forget()
-        self._schedule_retry()
+        self.schedule_retry()
 
     def hand_off(self) -> bool:
         """Give every request to other engines, if there are any to take them."""
@@ -221,18 +224,23 @@ class Peers:
             return False
         # Drafts may be shared with the adopting engines (one n-gram draft for every target
         # replica): release ours before another engine can prefill the same ids there.
+        self._free_drafts(self.pool.active_sequences())
+        return self.router.hand_off(self, handles)  # else they wait here (drafts refilled)
+
+    def target_left(self) -> None:
+        """The target is left on purpose (it drains or left) while it answers: free ours there
+        and in the drafts, then wait for it like a lost one (a draining probe is no answer)."""
         active = self.pool.active_sequences()
-        self._release_drafts(active)
+        self._release_in(self.target, [s for s in active if s.target.cache_len is not None])
+        self._free_drafts(active)
         for seq in active:
-            for state in seq.drafts:
-                state.forget()
-        if not self.router.hand_off(self, handles):
-            return False  # nobody took them: they wait here (drafts refilled on first use)
-        self.pool.take_all(handles)
-        return True
+            seq.target.forget()  # released (or marked stale): the loss below finds none
+        self.target_up = False
+        self._health_changed()
+        self._lost(self.target, lambda seq: seq.target)
 
     # ---- reconnection ---------------------------------------------------------------------------
-    def _schedule_retry(self, soon: bool = False) -> None:
+    def schedule_retry(self, soon: bool = False) -> None:
         """soon: from the first delay again (a service left on purpose; another may answer)."""
         if soon:
             self._retry_delay = self.config.reconnect_backoff_s[0]
@@ -254,7 +262,7 @@ class Peers:
         if self.all_up():
             self._retry_delay = self.config.reconnect_backoff_s[0]
         else:
-            self._schedule_retry()
+            self.schedule_retry()
         return self.target_up
 
     def retry_pause(self) -> float:
@@ -283,7 +291,7 @@ class Peers:
                          client.address, info.instance_id)
             elif info.num_sequences:
                 forget_stale(client, self._stale.get(client.address, set())
-                                  | set(self.pool.active))
+                             | set(self.pool.active))
             self._stale.pop(client.address, None)
             resync()
         except errors.Unavailable as error:
@@ -319,7 +327,7 @@ class Peers:
         """Send active sequences back to the head of the queue, holding nothing anywhere:
         admission prefills them again from their committed tokens as capacity allows."""
         forget_stale(self.target, {s.seq_id for s in seqs})
-        self._release_drafts(seqs)
+        self._free_drafts(seqs)
         handles = self.pool.handles_of(seqs)
         for seq in seqs:
             self.pool.deactivate(seq)

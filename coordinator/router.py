@@ -78,11 +78,12 @@ class Router:
             engine.cancel(handle)
 
     def hand_off(self, source, handles: list[RequestHandle]) -> bool:
-        """Move `handles` from the engine whose peers are `source` to the live others;
-        False when there are none."""
+        """Move `handles` from the engine whose peers are `source` (out of its pool) to the
+        others that take new work; False, nothing moved, when there are none."""
         live = self.accepting(source)
         if not live:
             return False
+        source.pool.take_all(handles)
         for handle in handles:  # adopt() raises the adopter's load at once: this balances
             min(live, key=lambda e: e.pool.load()).adopt([handle])
         return True

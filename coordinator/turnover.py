@@ -93,27 +93,16 @@ class Turnover:
 
     def target_leaving(self) -> bool:
         """The target drains (or left the membership): move every request to the other
-        engines, freeing what it holds of ours first, and wait for it like a lost target (a
-        draining one's probe is not an answer). False, with nothing changed, while no other
-        engine takes new work: the target still serves the sequences it holds."""
+        engines, freeing what it holds of ours first. False, with nothing changed, while no
+        other engine takes new work: the target still serves the sequences it holds."""
         if self.router is None or not self.router.others_accepting(self.peers):
             return False
         handles = self.pool.handles()
-        active = self.pool.active_sequences()
-        self.peers.release(active)
-        for seq in active:
-            seq.target.forget()
-            for state in seq.drafts:
-                state.forget()
-        self.peers.target.reset()
-        self.peers.target_up = False
-        self.peers._schedule_retry(soon=True)
+        self.peers.target_left()
         if handles:
             self.router.hand_off(self.peers, handles)
-            self.pool.take_all(handles)
         log.info("target %s is leaving: %d requests moved to other replicas",
                  self.peers.target.address, len(handles))
-        self.peers._health_changed()
         return True
 
     def moved_away(self) -> bool:
@@ -125,7 +114,9 @@ class Turnover:
     def end(self, engine) -> None:
         """The removed `engine`, its requests moved, closes its connections and leaves the
         router."""
-        self.peers.close()
+        peers = self.peers
+        for client in [peers.target] + [c for kind in peers.kinds for c in kind.replicas]:
+            client.close()
         if self.router is not None:
             self.router.discard(engine)
         log.info("engine of target %s ended: it left the membership", self.peers.target.address)
@@ -140,10 +131,7 @@ class Turnover:
         self.peers.recorder.stats.num_capacity_waits += 1
         waiting = [h for h in self.pool.handles() if h.seq.seq_id not in self.pool.active]
         moved = bool(waiting) and self.router is not None \
-            and self.router.others_accepting(self.peers)
-        if moved:
-            self.router.hand_off(self.peers, waiting)
-            self.pool.take_all(waiting)
+            and self.router.hand_off(self.peers, waiting)
         # logged once per spell: a full target is asked again every FULL_BACKOFF_S
         (log.debug if self._full_spell else log.info)(
             "target %s is full (%s): %s", self.peers.target.address, error,
@@ -163,7 +151,7 @@ class Turnover:
         kind.replicas.append(client)
         if len(kind.replicas) == 1:  # the kind had none: probe it before use
             kind.current, kind.up = 0, False
-            self.peers._schedule_retry(soon=True)
+            self.peers.schedule_retry(soon=True)
         if preferred is not None and kind.client.address != preferred:
             self._switch_replica(kind, preferred)
 
@@ -171,19 +159,12 @@ class Turnover:
         """A draft replica left the membership: what it holds of ours is freed (if it still
         answers) and rows are drafted by the kind's other replicas, or by no draft."""
         for kind in self.peers.kinds:
-            where = [i for i, c in enumerate(kind.replicas) if c.address == address]
-            if not where:
-                continue
-            if where[0] == kind.current and kind.up:
+            if kind.replicas and kind.client.address == address and kind.up:
                 self.peers.draft_leaving(kind)
-            client = kind.replicas.pop(where[0])
-            kind.current -= where[0] < kind.current
-            kind.current %= max(1, len(kind.replicas))
-            if not kind.replicas:
-                kind.up = False
-            client.close()
-        self.peers._stale.pop(address, None)
-        self.peers._health_changed()
+            client = kind.remove_replica(address)
+            if client is not None:
+                client.close()
+        self.peers.replica_gone(address)
 
     def _switch_replica(self, kind: DraftKind, address: str) -> None:
         if kind.up:
