@@ -31,6 +31,8 @@ class ModelInfo:
     packs_positions: bool = False  # a verify pays for each row's real tokens only
     instance_id: str = ""  # new at every start of the service
     draining: bool = False  # shutting down: takes no new sequence
+    # a target: the width of the features it returns; a draft: of those it reads (0: none)
+    feature_width: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,7 @@ class ProposeSpec:
     keep_len: int
     append_token_ids: list[int]
     sampling: SamplingParams
+    features: object = None  # cache_pb2.Features for a draft that reads them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +92,7 @@ class VerifyOutcome:
     output_token_ids: list[int]
     cache_len: int
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked
+    features: object = None  # cache_pb2.Features of the positions cached, when asked
 
 
 def _logprobs(token_ids, wire) -> list[TokenLogprob]:
@@ -185,7 +189,8 @@ def _model_info(info) -> ModelInfo:
     return ModelInfo(info.model, info.vocab_size, list(info.eos_token_ids),
                      info.max_context_len, info.num_sequences, info.num_cached_tokens,
                      tuple((c.rows, c.tokens, c.seconds) for c in info.step_costs),
-                     info.device, info.packs_positions, info.instance_id, info.draining)
+                     info.device, info.packs_positions, info.instance_id, info.draining,
+                     info.feature_width)
 
 
 class Probe:
@@ -261,12 +266,19 @@ class ServiceClient:
             raise errors.Unavailable(f"{self.address}: {_describe(error)}") from error
 
     def prefill(self, entries: list[tuple[int, list[int]]],
-                copies: dict[int, int] | None = None) -> list[int]:
-        """copies: seq_id -> the sequence whose cache it starts from (PrefillEntry.copy_from)."""
-        copies = copies or {}
-        result = self.stream.call(prefill=cache_pb2.PrefillCommand(entries=[
-            cache_pb2.PrefillEntry(seq_id=s, token_ids=t, copy_from=copies.get(s))
-            for s, t in entries]))
+                copies: dict[int, int] | None = None, features: dict | None = None,
+                return_features: bool = False):
+        """copies: seq_id -> the sequence whose cache it starts from (PrefillEntry.copy_from);
+        features: seq_id -> cache_pb2.Features (a draft that reads them). Returns the cache
+        lengths, or with return_features (the target) (lengths, Features per entry)."""
+        copies, features = copies or {}, features or {}
+        result = self.stream.call(prefill=cache_pb2.PrefillCommand(
+            return_features=return_features, entries=[
+                cache_pb2.PrefillEntry(seq_id=s, token_ids=t, copy_from=copies.get(s),
+                                       features=features.get(s))
+                for s, t in entries]))
+        if return_features:
+            return list(result.cache_lens), list(result.features)
         return list(result.cache_lens)
 
     def trim(self, entries: list[tuple[int, int, int]]) -> list[int]:
@@ -300,7 +312,8 @@ class DraftClient(ServiceClient):
             entries=[
                 draft_pb2.ProposeEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
                                        keep_len=s.keep_len, append_token_ids=s.append_token_ids,
-                                       sampling=_sampling(s.sampling)) for s in specs]))
+                                       sampling=_sampling(s.sampling), features=s.features)
+                for s in specs]))
         return [Proposal(e.seq_id, list(e.draft_token_ids), list(e.draft_probs), e.cache_len,
                          sum(p.ByteSize() for p in e.draft_probs))
                 for e in result.entries], _timing(result.timing)
@@ -309,10 +322,15 @@ class DraftClient(ServiceClient):
 class TargetClient(ServiceClient):
     stub_type = target_pb2_grpc.TargetServiceStub
     command_type = target_pb2.TargetCommand
+    # a draft reads the target's features: verifies return those of the positions cached
+    features_for_drafts = False
 
-    def verify(self, realign: bool, specs: list[VerifySpec],
-               timeout: float | None = None) -> tuple[list[VerifyOutcome], Timing]:
-        command = target_pb2.VerifyCommand(realign=realign, entries=[
+    def verify(self, realign: bool, specs: list[VerifySpec], timeout: float | None = None,
+               return_features: bool | None = None) -> tuple[list[VerifyOutcome], Timing]:
+        if return_features is None:
+            return_features = self.features_for_drafts
+        command = target_pb2.VerifyCommand(realign=realign, return_features=return_features,
+                                           entries=[
             target_pb2.VerifyEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
                                    append_token_ids=s.append_token_ids,
                                    draft_token_ids=s.draft_token_ids, draft_probs=s.draft_probs,
@@ -324,8 +342,15 @@ class TargetClient(ServiceClient):
         result = self.stream.call(timeout=timeout, verify=command)
         return [VerifyOutcome(e.seq_id, e.num_accepted, list(e.output_token_ids), e.cache_len,
                               _logprobs(e.output_token_ids, e.logprobs) if s.logprobs is not None
-                              else None)
+                              else None, e.features if return_features else None)
                 for e, s in zip(result.entries, specs)], _timing(result.timing)
+
+    def features(self, prefixes: list[tuple[int, list[int]]]) -> list:
+        """The target's Features of every position of each (seq_id, tokens) prefix, computed
+        without touching its caches."""
+        result = self.stream.call(features=target_pb2.FeaturesCommand(entries=[
+            target_pb2.FeaturesEntry(seq_id=s, token_ids=t) for s, t in prefixes]))
+        return list(result.features)
 
     def prefill_scored(self, entries: list[tuple[int, list[int]]],
                        scoring: dict[int, tuple[int, int]]) -> dict[int, list[TokenLogprob]]:

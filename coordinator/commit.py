@@ -25,6 +25,7 @@ def commit(handle: RequestHandle, outcome: VerifyOutcome, num_drafts: int, step:
     """Apply a checked verification to its sequence and stream it out; True when the
     sequence finished. num_drafts: the drafts the row verified."""
     seq = handle.seq
+    keep_features(seq, outcome)
     seq.target.cache_len = outcome.cache_len
     seq.stats.num_drafted_tokens += num_drafts
     seq.stats.num_accepted_tokens += outcome.num_accepted
@@ -44,6 +45,16 @@ def commit(handle: RequestHandle, outcome: VerifyOutcome, num_drafts: int, step:
     if seq.finish is not None:
         telemetry.finished(handle)
     return seq.finish is not None
+
+
+def keep_features(seq: Sequence, outcome: VerifyOutcome) -> None:
+    """Extend the sequence's feature log by the positions this verify cached; drop it when
+    the rows would not line up (it is asked of the target again when a draft needs it)."""
+    if seq.features is None:
+        return
+    lined_up = outcome.features is not None and seq.features.length == seq.target.cache_len
+    if not (lined_up and seq.features.extend(outcome.features)):
+        seq.features = None
 
 
 def text_of(seq: Sequence, committed: list[int], last: bool = True) -> str:

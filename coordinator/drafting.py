@@ -15,7 +15,7 @@ import operator
 import time
 
 from batchspec import errors
-from coordinator import goodput, scheduler
+from coordinator import features, goodput, scheduler
 from coordinator.clients import ModelInfo, Proposal, ProposeSpec, Timing, VerifyOutcome
 from coordinator.drafts import DraftKind
 from coordinator.evidence import Choice, Evidence
@@ -288,7 +288,7 @@ class Drafter:
         if not self.peers.warm(kind, seqs) or not num_drafts:
             return {}
         ready, width = scheduler.draft_plan(seqs, kind.index)
-        if not ready:
+        if not ready or (kind.reads_features and not features.ensure(self.peers.target, ready)):
             return {}
         try:
             proposals, timing, round_trip = self._send(kind, ready, width, num_drafts, timeout)
@@ -309,7 +309,9 @@ class Drafter:
               timeout: float | None) -> tuple[list[Proposal], Timing, float]:
         """One propose command; every row appends `width` committed tokens first."""
         specs = [ProposeSpec(s.seq_id, s.drafts[kind.index].cache_len, s.committed_len - width,
-                             s.token_ids[s.committed_len - width:], s.sampling) for s in seqs]
+                             s.token_ids[s.committed_len - width:], s.sampling,
+                             s.features.fed_with(s.committed_len - width, s.committed_len)
+                             if kind.reads_features else None) for s in seqs]
         started = time.perf_counter()
         proposals, timing = kind.client.propose(
             num_drafts, mixed(seqs), specs, timeout=timeout,
@@ -381,8 +383,11 @@ class Drafter:
             # The draft cached committed[:before] and drafts 1..D-1 (D = drafted); those up to
             # the first rejection are now committed (a row verifies at most D of them). A
             # draft lost or re-prefilled since holds none of them (its cache_len moved on).
-            seq.drafts[index].valid_len = seq.committed_len + min(
-                outcome.num_accepted, row.num_drafts, drafted - 1)  # its own, not forced ones
+            # A feature head computed its drafts' positions from its own features, not the
+            # target's: it keeps none of them.
+            own = 0 if self.kinds[index].reads_features else min(
+                outcome.num_accepted, row.num_drafts, drafted - 1)  # not forced ones
+            seq.drafts[index].valid_len = seq.committed_len + own
         for d, state in enumerate(seq.drafts):
             if d != index:
                 self.policy.observe(state.spec, 0, 0, d)  # not asked: its evidence fades

@@ -33,6 +33,10 @@ class DraftKind:
         self.ask_use = 1.0  # recent share of asks before planning that a plan drafted with
         self.asks_skipped = 0  # steps since it was last asked before planning, while idle
         self.full_until = 0.0  # refused new sequences for capacity: not asked before this
+        # a feature-level head: it is fed the target's features of every token it is fed,
+        # and its cache of its own drafts never holds committed positions (it computed them
+        # from its own features, not the target's)
+        self.reads_features = False
 
     @property
     def client(self):

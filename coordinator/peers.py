@@ -16,6 +16,7 @@ import logging
 import time
 
 from batchspec import errors
+from coordinator import features as features_lib
 from coordinator import scheduler
 from coordinator.clients import ModelInfo, Probe
 from coordinator.drafts import DraftKind
@@ -76,6 +77,7 @@ class Peers:
                 client.instance = info.instance_id
         for kind, info in zip(self.kinds, infos):
             kind.name = info.model if info is not None else kind.name
+        features_lib.note_readers(self.target, target, self.kinds, infos)
         return target, infos
 
     # ---- caches ---------------------------------------------------------------------------------
@@ -91,6 +93,8 @@ class Peers:
                 scored = self.target.prefill_scored([s.prefill_entry() for s in seqs], scoring)
                 for s in seqs:
                     s.prompt_logprobs = scored.get(s.seq_id, s.prompt_logprobs)
+            elif self.target.features_for_drafts:  # no copies: every prompt's features
+                features_lib.prefill_target(self.target, seqs)
             else:
                 self.target.prefill([s.prefill_entry() for s in seqs],
                                     shared_prompts(seqs, self.pool.active_sequences()))
@@ -106,9 +110,12 @@ class Peers:
             return kind.up
         if time.monotonic() < kind.full_until:
             return False
+        if kind.reads_features and not features_lib.ensure(self.target, cold):
+            return False
         try:
             with self.recorder.prefill("draft"):
-                self._prefill_in_runs(kind.client, cold)
+                prefill_in_runs(kind.client, cold, self.config.max_prefill_tokens,
+                                kind.reads_features)
         except errors.Draining:
             self.draft_leaving(kind)
             return False
@@ -158,12 +165,6 @@ class Peers:
 
     def _mark_stale(self, client, seqs: list[Sequence]) -> None:
         self._stale.setdefault(client.address, set()).update(s.seq_id for s in seqs)
-
-    def _prefill_in_runs(self, client, seqs: list[Sequence]) -> None:
-        """Prefill from the committed record, one bounded command per run. If a run fails,
-        those before it stay cached there: the next reconnection releases them first."""
-        for run in scheduler.split_by_tokens(seqs, self.config.max_prefill_tokens):
-            client.prefill([s.prefill_entry() for s in run])
 
     # ---- losses ---------------------------------------------------------------------------------
     def draft_lost(self, kind: DraftKind, error) -> None:
@@ -316,7 +317,7 @@ class Peers:
     def _resync_target(self) -> None:
         seqs = self.pool.active_sequences()
         try:
-            self._prefill_in_runs(self.target, seqs)
+            prefill_in_runs(self.target, seqs, self.config.max_prefill_tokens)
         except errors.ResourceExhausted:  # it fills up with other clients' sequences
             self._readmit(seqs)
             return
@@ -335,6 +336,16 @@ class Peers:
         self.pool.requeue(handles)
         log.info("%s is full: %d requests wait to be admitted again", self.target.address,
                  len(handles))
+
+
+def prefill_in_runs(client, seqs: list[Sequence], max_tokens: int,
+                    features: bool = False) -> None:
+    """Prefill from the committed record, one bounded command per run (with each token's
+    features, for a draft that reads them). If a run fails, those before it stay cached
+    there: the next reconnection releases them first."""
+    for run in scheduler.split_by_tokens(seqs, max_tokens):
+        client.prefill([s.prefill_entry() for s in run],
+                       **(features_lib.prefill_args(run) if features else {}))
 
 
 def forget_stale(client, seq_ids: set[int]) -> None:

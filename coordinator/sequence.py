@@ -88,6 +88,9 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] | None = dataclasses.field(default=None, repr=False)
     # Structured output: a grammar.Constraint at the generated tokens (None: unconstrained).
     constraint: object = dataclasses.field(default=None, repr=False, compare=False)
+    # The target's features of its cached positions (coordinator.features.FeatureLog), kept
+    # while a draft that reads them is configured; None: not known (asked for when needed).
+    features: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.token_ids:

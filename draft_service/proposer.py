@@ -19,6 +19,9 @@ class ProposeRow:
     keep_len: int
     append_token_ids: list[int]  # committed tokens after keep_len, ending with the last one
     sampling: SamplingParams
+    # a feature head: the target's features of the position before each appended token
+    # [len(append_token_ids), width]; None for other drafts
+    features: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,14 +48,20 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
             f"min_draft_confidence must be in [0, 1], not {min_confidence}")
     specs = [runner_lib.RowSpec(r.seq_id, r.expected_cache_len, r.keep_len, r.append_token_ids)
              for r in rows]
+    runner.check_features([(r.seq_id, r.append_token_ids) for r in rows],
+                          {r.seq_id: r.features for r in rows if r.features is not None})
     group = runner.open_group(specs, realign=realign, extra_positions=num_drafts - 1)
+    # a feature head reads the target's features of the appended tokens, then its own
+    features = torch.stack([r.features for r in rows]) if runner.reads_features else None
     all_greedy = all(r.sampling.greedy for r in rows)
     next_input = torch.tensor([r.append_token_ids for r in rows])
     first_position = [r.keep_len + len(r.append_token_ids) for r in rows]
     drafts, wires = [], [[] for _ in rows]
     adaptive = all_greedy and min_confidence > 0.0
     for j in range(num_drafts):  # the last draft is never fed
-        logits = group.step(next_input, num_logits=1)[:, -1]  # [batch, vocab]
+        logits = group.step(next_input, num_logits=1, features=features)[:, -1]  # [batch, vocab]
+        if features is not None:
+            features = group.hidden[:, -1:]
         if all_greedy:
             token_ids = logits.argmax(-1)
         else:

@@ -2,7 +2,7 @@
 import time
 
 from batchspec import errors
-from batchspec.runtime import service
+from batchspec.runtime import features_wire, service
 from batchspec.v1 import draft_pb2, draft_pb2_grpc
 from draft_service import SERVICE_NAME, proposer  # noqa: F401 (SERVICE_NAME re-exported)
 
@@ -10,10 +10,15 @@ from draft_service import SERVICE_NAME, proposer  # noqa: F401 (SERVICE_NAME re-
 class DraftServicer(service.ModelServicer, draft_pb2_grpc.DraftServiceServicer):
     result_type = draft_pb2.DraftResult
 
+    def feature_width(self) -> int:
+        return self.runner.reads_features
+
     def handle_own(self, kind, command):
         started = time.perf_counter()
         rows = [proposer.ProposeRow(e.seq_id, e.expected_cache_len, e.keep_len,
-                                    list(e.append_token_ids), service.to_sampling(e.sampling))
+                                    list(e.append_token_ids), service.to_sampling(e.sampling),
+                                    features_wire.from_message(e.features, f"sequence {e.seq_id}")
+                                    if e.HasField("features") else None)
                 for e in command.entries]
         if not rows:
             raise errors.InvalidArgument("propose names no sequence")

@@ -4,7 +4,7 @@ import time
 import torch
 
 from batchspec import errors
-from batchspec.runtime import logprobs, probs_wire, service
+from batchspec.runtime import features_wire, logprobs, probs_wire, service
 from batchspec.v1 import cache_pb2, target_pb2, target_pb2_grpc
 from target_service import verifier
 
@@ -15,23 +15,49 @@ class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceService
     result_type = target_pb2.TargetResult
 
     def handle(self, kind, command):
+        if kind == "prefill" and command.return_features:
+            self.gate.admit(self.runner, [(e.seq_id, e.token_ids) for e in command.entries])
+            return "prefill", prefill_with_features(self.runner, command)
         if kind == "prefill" and any(e.HasField("prompt_logprobs") for e in command.entries):
             return "prefill", scored_prefill(self.runner, command)
         return super().handle(kind, command)
 
+    def feature_width(self) -> int:
+        return self.runner.hidden_size
+
     def handle_own(self, kind, command):
+        if kind == "features":
+            prefixes = [list(e.token_ids) for e in command.entries]
+            return "features", target_pb2.FeaturesResult(features=[
+                features_wire.to_message(f) for f in self.runner.features(prefixes)])
         started = time.perf_counter()
         rows = [to_verify_row(e, self.runner.vocab_size) for e in command.entries]
         if not rows:
             raise errors.InvalidArgument("verify names no sequence")
-        outcomes, group = verifier.verify(self.runner, rows, realign=command.realign)
+        outcomes, group = verifier.verify(self.runner, rows, realign=command.realign,
+                                          keep_features=command.return_features)
         timing = service.timing(group, started)
         return "verify", target_pb2.VerifyResult(timing=timing, entries=[
             target_pb2.VerifyResultEntry(seq_id=o.seq_id, num_accepted=o.num_accepted,
                                          output_token_ids=o.output_token_ids,
                                          cache_len=o.cache_len,
-                                         logprobs=to_wire(o.logprobs or []))
+                                         logprobs=to_wire(o.logprobs or []),
+                                         features=None if o.features is None
+                                         else features_wire.to_message(o.features))
             for o in outcomes])
+
+
+def prefill_with_features(runner, command: cache_pb2.PrefillCommand) -> cache_pb2.PrefillResult:
+    """A prefill that returns the features of every position it caches."""
+    if any(e.HasField("copy_from") or e.HasField("prompt_logprobs") or e.HasField("features")
+           for e in command.entries):
+        raise errors.InvalidArgument("a prefill that returns features takes no copy_from, "
+                                     "prompt_logprobs or features: send those entries in a "
+                                     "command of their own")
+    lens, kept = runner.prefill_features([(e.seq_id, list(e.token_ids))
+                                          for e in command.entries], keep=True)
+    return cache_pb2.PrefillResult(cache_lens=lens, features=[
+        features_wire.to_message(kept[e.seq_id]) for e in command.entries])
 
 
 def scored_prefill(runner, command: cache_pb2.PrefillCommand) -> cache_pb2.PrefillResult:

@@ -33,9 +33,12 @@ class VerifyOutcome:
     output_token_ids: list[int]  # accepted drafts + the recovered or bonus token
     cache_len: int
     logprobs: list[logprobs_lib.TokenLogprobs] | None = None  # one per output token
+    # [positions cached by this verify, hidden] their features (with keep_features)
+    features: torch.Tensor | None = None
 
 
-def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bool):
+def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bool,
+           keep_features: bool = False):
     """Run [append + drafts] through the target for every row and accept per row.
 
     Rows may carry different numbers of drafts (0 included: plain decoding for that row);
@@ -58,7 +61,7 @@ def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bo
     real = [len(r.append_token_ids) + len(r.draft_token_ids) for r in rows]
     valid = torch.arange(input_ids.shape[1])[None, :] < torch.tensor(real)[:, None]
     # [batch, K + 1, vocab]; zeros past each row's drafts (packed), never read: see accept
-    logits = group.step(input_ids, num_logits=width + 1, valid=valid)
+    logits = group.step(input_ids, num_logits=width + 1, valid=valid, keep_hidden=keep_features)
     drafts = torch.tensor(padded, dtype=torch.long).reshape(len(rows), width)
     counts = torch.tensor([len(r.draft_token_ids) for r in rows])
     result = accept(rows, drafts, masked(logits, rows), counts)
@@ -71,8 +74,11 @@ def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bo
     scored = [None if r.num_top is None else logprobs_lib.score(logits[i, :len(out)], out,
                                                                  r.num_top)
               for i, (r, out) in enumerate(zip(rows, outputs))]
-    return [VerifyOutcome(r.seq_id, n, out, c, lp) for r, n, out, c, lp
-            in zip(rows, num_accepted, outputs, cache_lens, scored)], group
+    # the positions a row caches are its first (cache_len - expected_cache_len) fed ones
+    features = [group.hidden[i, :c - r.expected_cache_len].float().cpu() if keep_features
+                else None for i, (r, c) in enumerate(zip(rows, cache_lens))]
+    return [VerifyOutcome(r.seq_id, n, out, c, lp, f) for r, n, out, c, lp, f
+            in zip(rows, num_accepted, outputs, cache_lens, scored, features)], group
 
 
 def masked(logits: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:

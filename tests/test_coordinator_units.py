@@ -146,6 +146,7 @@ class FakeService:
         self.answering = threading.Event()
         self.prefills = []  # prefix lengths of each prefill command
         self.instance = None
+        self.features_for_drafts = False
 
     def probe(self, timeout=None):
         return FakeProbe(self)

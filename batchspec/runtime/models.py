@@ -237,6 +237,13 @@ def load_draft(path: str, *, dtype: str, device: str):
     from batchspec.runtime import draft_model
 
     manifest = draft_model.read_manifest(path)
+    from batchspec.runtime import feature_head
+
+    if feature_head.is_head_manifest(manifest):
+        target = load_causal_lm(manifest["base_model"], dtype="float32", device="cpu",
+                                num_layers=1)
+        return feature_head.load_head(path, target, max_context_len(target), dtype=dtype,
+                                      device=device)
     model = load_causal_lm(manifest["base_model"], dtype="float32", device="cpu",
                            num_layers=manifest["num_layers"])
     draft_model.apply_adapter(model, path, manifest)

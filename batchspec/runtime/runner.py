@@ -74,15 +74,64 @@ class ModelRunner(CacheBook):
         # Linear layers compute only the positions a step marks valid (fastlinear): a verify
         # pays for each row's real tokens, not for padding to its widest row.
         self.packs_positions = device.type == "cpu" and fastlinear.patched(model)
+        # A feature-level draft head: every forward is fed the target's features of the
+        # position before each token ([batch, T, feature_width]); 0 for other models.
+        self.reads_features = int(getattr(model, "feature_width", 0))
+        # The width of the features this model returns when asked (its hidden size).
+        self.hidden_size = int(getattr(model.config, "hidden_size", 0) or 0)
 
-    def prefill(self, entries: list[tuple[int, list[int]]]) -> list[int]:
-        """Cache the given tokens of new sequences, batched in right-padded chunks."""
+    def prefill(self, entries: list[tuple[int, list[int]]],
+                features: dict[int, torch.Tensor] | None = None) -> list[int]:
+        """Cache the given tokens of new sequences, batched in right-padded chunks. A model
+        that reads features is given each sequence's ([tokens, feature_width])."""
+        return self.prefill_features(entries, features)[0]
+
+    def prefill_features(self, entries: list[tuple[int, list[int]]],
+                         features: dict[int, torch.Tensor] | None = None, *,
+                         keep: bool = False):
+        """prefill; with keep, also return {seq_id: [tokens, hidden_size]} the features of
+        every position cached (the final hidden state, float32)."""
         self.check_prefill(entries)
+        self.check_features(entries, features)
         computed = {seq_id: SeqCache(None, 0) for seq_id, token_ids in entries if not token_ids}
+        kept = {seq_id: torch.zeros(0, self.hidden_size) for seq_id, t in entries if not t}
         for chunk in prefill_chunks([e for e in entries if e[1]], PREFILL_CHUNK_TOKENS):
-            computed.update(self._prefill_batch(chunk))
+            rows, hidden = self._prefill_batch(chunk, features, keep)
+            computed.update(rows)
+            kept.update(hidden)
         self.caches.update(computed)
-        return [self.caches[s].length for s, _ in entries]
+        return [self.caches[s].length for s, _ in entries], kept
+
+    def check_features(self, entries, features: dict[int, torch.Tensor] | None) -> None:
+        """A model that reads features needs a row per token, of its width; others none."""
+        if not self.reads_features:
+            if features:
+                raise errors.InvalidArgument(f"{self.name} reads no features; send none")
+            return
+        features = features or {}
+        for seq_id, token_ids in entries:
+            given = features.get(seq_id)
+            if given is None or tuple(given.shape) != (len(token_ids), self.reads_features):
+                shape = None if given is None else tuple(given.shape)
+                raise errors.InvalidArgument(
+                    f"sequence {seq_id}: {self.name} reads the target's features: send "
+                    f"{len(token_ids)} rows of {self.reads_features}, not {shape}")
+
+    def features(self, prefixes: list[list[int]]) -> list[torch.Tensor]:
+        """The features [len(prefix), hidden_size] of every position of each prefix,
+        computed without touching any cache."""
+        out = []
+        for token_ids in prefixes:
+            self.check_token_ids(token_ids, "features prefix")
+            self.check_context(0, len(token_ids))
+            if not token_ids:
+                out.append(torch.zeros(0, self.hidden_size))
+                continue
+            group = GroupForward(self, [SeqCache(None, 0)])
+            group.step(torch.tensor([token_ids], device=self.device), num_logits=1,
+                       keep_hidden=True)
+            out.append(group.hidden[0].float().cpu())
+        return out
 
     def prefill_copies(self, entries: list[tuple[int, list[int]]],
                        copies: dict[int, int]) -> list[int]:
@@ -131,15 +180,25 @@ class ModelRunner(CacheBook):
             self.caches[seq_id] = group.rows_after([len(token_ids)])[0]
         return [self.caches[s].length for s, _ in entries], scored
 
-    def _prefill_batch(self, chunk: list[tuple[int, list[int]]]) -> dict[int, SeqCache]:
+    def _prefill_batch(self, chunk: list[tuple[int, list[int]]], features=None,
+                       keep: bool = False):
         """One forward over right-padded prompts. Causal attention means a real position never
-        sees the pads after it, and each row keeps only its real positions."""
+        sees the pads after it, and each row keeps only its real positions. Returns (rows,
+        {seq_id: its positions' features} when `keep`)."""
         width = max(len(t) for _, t in chunk)
         padded = [t + [0] * (width - len(t)) for _, t in chunk]
+        fed = None
+        if self.reads_features:
+            fed = torch.zeros(len(chunk), width, self.reads_features)
+            for i, (seq_id, token_ids) in enumerate(chunk):
+                fed[i, :len(token_ids)] = features[seq_id]
         group = GroupForward(self, [SeqCache(None, 0)] * len(chunk))
-        group.step(torch.tensor(padded, device=self.device), num_logits=1)
+        group.step(torch.tensor(padded, device=self.device), num_logits=1, features=fed,
+                   keep_hidden=keep)
         rows = group.rows_after([len(t) for _, t in chunk])
-        return {seq_id: row for (seq_id, _), row in zip(chunk, rows)}
+        hidden = {seq_id: group.hidden[i, :len(t)].float().cpu()
+                  for i, (seq_id, t) in enumerate(chunk)} if keep else {}
+        return {seq_id: row for (seq_id, _), row in zip(chunk, rows)}, hidden
 
     def trim(self, entries: list[tuple[int, int, int]]) -> list[int]:
         """Roll caches back: (seq_id, expected_len, keep_len) each. Bookkeeping only."""
@@ -250,6 +309,9 @@ class GroupForward:
             self.mask = kvcache.column_mask(self.spans, self.width).to(runner.device)
         self.stack_seconds = time.perf_counter() - started
         self.forward_seconds = 0.0
+        # [batch, T, hidden] the last step's final hidden states (a feature head's predicted
+        # features), when the step kept them
+        self.hidden = None
 
     @property
     def realign_seconds(self) -> float:
@@ -259,23 +321,33 @@ class GroupForward:
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, *, num_logits: int,
-             valid: torch.Tensor | None = None) -> torch.Tensor:
+             valid: torch.Tensor | None = None, features: torch.Tensor | None = None,
+             keep_hidden: bool = False) -> torch.Tensor:
         """Feed input_ids [batch, T] to every row; returns the last num_logits logits
         [batch, num_logits, vocab] in float32. valid [batch, T] bool (where the runner packs
         positions): the real tokens; the others are right padding, which no real position
-        attends to, whose logits are zeros and which no row may keep."""
+        attends to, whose logits are zeros and which no row may keep. features [batch, T,
+        width]: for a model that reads them (required there). keep_hidden: keep the final
+        hidden states in `self.hidden` (a feature head always does)."""
         started = time.perf_counter()
+        kwargs = {}
+        if self.runner.reads_features:
+            if features is None:
+                raise ValueError("a feature head's forward needs features")
+            kwargs["features"] = features.to(self.runner.device)
+        elif keep_hidden:
+            kwargs["output_hidden_states"] = True
         if valid is not None and self.runner.packs_positions and not bool(valid.all()):
             with fastlinear.only_positions(valid):
-                return self._step(input_ids, num_logits, started)
-        return self._step(input_ids, num_logits, started)
+                return self._step(input_ids, num_logits, started, kwargs)
+        return self._step(input_ids, num_logits, started, kwargs)
 
-    def _step(self, input_ids: torch.Tensor, num_logits: int, started: float) -> torch.Tensor:
+    def _step(self, input_ids: torch.Tensor, num_logits: int, started: float,
+              kwargs: dict) -> torch.Tensor:
         batch, num_new = input_ids.shape
         device = self.runner.device
         starts = torch.tensor(self.lengths, device=device)
         position_ids = starts[:, None] + torch.arange(num_new, device=device)[None, :]
-        kwargs = {}
         if self.mask is not None:
             self.mask = torch.cat([self.mask, self.mask.new_ones(batch, num_new)], dim=1)
             kwargs["attention_mask"] = self.mask
@@ -283,6 +355,9 @@ class GroupForward:
                                 past_key_values=self.cache, use_cache=True,
                                 logits_to_keep=num_logits, **kwargs)
         self.cache = out.past_key_values
+        self.hidden = getattr(out, "hidden", None)
+        if self.hidden is None and kwargs.get("output_hidden_states"):
+            self.hidden = out.hidden_states[-1]
         self.lengths = [n + num_new for n in self.lengths]
         self.spans = [kvcache.append_span(s, self.width, self.width + num_new)
                       for s in self.spans]
@@ -331,6 +406,13 @@ LONG_FORWARD_TOKENS = 64
 CALIBRATION_BUDGET_S = 30.0
 
 
+def zero_features(runner: ModelRunner, rows: int, tokens: int) -> torch.Tensor | None:
+    """Features of zeros for timing a model that reads them (None for other models)."""
+    if not runner.reads_features:
+        return None
+    return torch.zeros(rows, tokens, runner.reads_features)
+
+
 def measure_step_costs(runner: ModelRunner, rows=CALIBRATION_ROWS, tokens=CALIBRATION_TOKENS,
                        context: int = 128, repeats: int = 2,
                        budget_s: float = CALIBRATION_BUDGET_S) -> list[StepCost]:
@@ -344,7 +426,9 @@ def measure_step_costs(runner: ModelRunner, rows=CALIBRATION_ROWS, tokens=CALIBR
     for num_rows in rows:
         size_began = time.perf_counter()
         ids = [-(i + 2) for i in range(num_rows)]  # never a coordinator's (positive) seq id
-        runner.prefill([(seq_id, [0] * context) for seq_id in ids])
+        runner.prefill([(seq_id, [0] * context) for seq_id in ids],
+                       {s: zero_features(runner, 1, context)[0] for s in ids}
+                       if runner.reads_features else None)
         try:
             for num_tokens in tokens:
                 times = []
@@ -354,7 +438,8 @@ def measure_step_costs(runner: ModelRunner, rows=CALIBRATION_ROWS, tokens=CALIBR
                     group = runner.open_group(specs, realign=False)
                     started = time.perf_counter()
                     group.step(torch.zeros(num_rows, num_tokens, dtype=torch.long),
-                               num_logits=num_tokens)
+                               num_logits=num_tokens,
+                               features=zero_features(runner, num_rows, num_tokens))
                     if attempt:
                         times.append(time.perf_counter() - started)
                 seconds = min(times)

@@ -14,7 +14,7 @@ from batchspec import cliargs, errors, security
 from batchspec import server as server_lib
 from batchspec.metrics import ServiceMetrics, serve_metrics
 from batchspec.params import SamplingParams
-from batchspec.runtime import compute, models
+from batchspec.runtime import compute, features_wire, models
 from batchspec.v1 import cache_pb2
 
 if TYPE_CHECKING:  # the n-gram draft serves without torch
@@ -165,7 +165,11 @@ class ModelServicer:
         # under the runner's lock, as a command runs: a consistent snapshot, and an answer
         # means the service takes commands (the coordinator probes a lost service this way)
         with self.runner.lock:
-            return describe(self.runner, self.dtype, self.gate)
+            return describe(self.runner, self.dtype, self.gate, self.feature_width())
+
+    def feature_width(self) -> int:
+        """ModelInfo.feature_width: what a target returns or a draft reads (0: none)."""
+        return 0
 
     def handle(self, kind, command):
         if kind == "prefill":
@@ -188,7 +192,12 @@ def handle_cache_command(runner: CacheBook, kind: str, command):
     if kind == "prefill":
         entries = [(e.seq_id, list(e.token_ids)) for e in command.entries]
         copies = {e.seq_id: e.copy_from for e in command.entries if e.HasField("copy_from")}
-        lens = runner.prefill_copies(entries, copies) if copies else runner.prefill(entries)
+        features = {e.seq_id: features_wire.from_message(e.features, f"sequence {e.seq_id}")
+                    for e in command.entries if e.HasField("features")}
+        if copies and features:
+            raise errors.InvalidArgument("copy_from cannot be sent with features")
+        lens = runner.prefill_copies(entries, copies) if copies else \
+            runner.prefill(entries, features or None)
         return "prefill", cache_pb2.PrefillResult(cache_lens=lens)
     if kind == "trim":
         lens = runner.trim([(e.seq_id, e.expected_cache_len, e.keep_len) for e in command.entries])
@@ -199,8 +208,10 @@ def handle_cache_command(runner: CacheBook, kind: str, command):
     return None
 
 
-def describe(runner: CacheBook, dtype: str, gate: Gate) -> cache_pb2.ModelInfo:
+def describe(runner: CacheBook, dtype: str, gate: Gate,
+             feature_width: int = 0) -> cache_pb2.ModelInfo:
     return cache_pb2.ModelInfo(model=runner.name, vocab_size=runner.vocab_size,
+                               feature_width=feature_width,
                                instance_id=gate.instance_id, draining=gate.draining.is_set(),
                                max_sequences=gate.max_sequences,
                                max_cached_tokens=gate.max_cached_tokens,
@@ -344,7 +355,8 @@ def warm_up(runner: runner_lib.ModelRunner) -> None:
     if fastlinear.tune(runner.model, store):
         log.info("timed the CPU linear kernels of %s in %.1f s (kept in %s)", runner.name,
                  time.perf_counter() - started, store)
-    runner.prefill([(-1, [0, 0])])
+    runner.prefill([(-1, [0, 0])], {-1: runner_lib.zero_features(runner, 2, 1)[:, 0]}
+                   if runner.reads_features else None)
     runner.release([-1])
     started = time.perf_counter()
     log.info("measuring what forwards of %s cost (up to %.0f s)", runner.name,

@@ -78,3 +78,44 @@ def save_pair(arch: str, root: pathlib.Path, noise: float = 0.08) -> tuple[str, 
         model.save_pretrained(path)
         paths.append(str(path))
     return paths[0], paths[1]
+
+
+
+def save_one_layer_target(root: pathlib.Path) -> str:
+    """A Llama-style target of one layer: a feature head can equal it (save_feature_head)."""
+    target = llama(seed=3)
+    target.model.layers = target.model.layers[:1]
+    target.config.num_hidden_layers = 1
+    target.config.layer_types = target.config.layer_types[:1] \
+        if getattr(target.config, "layer_types", None) else None
+    eos = pick_eos(target)
+    target.config.eos_token_id = target.generation_config.eos_token_id = eos
+    path = root / "llama1-target"
+    target.save_pretrained(path)
+    return str(path)
+
+
+def save_feature_head(target_dir: str, out: pathlib.Path, *, exact: bool = False) -> str:
+    """A feature-level draft head for the target in target_dir, untrained, over the whole
+    vocabulary: started from the target's last layer
+    (batchspec.runtime.feature_head.FeatureHead.init_from_target). exact (a one-layer
+    target): the head reads only its token's embedding through that layer, so it computes
+    what the target computes and proposes the target's own distribution."""
+    from batchspec.runtime import feature_head, models
+
+    target = models.load_causal_lm(target_dir)
+    head = feature_head.build_head(target, list(range(int(target.config.vocab_size))),
+                                   models.max_context_len(target))
+    head.init_from_target(target)
+    if exact:
+        if target.config.num_hidden_layers != 1:
+            raise ValueError("only a one-layer target has an exact head")
+        width = head.feature_width
+        head.body.layers[0].load_state_dict(target.model.layers[0].state_dict())
+        with torch.no_grad():
+            head.fuse.weight.zero_()
+            head.fuse.weight[:, :width] = torch.eye(width)
+    feature_head.save_head(out, head, {"base_model": target_dir,
+                                       "feature_width": head.feature_width,
+                                       "training": {"command": "untrained (tests)"}})
+    return str(out)

@@ -35,24 +35,38 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillEntry(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "prompt_logprobs", "next_token_id", "copy_from")
+    __slots__ = ("seq_id", "token_ids", "prompt_logprobs", "next_token_id", "copy_from", "features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     COPY_FROM_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: LogprobsSpec
     next_token_id: int
     copy_from: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Union[LogprobsSpec, _Mapping]] = ..., next_token_id: _Optional[int] = ..., copy_from: _Optional[int] = ...) -> None: ...
+    features: Features
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Union[LogprobsSpec, _Mapping]] = ..., next_token_id: _Optional[int] = ..., copy_from: _Optional[int] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("num_positions", "width", "values_f16")
+    NUM_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    VALUES_F16_FIELD_NUMBER: _ClassVar[int]
+    num_positions: int
+    width: int
+    values_f16: bytes
+    def __init__(self, num_positions: _Optional[int] = ..., width: _Optional[int] = ..., values_f16: _Optional[bytes] = ...) -> None: ...
 
 class PrefillCommand(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "return_features")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[PrefillEntry]
-    def __init__(self, entries: _Optional[_Iterable[_Union[PrefillEntry, _Mapping]]] = ...) -> None: ...
+    return_features: bool
+    def __init__(self, entries: _Optional[_Iterable[_Union[PrefillEntry, _Mapping]]] = ..., return_features: _Optional[bool] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("tokens",)
@@ -61,12 +75,14 @@ class PromptLogprobs(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("cache_lens", "prompt_logprobs")
+    __slots__ = ("cache_lens", "prompt_logprobs", "features")
     CACHE_LENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     cache_lens: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, cache_lens: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    features: _containers.RepeatedCompositeFieldContainer[Features]
+    def __init__(self, cache_lens: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., features: _Optional[_Iterable[_Union[Features, _Mapping]]] = ...) -> None: ...
 
 class TrimEntry(_message.Message):
     __slots__ = ("seq_id", "expected_cache_len", "keep_len")
@@ -117,7 +133,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_context_len", "num_sequences", "num_cached_tokens", "device", "dtype", "step_costs", "packs_positions", "instance_id", "draining", "max_sequences", "max_cached_tokens")
+    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_context_len", "num_sequences", "num_cached_tokens", "device", "dtype", "step_costs", "packs_positions", "instance_id", "draining", "max_sequences", "max_cached_tokens", "feature_width")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +148,7 @@ class ModelInfo(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -146,7 +163,8 @@ class ModelInfo(_message.Message):
     draining: bool
     max_sequences: int
     max_cached_tokens: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., packs_positions: _Optional[bool] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., max_sequences: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ...) -> None: ...
+    feature_width: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., packs_positions: _Optional[bool] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., max_sequences: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ..., feature_width: _Optional[int] = ...) -> None: ...
 
 class StepCost(_message.Message):
     __slots__ = ("rows", "tokens", "seconds", "context")

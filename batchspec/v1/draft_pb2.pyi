@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeEntry(_message.Message):
-    __slots__ = ("seq_id", "expected_cache_len", "keep_len", "append_token_ids", "sampling")
+    __slots__ = ("seq_id", "expected_cache_len", "keep_len", "append_token_ids", "sampling", "features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     KEEP_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     expected_cache_len: int
     keep_len: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _cache_pb2.SamplingParams
-    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., keep_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    features: _cache_pb2.Features
+    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., keep_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ..., features: _Optional[_Union[_cache_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class ProposeCommand(_message.Message):
     __slots__ = ("num_draft_tokens", "realign", "entries", "min_draft_confidence")

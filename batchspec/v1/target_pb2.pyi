@@ -29,26 +29,50 @@ class VerifyEntry(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_draft_pb2.SparseProbs, _Mapping]]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[_cache_pb2.LogprobsSpec, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class VerifyCommand(_message.Message):
-    __slots__ = ("realign", "entries")
+    __slots__ = ("realign", "entries", "return_features")
     REALIGN_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     realign: bool
     entries: _containers.RepeatedCompositeFieldContainer[VerifyEntry]
-    def __init__(self, realign: _Optional[bool] = ..., entries: _Optional[_Iterable[_Union[VerifyEntry, _Mapping]]] = ...) -> None: ...
+    return_features: bool
+    def __init__(self, realign: _Optional[bool] = ..., entries: _Optional[_Iterable[_Union[VerifyEntry, _Mapping]]] = ..., return_features: _Optional[bool] = ...) -> None: ...
 
 class VerifyResultEntry(_message.Message):
-    __slots__ = ("seq_id", "num_accepted", "output_token_ids", "cache_len", "logprobs")
+    __slots__ = ("seq_id", "num_accepted", "output_token_ids", "cache_len", "logprobs", "features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_accepted: int
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_len: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_cache_pb2.TokenLogprobs]
-    def __init__(self, seq_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_cache_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    features: _cache_pb2.Features
+    def __init__(self, seq_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_cache_pb2.TokenLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_cache_pb2.Features, _Mapping]] = ...) -> None: ...
+
+class FeaturesCommand(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[FeaturesEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[FeaturesEntry, _Mapping]]] = ...) -> None: ...
+
+class FeaturesEntry(_message.Message):
+    __slots__ = ("seq_id", "token_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FeaturesResult(_message.Message):
+    __slots__ = ("features",)
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    features: _containers.RepeatedCompositeFieldContainer[_cache_pb2.Features]
+    def __init__(self, features: _Optional[_Iterable[_Union[_cache_pb2.Features, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("entries", "timing")
@@ -59,33 +83,37 @@ class VerifyResult(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[VerifyResultEntry, _Mapping]]] = ..., timing: _Optional[_Union[_cache_pb2.CommandTiming, _Mapping]] = ...) -> None: ...
 
 class TargetCommand(_message.Message):
-    __slots__ = ("command_id", "timeout_ms", "prefill", "verify", "trim", "release")
+    __slots__ = ("command_id", "timeout_ms", "prefill", "verify", "trim", "release", "features")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     TRIM_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     timeout_ms: int
     prefill: _cache_pb2.PrefillCommand
     verify: VerifyCommand
     trim: _cache_pb2.TrimCommand
     release: _cache_pb2.ReleaseCommand
-    def __init__(self, command_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., prefill: _Optional[_Union[_cache_pb2.PrefillCommand, _Mapping]] = ..., verify: _Optional[_Union[VerifyCommand, _Mapping]] = ..., trim: _Optional[_Union[_cache_pb2.TrimCommand, _Mapping]] = ..., release: _Optional[_Union[_cache_pb2.ReleaseCommand, _Mapping]] = ...) -> None: ...
+    features: FeaturesCommand
+    def __init__(self, command_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., prefill: _Optional[_Union[_cache_pb2.PrefillCommand, _Mapping]] = ..., verify: _Optional[_Union[VerifyCommand, _Mapping]] = ..., trim: _Optional[_Union[_cache_pb2.TrimCommand, _Mapping]] = ..., release: _Optional[_Union[_cache_pb2.ReleaseCommand, _Mapping]] = ..., features: _Optional[_Union[FeaturesCommand, _Mapping]] = ...) -> None: ...
 
 class TargetResult(_message.Message):
-    __slots__ = ("command_id", "error", "prefill", "verify", "trim", "release")
+    __slots__ = ("command_id", "error", "prefill", "verify", "trim", "release", "features")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     TRIM_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     error: _cache_pb2.CommandError
     prefill: _cache_pb2.PrefillResult
     verify: VerifyResult
     trim: _cache_pb2.TrimResult
     release: _cache_pb2.ReleaseResult
-    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[_Union[_cache_pb2.CommandError, _Mapping]] = ..., prefill: _Optional[_Union[_cache_pb2.PrefillResult, _Mapping]] = ..., verify: _Optional[_Union[VerifyResult, _Mapping]] = ..., trim: _Optional[_Union[_cache_pb2.TrimResult, _Mapping]] = ..., release: _Optional[_Union[_cache_pb2.ReleaseResult, _Mapping]] = ...) -> None: ...
+    features: FeaturesResult
+    def __init__(self, command_id: _Optional[int] = ..., error: _Optional[_Union[_cache_pb2.CommandError, _Mapping]] = ..., prefill: _Optional[_Union[_cache_pb2.PrefillResult, _Mapping]] = ..., verify: _Optional[_Union[VerifyResult, _Mapping]] = ..., trim: _Optional[_Union[_cache_pb2.TrimResult, _Mapping]] = ..., release: _Optional[_Union[_cache_pb2.ReleaseResult, _Mapping]] = ..., features: _Optional[_Union[FeaturesResult, _Mapping]] = ...) -> None: ...

@@ -26,3 +26,16 @@ def bench_prompts(limit: int | None = None, path: str | None = None) -> list[dic
     interleaved = [row for group in itertools.zip_longest(*by_category.values())
                    for row in group if row is not None]
     return interleaved[:limit]
+
+
+def right_padded(sequences: list[list[int]]):
+    """(input_ids, attention_mask), each [len(sequences), longest], padded on the right."""
+    import torch
+
+    width = max(map(len, sequences))
+    input_ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        input_ids[i, :len(seq)] = torch.tensor(seq)
+        mask[i, :len(seq)] = 1
+    return input_ids, mask

@@ -26,11 +26,12 @@ from collections import Counter
 
 from batchspec import cliargs
 from batchspec.runtime import models
-from batchspec_tools.data import read_jsonl
+from batchspec_tools.data import read_jsonl, right_padded
 
 log = logging.getLogger("batchspec_tools.drafting.distill")
 DATA_FILE = "data.jsonl"  # the target's answers, one JSON object per line, appended as made
 SELF_INSTRUCT_FILE = "self_instruct.jsonl"  # the target's sampled requests and prompts
+KINDS = ("layers", "feature")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +59,21 @@ class DistillConfig:
     # Where the target generates and the draft trains ("cuda" on a GPU); the draft is the
     # same on any device and always loads on CPU.
     device: str = "cpu"
+    # "layers": the target's first num_layers layers with low-rank deltas; "feature": a
+    # feature-level (EAGLE-style) head reading the target's features (num_layers, lora_rank,
+    # lora_alpha and teacher_top_k do not apply; see batchspec_tools.drafting.feature_head)
+    kind: str = "layers"
+    # draw the num_prompts training prompts at random (seeded) from the first prompt_pool
+    # ones instead of taking the first num_prompts (0): more kinds of work for fewer answers
+    prompt_pool: int = 0
+    # feature heads: drafting steps unrolled in training (each fed the head's own features)
+    unroll: int = 3
 
     def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, not {self.kind!r}")
+        if self.unroll < 1:
+            raise ValueError("unroll must be >= 1")
         for name in ("num_layers", "vocab_size", "lora_rank", "num_prompts", "max_new_tokens",
                      "gen_batch_size", "steps", "batch_size", "checkpoint_every"):
             if getattr(self, name) < 1:
@@ -108,6 +122,9 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
     from batchspec_tools.data.train_prompts import training_prompts
 
     fixed = training_prompts(config.num_prompts, seed=config.seed)
+    if config.prompt_pool > config.num_prompts:  # a seeded order of the pool: its prefix
+        pool = training_prompts(config.prompt_pool, seed=config.seed)
+        fixed = random.Random(config.seed).sample(pool, len(pool))[:config.num_prompts]
     written = self_instruct_prompts(config, target, tokenizer, out / SELF_INSTRUCT_FILE, fixed)
     data = generate_data(config, target, tokenizer, out / DATA_FILE, fixed + written)
     eos_ids = models.eos_token_ids(target)
@@ -118,6 +135,11 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
         vocab = pick_vocabulary(data, config.vocab_size, eos_ids)
         vocab_path.write_text(json.dumps(vocab))
     log.info("draft head: %d tokens", len(vocab))
+    if config.kind == "feature":
+        from batchspec_tools.drafting import feature_head
+
+        return feature_head.distill_head(config, target, tokenizer, data, vocab, out, command,
+                                         started, prompts_note(config, written))
     teacher = (teacher_labels(config, target, data, vocab, out / "teacher.pt")
                if config.teacher_top_k else None)
     del target
@@ -127,14 +149,7 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
         "num_layers": config.num_layers, "lora_rank": config.lora_rank,
         "lora_alpha": config.lora_alpha,
         "training": {"command": command, "config": dataclasses.asdict(config),
-                     "data": {"prompts": "batchspec_tools.data.train_prompts (templates x topics, "
-                                         "then tasks on passages and functions of the Python "
-                                         f"{platform.python_version()} standard library; "
-                                         "disjoint from the benchmark prompts)" + (
-                                             f", then {len(written)} prompts the target wrote "
-                                             f"answering {config.self_instruct} sampled "
-                                             "requests (train_prompts.SELF_INSTRUCT)"
-                                             if config.self_instruct else ""),
+                     "data": {"prompts": prompts_note(config, written),
                               "labels": (f"target's top-{config.teacher_top_k} probabilities "
                                          "over the draft vocabulary" if config.teacher_top_k
                                          else "target's greedy tokens"),
@@ -155,6 +170,16 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
     manifest.write_text(json.dumps(record, indent=2))
     log.info("draft saved to %s", out)
     return out
+
+
+def prompts_note(config: DistillConfig, written: list[str]) -> str:
+    """Where the training prompts came from, for the manifest."""
+    return ("batchspec_tools.data.train_prompts (templates x topics, then tasks on passages and "
+            f"functions of the Python {platform.python_version()} standard library; disjoint "
+            "from the benchmark prompts)" + (
+                f", then {len(written)} prompts the target wrote answering "
+                f"{config.self_instruct} sampled requests (train_prompts.SELF_INSTRUCT)"
+                if config.self_instruct else ""))
 
 
 def answer_batches(model, prompt_ids: list[list[int]], max_new_tokens: int, batch_size: int,
@@ -286,19 +311,6 @@ def teacher_labels(config: DistillConfig, target, data, vocab, path: pathlib.Pat
     bar.close()
     torch.save(labels, path)
     return labels
-
-
-def right_padded(sequences: list[list[int]]):
-    """(input_ids, attention_mask), each [len(sequences), longest], padded on the right."""
-    import torch
-
-    width = max(map(len, sequences))
-    input_ids = torch.zeros(len(sequences), width, dtype=torch.long)
-    mask = torch.zeros(len(sequences), width, dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        input_ids[i, :len(seq)] = torch.tensor(seq)
-        mask[i, :len(seq)] = 1
-    return input_ids, mask
 
 
 def pick_vocabulary(data: list[dict], size: int, eos_ids: list[int]) -> list[int]:

@@ -1,0 +1,218 @@
+"""The feature-level (EAGLE-style) draft: the target's features on the wire, the head as a
+draft service obeying the same cache commands, and greedy output through the services equal
+to the target's own, on a Llama-style and a GPT-2-style target."""
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchspec import errors
+from batchspec.params import SamplingParams
+from batchspec.runtime import features_wire, models, tiny
+from batchspec.runtime import runner as runner_lib
+from batchspec.v1 import cache_pb2, draft_pb2, generate_pb2, target_pb2
+from coordinator import features as features_lib
+from draft_service import proposer
+from draft_service.servicer import DraftServicer
+from target_service import verifier
+from target_service.servicer import TargetServicer
+
+from conftest import running_stack, start_draft
+
+
+@pytest.fixture(scope="module")
+def heads(model_dirs, tmp_path_factory):
+    """{arch: (target_dir, head_dir)}: an untrained head for each tiny target, and "exact":
+    a one-layer target with a head that computes what it computes."""
+    root = tmp_path_factory.mktemp("heads")
+    made = {arch: (target, tiny.save_feature_head(target, root / f"{arch}-head"))
+            for arch, (target, _) in model_dirs.items()}
+    one_layer = tiny.save_one_layer_target(root)
+    made["exact"] = (one_layer, tiny.save_feature_head(one_layer, root / "exact-head",
+                                                       exact=True))
+    return made
+
+
+def runner(model_dir):
+    model = models.load_causal_lm(model_dir)
+    return runner_lib.ModelRunner(model, name=model_dir, device=torch.device("cpu"),
+                                  eos_token_ids=[], max_context_len=256)
+
+
+def test_features_travel_as_float16_rows_and_a_short_payload_is_refused():
+    values = torch.randn(3, 8)
+    message = features_wire.to_message(values)
+    assert (message.num_positions, message.width, len(message.values_f16)) == (3, 8, 48)
+    assert torch.equal(features_wire.from_message(message, "x"), values.half().float())
+    message.values_f16 = message.values_f16[:-2]
+    with pytest.raises(errors.InvalidArgument, match="need 48 bytes"):
+        features_wire.from_message(message, "x")
+
+
+def test_a_feature_log_feeds_each_token_the_features_of_the_position_before_it():
+    rows = torch.arange(12, dtype=torch.float32).reshape(4, 3)  # positions 0..3, width 3
+    log = features_lib.from_message(features_wire.to_message(rows))
+    assert log.length == 4
+    fed = features_wire.from_message(log.fed_with(0, 3), "x")
+    assert torch.equal(fed, torch.cat([torch.zeros(1, 3), rows[:2]]))  # zeros before token 0
+    assert torch.equal(features_wire.from_message(log.fed_with(2, 5), "x"), rows[1:4])
+    with pytest.raises(ValueError):
+        log.fed_with(2, 6)  # token 5 needs position 4, not known
+    assert not log.extend(features_wire.to_message(torch.zeros(1, 4)))  # another width
+    log.truncate(2)
+    assert log.length == 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_targets_features_agree_across_prefill_verify_and_recomputation(model_dirs, arch):
+    """What a prefill and a verify return for the positions they cache is what the target
+    computes for the same committed prefix on request, which touches no cache."""
+    target = runner(model_dirs[arch][0])
+    prompt = [5, 6, 7, 8, 9]
+    _, kept = target.prefill_features([(1, prompt[:-1])], keep=True)
+    outcomes, _ = verifier.verify(target, [verifier.VerifyRow(
+        1, 4, [prompt[-1]], [10, 11, 12], None, SamplingParams())], realign=False,
+        keep_features=True)
+    outcome = outcomes[0]
+    committed = prompt + outcome.output_token_ids
+    assert outcome.features.shape == (outcome.cache_len - 4, target.hidden_size)
+    before = {s: c.length for s, c in target.caches.items()}
+    recomputed = target.features([committed[:-1]])[0]
+    assert {s: c.length for s, c in target.caches.items()} == before
+    assert torch.allclose(recomputed[:4], kept[1], atol=1e-4)
+    assert torch.allclose(recomputed[4:], outcome.features, atol=1e-4)
+
+
+def test_services_refuse_features_where_they_do_not_belong(model_dirs, heads):
+    target_dir, draft_dir = model_dirs["llama"]
+    head = DraftServicer(runner(heads["llama"][1]))
+    plain_draft = DraftServicer(runner(draft_dir))
+    target = TargetServicer(runner(target_dir))
+    assert head.feature_width() == 64 and plain_draft.feature_width() == 0
+    assert target.feature_width() == 64
+    rows = features_wire.to_message(torch.zeros(3, 64))
+    with pytest.raises(errors.InvalidArgument, match="reads the target's features"):
+        head.handle("prefill", cache_pb2.PrefillCommand(entries=[
+            cache_pb2.PrefillEntry(seq_id=1, token_ids=[5, 6, 7])]))
+    with pytest.raises(errors.InvalidArgument, match="send 3 rows of 64"):
+        head.handle("prefill", cache_pb2.PrefillCommand(entries=[cache_pb2.PrefillEntry(
+            seq_id=1, token_ids=[5, 6, 7], features=features_wire.to_message(
+                torch.zeros(2, 64)))]))
+    with pytest.raises(errors.InvalidArgument, match="reads no features"):
+        plain_draft.handle("prefill", cache_pb2.PrefillCommand(entries=[
+            cache_pb2.PrefillEntry(seq_id=1, token_ids=[5, 6, 7], features=rows)]))
+    target.handle("prefill", cache_pb2.PrefillCommand(entries=[
+        cache_pb2.PrefillEntry(seq_id=1, token_ids=[5, 6, 7])]))
+    with pytest.raises(errors.InvalidArgument, match="copy_from"):
+        target.handle("prefill", cache_pb2.PrefillCommand(return_features=True, entries=[
+            cache_pb2.PrefillEntry(seq_id=2, token_ids=[5, 6], copy_from=1)]))
+    _, result = target.handle("prefill", cache_pb2.PrefillCommand(
+        return_features=True, entries=[cache_pb2.PrefillEntry(seq_id=3, token_ids=[5, 6, 7])]))
+    assert [f.num_positions for f in result.features] == [3]
+    # the head drafts after a prefill from features, its cache checked like any draft's
+    head.handle("prefill", cache_pb2.PrefillCommand(entries=[
+        cache_pb2.PrefillEntry(seq_id=1, token_ids=[5, 6, 7], features=rows)]))
+    _, proposed = head.handle("propose", draft_pb2.ProposeCommand(
+        num_draft_tokens=3, entries=[draft_pb2.ProposeEntry(
+            seq_id=1, expected_cache_len=3, keep_len=3, append_token_ids=[8],
+            features=features_wire.to_message(torch.zeros(1, 64)))]))
+    assert len(proposed.entries[0].draft_token_ids) == 3 and proposed.entries[0].cache_len == 6
+    _, found = target.handle("features", target_pb2.FeaturesCommand(entries=[
+        target_pb2.FeaturesEntry(seq_id=9, token_ids=[5, 6, 7, 8])]))
+    assert found.features[0].num_positions == 4 and 9 not in target.runner.caches
+
+
+def generate(stack, prompt, max_new_tokens):
+    responses = list(stack.stub().Generate(generate_pb2.GenerateRequest(
+        prompt_token_ids=prompt, max_new_tokens=max_new_tokens, ignore_eos=True), timeout=120))
+    return [t for r in responses for t in r.token_ids], responses[-1].stats
+
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33, 34, 35]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_greedy_output_through_a_feature_draft_is_the_targets_and_it_is_fed_the_right_rows(
+        heads, arch, monkeypatch):
+    """Rows of different lengths in one batch; every proposal's features are compared with
+    the target's own features of the positions before its tokens, recomputed."""
+    target_dir, head_dir = heads[arch]
+    fed = []
+    real_propose = proposer.propose
+
+    def spy(runner_, rows, *args, **kwargs):
+        fed.extend((r.seq_id, r.keep_len, list(r.append_token_ids), r.features) for r in rows)
+        return real_propose(runner_, rows, *args, **kwargs)
+
+    monkeypatch.setattr(proposer, "propose", spy)
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    with running_stack(target_dir, head_dir, batch_size=4, num_draft_tokens=3) as stack:
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda p: generate(stack, p, 16), PROMPTS))
+        target = stack.target_runner
+        for prompt, (tokens, stats) in zip(PROMPTS, results):
+            assert tokens == tiny.greedy_ignoring_eos(model, prompt, 16)
+        assert sum(stats.num_drafted_tokens for _, stats in results) > 0
+        assert fed
+        by_prefix = {}
+        for prompt, (tokens, _) in zip(PROMPTS, results):
+            full = prompt + tokens
+            by_prefix[tuple(full)] = target.features([full])[0]
+        for _, keep, append, features in fed:
+            end = keep + len(append)  # tokens [keep, end) fed; positions [keep-1, end-1)
+            candidates = []
+            for full, truth in by_prefix.items():
+                if list(full[keep:end]) != append:
+                    continue
+                expected = truth[max(keep - 1, 0):end - 1]
+                if keep == 0:
+                    expected = torch.cat([torch.zeros(1, truth.shape[1]), expected])
+                candidates.append(expected)
+            # the sequence it belongs to (tokens alone may not tell which)
+            assert any(torch.allclose(features, e, atol=2e-2) for e in candidates), (keep, append)
+
+
+def test_a_head_that_computes_what_the_target_computes_has_every_draft_accepted(heads):
+    target_dir, head_dir = heads["exact"]
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    with running_stack(target_dir, head_dir, batch_size=4, num_draft_tokens=3) as stack:
+        for prompt in PROMPTS[:2]:
+            tokens, stats = generate(stack, prompt, 13)
+            assert tokens == tiny.greedy_ignoring_eos(model, prompt, 13)
+            # 4 steps of 3 accepted drafts and a bonus token, then one plain token
+            assert stats.num_accepted_tokens == stats.num_drafted_tokens >= 12
+        # a scored prompt is prefilled without features: the head's prefill asks the target
+        # to compute them (the path a lost feature log takes too)
+        responses = list(stack.stub().Generate(generate_pb2.GenerateRequest(
+            prompt_token_ids=PROMPTS[3], max_new_tokens=13, ignore_eos=True,
+            prompt_logprobs=generate_pb2.LogprobsOptions(num_top=1)), timeout=120))
+        assert [t for r in responses for t in r.token_ids] == tiny.greedy_ignoring_eos(
+            model, PROMPTS[3], 13)
+        stats = responses[-1].stats
+        assert stats.num_accepted_tokens == stats.num_drafted_tokens >= 12
+
+
+def test_a_restarted_feature_draft_is_refilled_from_the_targets_features(heads):
+    """The head's service restarts empty mid-stream: the coordinator prefills it again from
+    the target's features of the committed prefix, and drafting goes on, exactly."""
+    target_dir, head_dir = heads["exact"]
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    with running_stack(target_dir, head_dir, batch_size=2, num_draft_tokens=3) as stack:
+        call = stack.stub().Generate(generate_pb2.GenerateRequest(
+            prompt_token_ids=PROMPTS[1], max_new_tokens=60, ignore_eos=True), timeout=120)
+        first = next(call)
+        stack.draft_server.stop(0).wait()
+        server, _, _, restarted = start_draft(head_dir, port=stack.draft_port)
+        try:
+            rest = list(call)
+        except grpc.RpcError as error:  # pragma: no cover - reported with its cause
+            pytest.fail(f"the stream failed: {error}")
+        tokens = list(first.token_ids) + [t for r in rest for t in r.token_ids]
+        assert tokens == tiny.greedy_ignoring_eos(model, PROMPTS[1], 60)
+        stats = rest[-1].stats
+        assert stats.num_accepted_tokens == stats.num_drafted_tokens
+        # drafting came back: fewer target passes than tokens
+        assert stats.num_target_forward_passes < 40
+        server.stop(0)
