@@ -85,9 +85,11 @@ def serve_parser() -> argparse.ArgumentParser:
                         help="target model: HF dir, .gguf file, hub id, or 'smollm2'")
     parser.add_argument("--draft-model", default="auto,ngram",
                         help="drafts, comma-separated, each served by its own draft service and "
-                             "chosen per sequence: a model (HF dir, .gguf file, hub id), 'auto' "
-                             "(the packaged distilled draft for smollm2, else the target's "
-                             f"first {DEFAULT_DRAFT_LAYERS} layers), 'ngram' (prompt lookup, no "
+                             "chosen per sequence: a model (HF dir, .gguf file, hub id), a "
+                             "shipped draft ('smollm2-draft': layers, 'smollm2-eagle': a "
+                             "feature head reading the target's features), 'auto' (the best "
+                             "draft shipped for the target, else its first "
+                             f"{DEFAULT_DRAFT_LAYERS} layers), 'ngram' (prompt lookup, no "
                              "model), or 'none' (the target alone)")
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="keep only the draft models' first N layers")
@@ -225,14 +227,15 @@ def draft_command(args, name: str, port: int) -> list[str]:
 
 
 def pick_draft(target: str, draft: str | None, layers: int | None):
-    """(draft model, layers to keep): `draft` as given, else the packaged distilled draft for
-    the default target, else the target's first layers."""
+    """(draft model, layers to keep): `draft` as given, else the best draft shipped for the
+    target (models.BEST_SHIPPED), else the target's first layers."""
     from batchspec.runtime import models
 
     if draft is not None:
         return draft, layers
-    if target == models.SMOLLM2 and layers is None and models.PACKAGED_DRAFT.is_dir():
-        return models.SMOLLM2_DRAFT, None
+    shipped = models.best_shipped_draft(target)
+    if shipped is not None and layers is None:
+        return shipped, None
     return target, layers or DEFAULT_DRAFT_LAYERS
 
 

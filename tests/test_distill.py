@@ -133,3 +133,47 @@ def test_self_instruct_requests_cover_every_kind_and_wrap_answers_into_prompts()
     assert train_prompts.self_instruct_prompt(question, "x" * 601) is None  # too long
     echo = "Sure! Write only the question: ..."
     assert train_prompts.self_instruct_prompt(question, echo) is None
+
+
+def distill_head(target, out, steps):
+    return subprocess.run(
+        [sys.executable, "-m", "batchspec_tools", "distill", "--kind", "feature", "--target",
+         target, "--out", str(out), "--num-prompts", "12", "--prompt-pool", "40",
+         "--max-new-tokens", "8", "--gen-batch-size", "4", "--steps", str(steps),
+         "--checkpoint-every", "2", "--batch-size", "4", "--vocab-size", "40", "--unroll", "2"],
+        capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_distill_a_feature_head_shows_progress_resumes_and_records(tiny_target, tmp_path):
+    from batchspec.runtime import feature_head
+
+    out = tmp_path / "head"
+    first = distill_head(tiny_target, out, steps=4)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "features" in first.stderr and "train head" in first.stderr  # progress bars
+    rows = [json.loads(line) for line in (out / "data.jsonl").read_text().splitlines()]
+    import random
+
+    pool = train_prompts.training_prompts(40)
+    assert [r["prompt"] for r in rows] == random.Random(0).sample(pool, 40)[:12]
+    second = distill_head(tiny_target, out, steps=6)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resumed from step 4" in second.stderr
+    manifest = json.loads((out / draft_model.MANIFEST).read_text())
+    assert manifest["format"] == feature_head.FORMAT and manifest["base_model"] == tiny_target
+    training = manifest["training"]
+    assert len(training["history"]) == 2 and "--steps 6" in training["history"][-1]
+    assert training["config"]["kind"] == "feature" and training["machine"]
+    assert len(training["held_back_acceptance_by_position"]) == 2  # one per unrolled step
+    assert training["data"]["num_sequences"] == sum(bool(r["output_ids"]) for r in rows)
+
+    head = models.load_causal_lm(str(out))
+    runner = runner_lib.ModelRunner(head, name="head", device=torch.device("cpu"),
+                                    eos_token_ids=[], max_context_len=256)
+    assert runner.reads_features == 64
+    runner.prefill([(1, [5, 6, 7])], {1: torch.zeros(3, 64)})
+    group = runner.open_group([runner_lib.RowSpec(1, 3, 3, [8])], realign=False)
+    logits = group.step(torch.tensor([[8]]), num_logits=1, features=torch.zeros(1, 1, 64))
+    vocab = json.loads((out / draft_model.VOCAB).read_text())
+    assert int(logits[0, -1].argmax()) in vocab  # drafts come only from its vocabulary

@@ -118,3 +118,35 @@ def test_the_bonus_token_after_a_fully_accepted_draft_is_the_targets(model_dirs,
     assert accepted >= 0.98 * drafted
     assert sum(r[1] == r[2] == 2 for r in results) > 0.9 * NUM_SAMPLES
     assert_follows_the_target([r[0] for r in results], target_dir, prompt)
+
+
+@pytest.fixture(scope="module")
+def feature_heads(model_dirs, tmp_path_factory):
+    """{"exact": (a one-layer target, a head computing what it computes), "far": (the tiny
+    Llama target, an untrained head)}."""
+    root = tmp_path_factory.mktemp("feature-heads")
+    one_layer = tiny.save_one_layer_target(root)
+    target_dir = model_dirs["llama"][0]
+    return {"exact": (one_layer, tiny.save_feature_head(one_layer, root / "exact", exact=True)),
+            "far": (target_dir, tiny.save_feature_head(target_dir, root / "far"))}
+
+
+@pytest.mark.parametrize("head", ["exact", "far"])
+def test_sampled_output_through_a_feature_head_is_the_targets(feature_heads, head):
+    """The feature kind: its own distributions travel and are accepted against the
+    target's; an exact head's drafts are all but always accepted (a step of K = 2 ends with
+    the bonus token, the third output, drawn from the target), a far one's mostly not."""
+    target_dir, head_dir = feature_heads[head]
+    prompt = lookup_prompt(target_dir)
+    with running_stack(target_dir, head_dir, batch_size=16, num_draft_tokens=2) as stack:
+        results = sample(stack, range(NUM_SAMPLES), prompt)
+        again = sample(stack, range(20), prompt)
+    assert [r[0] for r in again] == [r[0] for r in results[:20]]  # seeded requests repeat
+    drafted, accepted = sum(r[1] for r in results), sum(r[2] for r in results)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+    if head == "exact":
+        assert accepted >= 0.98 * drafted
+        assert sum(r[1] == r[2] == 2 for r in results) > 0.9 * NUM_SAMPLES
+    else:
+        assert accepted < 0.5 * drafted
+    assert_follows_the_target([r[0] for r in results], target_dir, prompt)

