@@ -74,9 +74,14 @@ class InProcessDraft(_InProcess):
 
 
 class InProcessTarget(_InProcess):
-    def verify(self, realign, specs, timeout=None):
+    # the in-process engine hosts model drafts only: no feature head to relay features to
+    features_for_drafts = False
+
+    def verify(self, realign, specs, timeout=None, return_features=None):
         import torch
 
+        if return_features:
+            raise ValueError("the in-process engine relays no features")
         started = time.perf_counter()
         vocab = self.runner.vocab_size
         rows = []

@@ -1,0 +1,125 @@
+"""What a feature-level draft head delivers for its target, in one process at batch 1:
+greedy acceptance per draft position at K, what a drafted token costs against a target step,
+and what the features cost on the wire.
+
+    python scripts/feature_head_check.py --head smollm2-eagle --prompts docs/bench/heldout_prompts.jsonl
+
+Each prompt is decoded greedily the way the services do it: the target verifies K drafts and
+returns the features of the positions it caches; the head keeps the positions it computed
+from the target's features, drops those of its own drafts, and is fed the new tokens with
+their features. Acceptance at position k is the share of steps whose k-th draft was accepted
+among those whose first k - 1 were. Costs are medians of the timed forwards, taken in turn.
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from batchspec.params import SamplingParams
+from batchspec.runtime import features_wire, models
+from batchspec.runtime import runner as runner_lib
+from batchspec_tools.data import bench_prompts
+from draft_service import proposer
+from target_service import verifier
+
+
+def runner_of(model, name):
+    return runner_lib.ModelRunner(model, name=name, device=torch.device("cpu"),
+                                  eos_token_ids=models.eos_token_ids(model),
+                                  max_context_len=models.max_context_len(model))
+
+
+def decode(target, head, prompt, k, max_new_tokens, stats):
+    """Greedy decoding of one prompt with drafts from the head; fills stats."""
+    _, kept = target.prefill_features([(1, prompt[:-1])], keep=True)
+    features = kept[1]  # positions [0, len(tokens) - 1)
+    tokens = list(prompt)
+    fed = torch.cat([torch.zeros(1, features.shape[1]), features[:-1]])
+    head.prefill([(1, tokens[:-1])], {1: fed})
+    head_len, valid = len(tokens) - 1, len(tokens) - 1
+    while len(tokens) - len(prompt) < max_new_tokens:
+        append = tokens[valid:]
+        rows = features[valid - 1:len(tokens) - 1] if valid else torch.cat(
+            [torch.zeros(1, features.shape[1]), features[:len(tokens) - 1]])
+        started = time.perf_counter()
+        proposals, _ = proposer.propose(head, [proposer.ProposeRow(
+            1, head_len, valid, append, SamplingParams(), rows)], k, realign=False)
+        stats["head_s"].append(time.perf_counter() - started)
+        drafts = proposals[0].draft_token_ids
+        started = time.perf_counter()
+        outcomes, _ = verifier.verify(target, [verifier.VerifyRow(
+            1, len(tokens) - 1, [tokens[-1]], drafts, None, SamplingParams())],
+            realign=False, keep_features=True)
+        stats["verify_s"].append(time.perf_counter() - started)
+        outcome = outcomes[0]
+        for position in range(k):
+            if position <= outcome.num_accepted and position < len(drafts):
+                stats["tried"][position] += 1
+                stats["accepted"][position] += position < outcome.num_accepted
+        stats["wire_bytes"] += features_wire.to_message(outcome.features).ByteSize()
+        stats["wire_rows"] += outcome.features.shape[0]
+        features = torch.cat([features, outcome.features])
+        head_len, valid = proposals[0].cache_len, len(tokens)  # its own drafts are not kept
+        tokens += outcome.output_token_ids
+        stats["committed"] += len(outcome.output_token_ids)
+        stats["steps"] += 1
+    target.release([1])
+    head.release([1])
+
+
+def plain_step_seconds(target, prompt, repeats=8):
+    """The median time of a plain target step (one token) at batch 1 after the prompt."""
+    target.prefill([(2, prompt)])
+    times = []
+    for _ in range(repeats):
+        group = target.open_group([runner_lib.RowSpec(2, len(prompt), len(prompt), [5])],
+                                  realign=False)
+        started = time.perf_counter()
+        group.step(torch.tensor([[5]]), num_logits=1)
+        times.append(time.perf_counter() - started)
+    target.release([2])
+    return statistics.median(times)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--head", default="smollm2-eagle")
+    parser.add_argument("--prompts", default="docs/bench/heldout_prompts.jsonl")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("-k", type=int, default=4)
+    args = parser.parse_args(argv)
+    torch.set_grad_enabled(False)
+    tokenizer = models.load_tokenizer(args.target)
+    target = runner_of(models.load_causal_lm(args.target), "target")
+    head = runner_of(models.load_causal_lm(args.head), "head")
+    rows = bench_prompts(args.num_prompts, args.prompts)
+    stats = {"head_s": [], "verify_s": [], "tried": [0] * args.k, "accepted": [0] * args.k,
+             "wire_bytes": 0, "wire_rows": 0, "committed": 0, "steps": 0}
+    plain = []
+    for row in rows:
+        prompt = models.chat_ids(tokenizer, row["prompt"])
+        plain.append(plain_step_seconds(target, prompt))
+        decode(target, head, prompt, args.k, args.max_new_tokens, stats)
+    step = statistics.median(plain)
+    per_draft = statistics.median(stats["head_s"]) / args.k
+    drafted = sum(stats["tried"])
+    print(json.dumps({
+        "prompts": args.prompts, "num_prompts": len(rows), "k": args.k,
+        "acceptance_by_position": [round(a / max(1, t), 3)
+                                   for a, t in zip(stats["accepted"], stats["tried"])],
+        "accepted_share_of_drafted": round(sum(stats["accepted"]) / max(1, drafted), 3),
+        "tokens_per_target_pass": round(stats["committed"] / max(1, stats["steps"]), 3),
+        "plain_target_step_ms": round(1000 * step, 2),
+        "head_ms_per_drafted_token": round(1000 * per_draft, 2),
+        "head_cost_share_of_target_step": round(per_draft / step, 3),
+        "feature_wire_bytes_per_position": round(stats["wire_bytes"] / max(1, stats["wire_rows"]),
+                                                 1),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
