@@ -141,6 +141,7 @@ def save_head(out: pathlib.Path, head: FeatureHead, manifest: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().to("cpu", torch.float16).contiguous()
                for k, v in head.trained_state().items()}, str(out / WEIGHTS))
+    (out / WEIGHTS).chmod(0o644)  # written private; a head is read by services of any user
     (out / "vocab.json").write_text(json.dumps(head.vocab))
     from batchspec.runtime.draft_model import MANIFEST
 

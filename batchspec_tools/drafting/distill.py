@@ -174,9 +174,11 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
 
 def prompts_note(config: DistillConfig, written: list[str]) -> str:
     """Where the training prompts came from, for the manifest."""
-    return ("batchspec_tools.data.train_prompts (templates x topics, then tasks on passages and "
-            f"functions of the Python {platform.python_version()} standard library; disjoint "
-            "from the benchmark prompts)" + (
+    drawn = (f"{config.num_prompts} drawn at random (seed {config.seed}) from the first "
+             f"{config.prompt_pool} of " if config.prompt_pool > config.num_prompts else "")
+    return (drawn + "batchspec_tools.data.train_prompts (templates x topics, then tasks on "
+            f"passages and functions of the Python {platform.python_version()} standard "
+            "library; disjoint from the benchmark prompts)" + (
                 f", then {len(written)} prompts the target wrote answering "
                 f"{config.self_instruct} sampled requests (train_prompts.SELF_INSTRUCT)"
                 if config.self_instruct else ""))
