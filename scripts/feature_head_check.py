@@ -2,7 +2,8 @@
 greedy acceptance per draft position at K, what a drafted token costs against a target step,
 and what the features cost on the wire.
 
-    python scripts/feature_head_check.py --head smollm2-eagle --prompts docs/bench/heldout_prompts.jsonl
+    python scripts/feature_head_check.py --head smollm2-eagle \
+        --prompts docs/bench/heldout_prompts.jsonl
 
 Each prompt is decoded greedily the way the services do it: the target verifies K drafts and
 returns the features of the positions it caches; the head keeps the positions it computed

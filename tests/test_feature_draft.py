@@ -216,3 +216,17 @@ def test_a_restarted_feature_draft_is_refilled_from_the_targets_features(heads):
         # drafting came back: fewer target passes than tokens
         assert stats.num_target_forward_passes < 40
         server.stop(0)
+
+
+def test_the_in_process_engine_relays_features_too(heads):
+    """The benchmark's in-process engine (no gRPC) drives a head the same way."""
+    from test_goodput import engine_for, run_all
+
+    target_dir, head_dir = heads["exact"]
+    engine, _ = engine_for(target_dir, head_dir, lambda step, batch: [3] * batch,
+                           batch_size=4)
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    outputs, handles = run_all(engine, [(p, 12) for p in PROMPTS], ignore_eos=True)
+    assert outputs == [tiny.greedy_ignoring_eos(model, p, 12) for p in PROMPTS]
+    drafted = sum(h.seq.stats.num_drafted_tokens for h in handles)
+    assert sum(h.seq.stats.num_accepted_tokens for h in handles) == drafted > 0

@@ -2,7 +2,7 @@
 engine, minus serialisation and RPC (for the benchmark's in-process methods)."""
 import time
 
-from batchspec.runtime import probs_wire
+from batchspec.runtime import features_wire, probs_wire
 from batchspec.runtime import runner as runner_lib
 from coordinator.clients import ModelInfo, Proposal, Timing, VerifyOutcome
 from draft_service import proposer
@@ -47,9 +47,16 @@ class _InProcess:
         return ModelInfo(r.name, r.vocab_size, r.eos_token_ids, r.max_context_len,
                          len(r.caches), r.num_cached_tokens(),
                          tuple((c.rows, c.tokens, c.seconds) for c in r.step_costs),
-                         str(r.device))
+                         str(r.device), feature_width=self.feature_width)
 
-    def prefill(self, entries, copies=None):
+    @property
+    def feature_width(self) -> int:
+        return self.runner.reads_features
+
+    def prefill(self, entries, copies=None, features=None):
+        if features:  # a feature head: each token's features, as the wire carries them
+            return self.runner.prefill(entries, {
+                s: features_wire.from_message(f, f"sequence {s}") for s, f in features.items()})
         return (self.runner.prefill_copies(entries, copies) if copies
                 else self.runner.prefill(entries))
 
@@ -64,7 +71,9 @@ class InProcessDraft(_InProcess):
     def propose(self, num_drafts, realign, specs, timeout=None, min_confidence=0.0):
         started = time.perf_counter()
         rows = [proposer.ProposeRow(s.seq_id, s.expected_cache_len, s.keep_len,
-                                    list(s.append_token_ids), s.sampling)
+                                    list(s.append_token_ids), s.sampling,
+                                    None if s.features is None
+                                    else features_wire.from_message(s.features, "propose"))
                 for s in specs]
         proposals, group = proposer.propose(self.runner, rows, num_drafts, realign=realign,
                                             min_confidence=min_confidence)
@@ -74,14 +83,28 @@ class InProcessDraft(_InProcess):
 
 
 class InProcessTarget(_InProcess):
-    # the in-process engine hosts model drafts only: no feature head to relay features to
+    # a draft reads the target's features (set by the coordinator's peers)
     features_for_drafts = False
+
+    @property
+    def feature_width(self) -> int:
+        return self.runner.hidden_size
+
+    def prefill(self, entries, copies=None, features=None, return_features=False):
+        if not return_features:
+            return super().prefill(entries, copies, features)
+        lens, kept = self.runner.prefill_features(entries, keep=True)
+        return lens, [features_wire.to_message(kept[s]) for s, _ in entries]
+
+    def features(self, prefixes):
+        return [features_wire.to_message(f)
+                for f in self.runner.features([t for _, t in prefixes])]
 
     def verify(self, realign, specs, timeout=None, return_features=None):
         import torch
 
-        if return_features:
-            raise ValueError("the in-process engine relays no features")
+        if return_features is None:
+            return_features = self.features_for_drafts
         started = time.perf_counter()
         vocab = self.runner.vocab_size
         rows = []
@@ -93,6 +116,9 @@ class InProcessTarget(_InProcess):
             rows.append(verifier.VerifyRow(s.seq_id, s.expected_cache_len,
                                            list(s.append_token_ids), list(s.draft_token_ids),
                                            probs, s.sampling))
-        outcomes, group = verifier.verify(self.runner, rows, realign=realign)
-        return [VerifyOutcome(o.seq_id, o.num_accepted, o.output_token_ids, o.cache_len)
+        outcomes, group = verifier.verify(self.runner, rows, realign=realign,
+                                          keep_features=return_features)
+        return [VerifyOutcome(o.seq_id, o.num_accepted, o.output_token_ids, o.cache_len,
+                              features=None if o.features is None
+                              else features_wire.to_message(o.features))
                 for o in outcomes], _timing(group, started)
