@@ -209,8 +209,8 @@ def test_n_choices_are_the_answers_of_their_own_seeds(stack, monkeypatch):
     answers: n samples, each exact, streamed or not; the target runs their prompt once."""
     computed = []  # the prompts the target runs through its model
     prefill_batch = stack.target_runner._prefill_batch
-    monkeypatch.setattr(stack.target_runner, "_prefill_batch", lambda chunk: (
-        computed.extend(len(t) for _, t in chunk), prefill_batch(chunk))[1])
+    monkeypatch.setattr(stack.target_runner, "_prefill_batch", lambda chunk, *rest: (
+        computed.extend(len(t) for _, t in chunk), prefill_batch(chunk, *rest))[1])
     ask = dict(model="batchspec", messages=CHAT, max_tokens=12, temperature=0.9)
     whole = client(stack).chat.completions.create(n=3, seed=5, **ask)
     assert [c.index for c in whole.choices] == [0, 1, 2]
