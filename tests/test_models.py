@@ -37,13 +37,23 @@ def test_without_a_writable_cache_the_gguf_file_is_parsed_as_before(tmp_path, mo
     assert models.converted_gguf(models.resolve(models.SMOLLM2)) is None
 
 
-def test_the_packaged_draft_is_found_and_is_the_default_for_smollm2():
-    from batchspec.runtime import draft_model
+def test_the_shipped_drafts_are_found_and_the_best_is_the_default_for_smollm2():
+    from batchspec.runtime import draft_model, feature_head
     from batchspec_tools import cli
 
     path = models.model_path(models.SMOLLM2_DRAFT)
     assert draft_model.is_draft_dir(path)
     manifest = draft_model.read_manifest(path)
     assert manifest["base_model"] == models.SMOLLM2 and manifest["num_layers"] >= 1
-    # serve's default draft for the default target is the packaged one, not a cut of layers
-    assert cli.pick_draft(models.SMOLLM2, None, None) == (models.SMOLLM2_DRAFT, None)
+    head = draft_model.read_manifest(models.model_path(models.SMOLLM2_EAGLE))
+    assert feature_head.is_head_manifest(head) and head["base_model"] == models.SMOLLM2
+    assert head["training"]["command"].startswith("batchspec distill --kind feature")
+    # serve's default draft for the default target is the best shipped one (the order the
+    # served benchmarks measured), not a cut of layers; a named one is taken as named
+    assert cli.pick_draft(models.SMOLLM2, None, None) == (models.BEST_SHIPPED[models.SMOLLM2][0],
+                                                          None)
+    assert models.best_shipped_draft(models.SMOLLM2) == models.SMOLLM2_EAGLE
+    assert cli.pick_draft(models.SMOLLM2, models.SMOLLM2_DRAFT, None) == (
+        models.SMOLLM2_DRAFT, None)
+    assert cli.pick_draft("some/other-model", None, None) == ("some/other-model",
+                                                              cli.DEFAULT_DRAFT_LAYERS)

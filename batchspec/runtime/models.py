@@ -23,7 +23,7 @@ DRAFTS_DIR = pathlib.Path(__file__).parent.parent / "drafts"
 PACKAGED_DRAFT = DRAFTS_DIR / SMOLLM2_DRAFT
 # A target's shipped drafts, the best first: what `--draft-model auto` picks (the order the
 # served benchmarks against `--draft-model none` measured, docs/benchmarks.md).
-BEST_SHIPPED = {SMOLLM2: (SMOLLM2_DRAFT, SMOLLM2_EAGLE)}
+BEST_SHIPPED = {SMOLLM2: (SMOLLM2_EAGLE, SMOLLM2_DRAFT)}
 DTYPES = ("float32", "bfloat16", "float16")
 # a hub id: NAME or OWNER/NAME
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
