@@ -1,7 +1,6 @@
 """The feature-level (EAGLE-style) draft: the target's features on the wire, the head as a
 draft service obeying the same cache commands, and greedy output through the services equal
 to the target's own, on a Llama-style and a GPT-2-style target."""
-import grpc
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -194,28 +193,38 @@ def test_a_head_that_computes_what_the_target_computes_has_every_draft_accepted(
         assert stats.num_accepted_tokens == stats.num_drafted_tokens >= 12
 
 
-def test_a_restarted_feature_draft_is_refilled_from_the_targets_features(heads):
-    """The head's service restarts empty mid-stream: the coordinator prefills it again from
-    the target's features of the committed prefix, and drafting goes on, exactly."""
+def test_a_restarted_feature_draft_is_refilled_from_the_targets_features(heads, monkeypatch):
+    """The head's service restarts empty mid-stream: the coordinator prefills the new one
+    from the target's features of the committed prefix, and drafting goes on, exactly."""
+    import time
+
+    from conftest import wait_for
+
+    real_verify = verifier.verify
+
+    def slow_verify(*args, **kwargs):  # steps slow enough to outlast the reconnection
+        time.sleep(0.01)
+        return real_verify(*args, **kwargs)
+
+    monkeypatch.setattr(verifier, "verify", slow_verify)
     target_dir, head_dir = heads["exact"]
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     with running_stack(target_dir, head_dir, batch_size=2, num_draft_tokens=3) as stack:
         call = stack.stub().Generate(generate_pb2.GenerateRequest(
-            prompt_token_ids=PROMPTS[1], max_new_tokens=60, ignore_eos=True), timeout=120)
+            prompt_token_ids=PROMPTS[1], max_new_tokens=200, ignore_eos=True), timeout=120)
         first = next(call)
         stack.draft_server.stop(0).wait()
         server, _, _, restarted = start_draft(head_dir, port=stack.draft_port)
         try:
+            # the new instance is given the sequence (prefilled from its features) and drafts
+            assert wait_for(lambda: restarted.caches, timeout=20)
             rest = list(call)
-        except grpc.RpcError as error:  # pragma: no cover - reported with its cause
-            pytest.fail(f"the stream failed: {error}")
+        finally:
+            server.stop(0)
         tokens = list(first.token_ids) + [t for r in rest for t in r.token_ids]
-        assert tokens == tiny.greedy_ignoring_eos(model, PROMPTS[1], 60)
+        assert tokens == tiny.greedy_ignoring_eos(model, PROMPTS[1], 200)
         stats = rest[-1].stats
-        assert stats.num_accepted_tokens == stats.num_drafted_tokens
-        # drafting came back: fewer target passes than tokens
-        assert stats.num_target_forward_passes < 40
-        server.stop(0)
+        assert stats.num_accepted_tokens == stats.num_drafted_tokens > 0
 
 
 def test_the_in_process_engine_relays_features_too(heads):
