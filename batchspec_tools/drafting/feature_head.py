@@ -99,8 +99,9 @@ def target_features(config, target, examples: list[dict], out: pathlib.Path):
     for part, start in enumerate(range(0, len(examples), PART_SEQUENCES)):
         path = out / FEATURES_PART.format(part)
         chunk = examples[start:start + PART_SEQUENCES]
-        if path.exists():
+        if path.exists():  # made before a stop
             made = torch.load(path, weights_only=True)
+            bar.update(len(made))
         else:
             made = []
             for offset in range(0, len(chunk), config.gen_batch_size):
@@ -114,8 +115,6 @@ def target_features(config, target, examples: list[dict], out: pathlib.Path):
                 made += [hidden[i, :len(s)].half().cpu() for i, s in enumerate(seqs)]
                 bar.update(len(batch))
             torch.save(made, path)
-        if path.exists() and len(made) == len(chunk):
-            bar.update(0 if not made else 0)
         features += made
     bar.close()
     return features
