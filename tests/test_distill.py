@@ -177,3 +177,11 @@ def test_distill_a_feature_head_shows_progress_resumes_and_records(tiny_target, 
     logits = group.step(torch.tensor([[8]]), num_logits=1, features=torch.zeros(1, 1, 64))
     vocab = json.loads((out / draft_model.VOCAB).read_text())
     assert int(logits[0, -1].argmax()) in vocab  # drafts come only from its vocabulary
+
+
+def test_distill_refuses_a_bad_setting_with_usage(capsys):
+    from batchspec_tools.drafting import distill as distill_tool
+
+    with pytest.raises(SystemExit) as stopped:
+        distill_tool.main(["--kind", "bogus", "--out", "unused"])
+    assert stopped.value.code == 2 and "kind must be one of" in capsys.readouterr().err

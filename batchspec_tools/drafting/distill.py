@@ -103,9 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = DistillConfig(**vars(args))
+    except ValueError as error:  # a setting out of range: a usage error, not a traceback
+        parser.error(str(error))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s distill %(message)s")
-    config = DistillConfig(**vars(args))
     distill(config, command="batchspec distill " + shlex.join(argv))
     return 0
 
