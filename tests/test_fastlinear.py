@@ -157,3 +157,30 @@ def test_a_stored_plan_of_another_format_is_timed_again(monkeypatch, tmp_path):
     store.write_text(json.dumps({name: [2] * fastlinear.MAX_ROWS}))
     assert fastlinear.tune(model, store) == 1
     assert len(json.loads(store.read_text())[name]) == fastlinear.MAX_ROWS + 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_feed_forwards_run_on_the_real_positions_only(family):
+    """Inside only_positions a whole model gives every real position the logits it gives
+    unpacked; its feed-forward blocks are gathered once, so their inner layers never see a
+    padded position."""
+    from batchspec.runtime import tiny
+
+    model = getattr(tiny, family)(seed=0)
+    ids = torch.randint(3, 50, (3, 5))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    fastlinear.patch_linears(model)
+    assert fastlinear.patch_feed_forwards(model) == model.config.num_hidden_layers
+    assert fastlinear.patch_feed_forwards(model) == 0  # once only
+    valid = torch.tensor([[True] * 5, [True, True, False, False, False], [True] + [False] * 4])
+    seen = []
+    first = next(m for n, m in model.named_modules() if n.endswith("mlp"))
+    inner = next(m for m in first.modules() if m is not first and hasattr(m, "weight"))
+    inner.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
+    with torch.no_grad(), fastlinear.only_positions(valid):
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got[valid], expected[valid], rtol=1e-4, atol=1e-4)
+    assert seen == [torch.Size([1, int(valid.sum()), model.config.hidden_size])]
+    with torch.no_grad():  # outside: every position, as before
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)

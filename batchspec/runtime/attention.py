@@ -7,12 +7,37 @@ token is fed, which is every verify: on a CPU that copy cost a 16-row verify of 
 head are folded into the query axis instead, [batch, kv_heads, groups * T, dim], and the mask
 (one for all heads) is repeated along it: each query row still attends to exactly the keys it
 did, with the same softmax, so results agree to float rounding. A lone query token, no mask,
-or no grouping go to transformers' SDPA path unchanged.
+or no grouping go to transformers' SDPA path unchanged. Every layer of a forward is given the
+same mask, so it is folded once per forward, not once per layer.
 """
+import threading
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "batchspec_sdpa"
+
+
+class _Folded(threading.local):
+    """The last mask folded on this thread: (mask, (num_new, groups), folded). The mask is
+    held, so its identity cannot pass to another tensor while it is kept."""
+
+    last: tuple[torch.Tensor, tuple[int, int], torch.Tensor] | None = None
+
+
+_FOLDED = _Folded()
+
+
+def folded_mask(mask: torch.Tensor, num_new: int, groups: int) -> torch.Tensor:
+    """mask [batch, 1, T or 1, L] repeated along the query axis for `groups` query heads per
+    key/value head: [batch, 1, groups * T, L]; one fold per mask (see _Folded)."""
+    last = _FOLDED.last
+    if last is not None and last[0] is mask and last[1] == (num_new, groups):
+        return last[2]
+    batch = mask.shape[0]
+    folded = mask.expand(batch, 1, num_new, -1).repeat(1, 1, groups, 1)
+    _FOLDED.last = (mask, (num_new, groups), folded)
+    return folded
 
 
 def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -30,7 +55,7 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     kv_heads = heads // groups
     # query head h = g * groups + r serves key/value head g: fold r into the query axis
     folded = query.reshape(batch, kv_heads, groups * num_new, dim)
-    mask = attention_mask.expand(batch, 1, num_new, -1).repeat(1, 1, groups, 1)
+    mask = folded_mask(attention_mask, num_new, groups)
     out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask,
                                                            scale=scaling)
     out = out.reshape(batch, heads, num_new, dim).transpose(1, 2).contiguous()

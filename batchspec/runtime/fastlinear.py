@@ -33,10 +33,15 @@ products that need gradients, take the usual path.
 Inside `only_positions(valid)` a linear layer computes only the positions `valid` marks and
 leaves zeros in the others: a verify whose rows carry fewer drafts than its widest row pays
 for its real positions, not for the padding (linear layers act on each position alone, so a
-real position's output is what it would be anyway).
+real position's output is what it would be anyway). Layers fed the same input (a layer's
+query, key and value projections) gather its real positions once, and a feed-forward block
+(`patch_feed_forwards`) runs packed from its input to its output: its inner layers never see
+the padding, so it is gathered and scattered once, not at each of its linear layers.
 """
 import contextlib
+import functools
 import json
+import math
 import os
 import pathlib
 import platform
@@ -237,6 +242,10 @@ class _Positions(threading.local):
     def __init__(self):  # per thread
         self.valid: torch.Tensor | None = None  # [batch, T] bool
         self.index: dict[int, torch.Tensor] = {}  # t -> flat indices of valid[:, -t:]
+        # (input, its real positions) of the last gather: the next layer fed the same tensor
+        # (key and value after query) takes them as they are. The input is held, so its
+        # identity cannot pass to another tensor while it is kept.
+        self.gathered: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 _POSITIONS = _Positions()
@@ -247,12 +256,30 @@ def only_positions(valid: torch.Tensor):
     """Within it (on this thread), patched linear layers given [batch, t, in] inputs with
     t <= T compute only the positions valid[:, -t:] marks ([batch, T] bool, on the CPU) and
     give zeros elsewhere."""
-    saved = (_POSITIONS.valid, _POSITIONS.index)
-    _POSITIONS.valid, _POSITIONS.index = valid, {}
+    saved = (_POSITIONS.valid, _POSITIONS.index, _POSITIONS.gathered)
+    _POSITIONS.valid, _POSITIONS.index, _POSITIONS.gathered = valid, {}, None
     try:
         yield
     finally:
-        _POSITIONS.valid, _POSITIONS.index = saved
+        _POSITIONS.valid, _POSITIONS.index, _POSITIONS.gathered = saved
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x's positions `index` as [len(index), in] (once per input tensor, see _Positions)."""
+    kept = _POSITIONS.gathered
+    if kept is not None and kept[0] is x:
+        return kept[1]
+    packed = x.reshape(-1, x.shape[-1])[index]
+    _POSITIONS.gathered = (x, packed)
+    return packed
+
+
+def _scatter(packed: torch.Tensor, index: torch.Tensor, shape) -> torch.Tensor:
+    """[rows, out] zeros with `packed` at the positions `index`, shaped [*shape, out]."""
+    out = packed.new_zeros(math.prod(shape), packed.shape[-1])
+    if index.numel():
+        out[index] = packed
+    return out.reshape(*shape, packed.shape[-1])
 
 
 def _valid_index(x: torch.Tensor) -> torch.Tensor | None:
@@ -277,10 +304,7 @@ def weight_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x @ weight.T
     index = _valid_index(x)
     if index is not None and index.numel() < rows:
-        out = x.new_zeros(rows, weight.shape[0])
-        if index.numel():
-            out[index] = weight_major(x.reshape(rows, x.shape[-1])[index], weight)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        return _scatter(weight_major(_gather(x, index), weight), index, x.shape[:-1])
     flat = x.reshape(rows, x.shape[-1])
     method = plan(weight.shape[0], weight.shape[1], weight.dtype, rows)
     if rows > MAX_ROWS and method != PACKED:
@@ -301,6 +325,36 @@ def patch_linears(model: torch.nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             module.forward = types.MethodType(_forward, module)
+            count += 1
+    return count
+
+
+def _packed_forward(forward, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A position-wise block's forward; inside only_positions, on the real positions only:
+    gathered once, run with no padding (its own layers see every row real), scattered once."""
+    index = _valid_index(x)
+    if index is None or index.numel() == x.numel() // x.shape[-1]:
+        return forward(x, *args, **kwargs)
+    packed = _gather(x, index)
+    saved = (_POSITIONS.valid, _POSITIONS.gathered)
+    _POSITIONS.valid, _POSITIONS.gathered = None, None
+    try:
+        out = forward(packed[None], *args, **kwargs)[0]
+    finally:
+        _POSITIONS.valid, _POSITIONS.gathered = saved
+    return _scatter(out, index, x.shape[:-1])
+
+
+def patch_feed_forwards(model: torch.nn.Module) -> int:
+    """Make every feed-forward block (a submodule named `mlp`: Llama's, GPT-2's and their
+    kind, which act on each position alone) run on the real positions only inside
+    only_positions; returns how many. Their outputs at padded positions are zeros, which no
+    real position reads (padding is never attended to and its logits are never kept)."""
+    count = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "mlp" and not hasattr(module, "packs_positions"):
+            module.forward = functools.partial(_packed_forward, module.forward)
+            module.packs_positions = True
             count += 1
     return count
 

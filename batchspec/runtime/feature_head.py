@@ -163,5 +163,6 @@ def load_head(path: str, target, max_context_len: int, *, dtype: str,
     head = FeatureHead(target, vocab, max_context_len)
     head.load_trained(load_file(str(root / WEIGHTS)))
     fastlinear.patch_linears(head)
+    fastlinear.patch_feed_forwards(head)
     attention.install(head.body)
     return head.to(device=device, dtype=getattr(torch, dtype)).eval()

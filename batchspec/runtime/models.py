@@ -112,6 +112,7 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
         truncate_layers(model, num_layers)
     if not stock:
         fastlinear.patch_linears(model)
+        fastlinear.patch_feed_forwards(model)
         attention.install(model)
     return model.to(device).eval()
 

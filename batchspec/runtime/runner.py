@@ -183,18 +183,20 @@ class ModelRunner(CacheBook):
     def _prefill_batch(self, chunk: list[tuple[int, list[int]]], features=None,
                        keep: bool = False):
         """One forward over right-padded prompts. Causal attention means a real position never
-        sees the pads after it, and each row keeps only its real positions. Returns (rows,
-        {seq_id: its positions' features} when `keep`)."""
+        sees the pads after it, and each row keeps only its real positions; where the runner
+        packs positions the linear layers skip the pads (a prompt costs its own tokens, not
+        the longest one's). Returns (rows, {seq_id: its positions' features} when `keep`)."""
         width = max(len(t) for _, t in chunk)
         padded = [t + [0] * (width - len(t)) for _, t in chunk]
+        valid = torch.arange(width)[None, :] < torch.tensor([len(t) for _, t in chunk])[:, None]
         fed = None
         if self.reads_features:
             fed = torch.zeros(len(chunk), width, self.reads_features)
             for i, (seq_id, token_ids) in enumerate(chunk):
                 fed[i, :len(token_ids)] = features[seq_id]
         group = GroupForward(self, [SeqCache(None, 0)] * len(chunk))
-        group.step(torch.tensor(padded, device=self.device), num_logits=1, features=fed,
-                   keep_hidden=keep)
+        group.step(torch.tensor(padded, device=self.device), num_logits=1, valid=valid,
+                   features=fed, keep_hidden=keep)
         rows = group.rows_after([len(t) for _, t in chunk])
         hidden = {seq_id: group.hidden[i, :len(t)].float().cpu()
                   for i, (seq_id, t) in enumerate(chunk)} if keep else {}
