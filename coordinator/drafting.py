@@ -222,9 +222,13 @@ class Drafter:
         return self.evidence.choose(len(seqs)) is Choice.PLAIN
 
     def observe_step(self, cohort: DraftedCohort, num_committed: int, seconds: float) -> None:
-        """A verified greedy cohort's measured delivery, for the evidence."""
+        """A verified greedy cohort's measured delivery, for the evidence. A step that asked
+        any draft counts as drafted even where nothing was verified (a lookup that found
+        nothing, a plan that kept every row plain after asking): what drafting costs is
+        weighed on its side, and the plain side is only steps that cost what decoding
+        without drafts does."""
         if self.evidence is not None and all(s.sampling.greedy for s in cohort.seqs):
-            drafted = any(row.num_drafts for row in cohort.rows)
+            drafted = cohort.timing is not None or any(row.num_drafts for row in cohort.rows)
             self.evidence.observe(len(cohort.rows), drafted, num_committed, seconds)
 
     def _ask_first(self, step: _Step, timeout: float | None) -> list[int]:

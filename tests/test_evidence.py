@@ -117,3 +117,24 @@ def test_a_config_out_of_range_is_refused():
                 {"clear_factor": 0}, {"min_clear_steps": 0}, {"min_clear_steps": 7}):
         with pytest.raises(ValueError):
             EvidenceConfig(**bad)
+
+
+def test_a_step_that_asked_a_draft_counts_as_drafted_even_with_nothing_verified():
+    """The plain side is only steps that cost what decoding without drafts does: a step whose
+    drafts found nothing to verify still paid for asking them."""
+    from coordinator.clients import Timing
+    from coordinator.drafting import DraftedCohort, Drafter, RowDraft
+    from coordinator.sequence import Sequence
+
+    seen = []
+
+    class Recording:
+        def observe(self, rows, drafted, tokens, seconds):
+            seen.append(drafted)
+
+    drafter = Drafter(peers=None, config=None, recorder=None, evidence=Recording())
+    rows = [RowDraft(Sequence(i, [1, 2, 3], 8, frozenset())) for i in range(2)]
+    drafter.observe_step(DraftedCohort(rows, Timing(0.01)), 2, 0.05)  # asked, nothing found
+    drafter.observe_step(DraftedCohort(rows), 2, 0.04)  # stepped aside: no draft asked
+    drafter.observe_step(DraftedCohort([RowDraft(rows[0].seq, 2, 0)], Timing(0.01)), 3, 0.06)
+    assert seen == [True, False, True]

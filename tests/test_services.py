@@ -176,3 +176,17 @@ def test_what_a_closed_stream_prefilled_is_released_and_only_that(target):
     finally:
         first.close()
         second.close()
+
+
+def test_a_draft_on_the_cpu_computes_with_one_thread_unless_told():
+    from batchspec.runtime import service
+
+    def config(**kw):
+        return service.ServiceConfig(model="smollm2", **kw)
+
+    assert service.threads_for("draft", config()) == 1
+    assert service.threads_for("target", config()) is None  # torch's default: every core
+    assert service.threads_for("draft", config(threads=2)) == 2
+    assert service.threads_for("target", config(threads=3)) == 3
+    with pytest.raises(ValueError, match="threads"):
+        config(threads=-1)
