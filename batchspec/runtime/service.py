@@ -272,8 +272,9 @@ def threads_for(role: str, config: ServiceConfig) -> int | None:
     """The CPU threads a service computes with: --threads when given; else one for a draft on
     the CPU, torch's default (every core) otherwise (None). A draft's forwards are small: more
     threads gain it little alone, and where the services share cores (a CPU deployment) its
-    parallel regions wait for workers the other processes hold; one thread measured 2 to 3
-    times faster there for a feature head and for a layer draft."""
+    parallel regions wait for workers the other processes hold; with one core busy, one
+    thread measured 3 to 4 times faster for a feature head and for a layer draft
+    (scripts/draft_threads.py)."""
     if config.threads:
         return config.threads
     return 1 if role == "draft" and config.device == "cpu" else None
