@@ -53,3 +53,15 @@ def test_models_without_sdpa_or_grouping_keep_their_attention():
     prompts, new = [[5, 6, 7], [8]], [[9, 10], [11, 12]]
     torch.testing.assert_close(_masked_verify_logits(gpt2, prompts, new),
                                _masked_verify_logits(stock, prompts, new))
+
+
+def test_rows_split_where_a_call_costs_less_than_the_padded_queries_it_saves():
+    # one row verifying five tokens among rows decoding one: three calls over long caches
+    assert attention.split_rows([1] * 7 + [5] + [1] * 8, groups=3, cached=256) == [
+        (0, 7), (7, 8), (8, 16)]
+    # every row alike, or caches too short for a call to pay: one call
+    assert attention.split_rows([5] * 16, groups=3, cached=256) == [(0, 16)]
+    assert attention.split_rows([1, 5, 1, 5], groups=3, cached=8) == [(0, 4)]
+    # scattered wide rows: neighbours are merged rather than called one by one
+    runs = attention.split_rows([5, 1] * 8, groups=3, cached=256)
+    assert runs[0][0] == 0 and runs[-1][1] == 16 and len(runs) < 16

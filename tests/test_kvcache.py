@@ -81,3 +81,47 @@ def test_to_model_cache_holds_the_tensors_themselves_and_from_model_cache_return
     for (k, v), (k2, v2) in zip(layers, kvcache.from_model_cache(model_cache)):
         assert k2.data_ptr() == k.data_ptr() and v2.data_ptr() == v.data_ptr()  # no copy
         assert k2.shape == k.shape
+
+
+def _appended(layers, new):
+    """Feed `new` ([batch, heads, T, dim] keys, the same as values) to every layer of a model
+    cache made of `layers`; returns the cache's layers after it."""
+    model_cache = kvcache.to_model_cache(layers)
+    for index in range(len(layers)):
+        model_cache.update(new, new, index)
+    return kvcache.from_model_cache(model_cache)
+
+
+def test_a_batch_appends_into_its_free_columns_and_never_below_what_was_written():
+    torch.manual_seed(0)
+    rows = [cache(5, extra=0), cache(5, extra=0)]
+    batch = kvcache.stack_rows(rows, [((0, 5),), ((0, 5),)], more=3)
+    held = [(k.clone(), v.clone()) for k, v in batch]
+    step = torch.randn(2, 3, 2, 4)
+    after = _appended(batch, step)
+    assert isinstance(after, kvcache.Batch)
+    for (k, v), (k0, v0), (k1, _) in zip(batch, held, after):
+        assert k1.data_ptr() == k.data_ptr()  # written in place: no copy of the cache
+        assert k1.shape[2] == 7 and torch.equal(k1[:, :, 5:], step)
+        assert torch.equal(k, k0) and torch.equal(v, v0)  # what was held is unchanged
+    # the first batch's views no longer end their buffers: appending after them again moves
+    # them into a new buffer instead of overwriting the columns `after` holds
+    other = torch.randn(2, 3, 2, 4)
+    again = _appended(batch, other)
+    for (k1, _), (k2, _) in zip(after, again):
+        assert k2.data_ptr() != k1.data_ptr()
+        assert torch.equal(k1[:, :, 5:], step) and torch.equal(k2[:, :, 5:], other)
+
+
+def test_a_full_buffer_moves_once_into_a_larger_one():
+    torch.manual_seed(1)
+    batch = kvcache.stack_rows([cache(4, extra=0)], [((0, 4),)])
+    capacity = batch.buffers[0].keys.shape[2]
+    assert capacity == 4 + kvcache.spare_columns(4)
+    layers = batch
+    pointers = set()
+    for _ in range(capacity - 4 + 1):  # one position past the capacity
+        layers = _appended(layers, torch.ones(1, 3, 1, 4))
+        pointers.add(layers[0][0].data_ptr())
+    assert len(pointers) == 2 and layers[0][0].shape[2] == capacity + 1
+    assert torch.equal(layers[0][0][:, :, :4], batch[0][0])

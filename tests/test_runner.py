@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from batchspec.runtime import models
+from batchspec.runtime import attention, models
 from batchspec.runtime import runner as runner_lib
 
 
@@ -44,15 +44,25 @@ def test_batched_prefill_equals_one_at_a_time(model_dirs, arch):
             torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch,budget", [("llama", None), ("gpt2", None), ("llama", 3)])
-def test_ragged_groups_match_each_sequence_run_alone(model_dirs, arch, budget, monkeypatch):
+@pytest.mark.parametrize("arch,budget,split", [("llama", None, False), ("gpt2", None, False),
+                                                ("llama", 3, False), ("llama", None, True),
+                                                ("gpt2", None, True)])
+def test_ragged_groups_match_each_sequence_run_alone(model_dirs, arch, budget, split,
+                                                     monkeypatch):
     """Rows of one group feed padding past their real tokens (fewer drafts than the widest
     row) and keep different numbers of the tokens they feed (rejected drafts).
     The group's batch is then reused with those holes masked, or compacted into a left-padded
     copy once holes pass the budget; either way every row's logits are what the model gives
-    that sequence alone, with no cache."""
+    that sequence alone, with no cache. With `split`, attention runs rows feeding different
+    numbers of tokens in calls of their own (the tiny caches are too short for the cost model
+    to split them unasked)."""
     if budget is not None:
         monkeypatch.setattr(runner_lib, "hole_budget", lambda longest: budget)
+    calls = []
+    if split:
+        monkeypatch.setattr(attention, "CALL_US", 0.0)
+        real_plan = attention.plan
+        monkeypatch.setattr(attention, "plan", lambda *a: calls.append(real_plan(*a)) or calls[-1])
     model = models.load_causal_lm(model_dirs[arch][0])
     runner = runner_lib.ModelRunner(model, name=arch, device=torch.device("cpu"),
                                     eos_token_ids=[], max_context_len=256)
@@ -82,6 +92,8 @@ def test_ragged_groups_match_each_sequence_run_alone(model_dirs, arch, budget, m
     assert resident > 0  # the group's own batch was reused with holes
     if budget is not None:
         assert copied > 1  # and compacted when they grew past the budget
+    if split:
+        assert max(len(runs) for runs in calls) > 1
 
 
 def test_a_copied_prefill_shares_its_source_and_continues_as_a_computed_one(model_dirs):

@@ -264,6 +264,11 @@ def only_positions(valid: torch.Tensor):
         _POSITIONS.valid, _POSITIONS.index, _POSITIONS.gathered = saved
 
 
+def valid_positions() -> torch.Tensor | None:
+    """The [batch, T] bool positions the enclosing `only_positions` marks (None outside it)."""
+    return _POSITIONS.valid
+
+
 def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x's positions `index` as [len(index), in] (once per input tensor, see _Positions)."""
     kept = _POSITIONS.gathered

@@ -296,14 +296,16 @@ class GroupForward:
         reuse = runner.reuse_batches or len(caches) == 1
         layers = resident_batch(caches) if reuse else None
         self.width = max(c.columns for c in caches)
+        if layers:  # append after whatever its buffers hold, to write in place
+            self.width = kvcache.next_column(layers, self.width)
         self.copied = layers is None or (self.width - longest > hole_budget(longest)
                                          or self.width + reserve > runner.max_context_len)
         if self.copied:
-            layers = kvcache.stack_rows([c.layers for c in caches], self.spans)
+            layers = kvcache.stack_rows([c.layers for c in caches], self.spans, reserve)
             self.width = longest
             self.spans = [((longest - n, longest),) if n else () for n in self.lengths]
         elif layers:
-            layers = [(k[:, :, :self.width], v[:, :, :self.width]) for k, v in layers]
+            layers = kvcache.columns_of(layers, self.width)
         self.cache = kvcache.to_model_cache(layers or None)
         self.realigned = not aligned
         self.mask = None
@@ -386,13 +388,10 @@ class GroupForward:
 def resident_batch(caches: list[SeqCache]) -> list[kvcache.LayerKV] | None:
     """The batch tensors the caches are, in order, all the rows of (a lone row's own views);
     None when they are not."""
-    if len(caches) == 1:
-        return caches[0].layers
     home = caches[0].home
-    if home is None or home[0][0].shape[0] != len(caches):
-        return None
-    if any(c.home is not home or c.row != i for i, c in enumerate(caches)):
-        return None
+    if home is None or home[0][0].shape[0] != len(caches) or \
+            any(c.home is not home or c.row != i for i, c in enumerate(caches)):
+        return caches[0].layers if len(caches) == 1 else None
     return home
 
 
