@@ -1,11 +1,16 @@
-"""What a verify costs as rows start drafting: one target verify of B rows of different cached
-lengths (a realigned batch, as serving has), with 0, 1, a few or all rows drafting K tokens
-and the others decoding one, run the way the target service runs it (its runner, packed
-positions, its kernels). Prints the median milliseconds of each.
+"""What a verify costs as rows start drafting: target verifies of B rows of different cached
+lengths, with 0, 1, a few or all rows drafting K tokens (picked at random each step) and the
+others decoding one, run the way the target service runs them (its runner, packed positions,
+its kernels). The rows keep what they accept, as in serving: random drafts are rejected, so
+their positions become holes the next verifies mask, until the batch is compacted. Prints the
+median milliseconds of a verify for each count, medians over rounds taken in turn.
 
     python3 scripts/verify_width.py --rows 16 --k 4 --drafting 0,1,4,8,16
+    python3 scripts/verify_width.py --attention-runs off   # attention in one call per layer
 
-The first drafting row costs the most: every row attends with K + 1 queries from then on.
+The first drafting row costs the most: the verify feeds K + 1 positions per row from then on
+(linear layers skip the padding, and attention runs rows by their own query counts, but the
+norms, rotary embeddings and output logits still see the padded width).
 """
 import argparse
 import random
@@ -17,8 +22,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchspec.params import SamplingParams  # noqa: E402
-from batchspec.runtime import fastlinear, models, service  # noqa: E402
+from batchspec.runtime import attention, fastlinear, models, service  # noqa: E402
 from target_service import verifier  # noqa: E402
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}")
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"negative value in {text!r}")
+    return values
+
+
+def span(text: str) -> tuple[int, int]:
+    values = int_list(text)
+    if len(values) != 2 or not 0 < values[0] <= values[1]:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX with 0 < MIN <= MAX: {text!r}")
+    return values[0], values[1]
 
 
 def main() -> int:
@@ -26,33 +48,56 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--drafting", default="0,1,4,8,16")
-    parser.add_argument("--context", default="100,250", help="cached lengths drawn from MIN,MAX")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--drafting", type=int_list, default=[0, 1, 4, 8, 16])
+    parser.add_argument("--context", type=span, default=(100, 250),
+                        help="cached lengths drawn from MIN,MAX")
+    parser.add_argument("--steps", type=int, default=20, help="verifies per count and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--attention-runs", choices=("on", "off"), default="on",
+                        help="off: attention over the whole batch in one call per layer")
     args = parser.parse_args()
+    if max(args.drafting) > args.rows:
+        parser.error(f"--drafting counts are at most --rows ({args.rows})")
+    if args.attention_runs == "off":
+        attention.MAX_SPLIT_ROWS = 0
     runner = service.build_runner(service.ServiceConfig(model=args.model))
     fastlinear.tune(runner.model, models.kernel_plans_file())
-    low, high = map(int, args.context.split(","))
-    random.seed(0)
-    lengths = [random.randint(low, high) for _ in range(args.rows)]
-    runner.prefill([(i, list(range(1, n + 1))) for i, n in enumerate(lengths)])
+    rng = random.Random(0)
     greedy = SamplingParams()
+    vocab = runner.vocab_size
 
-    def verify(drafting: int) -> float:
-        rows = [verifier.VerifyRow(i, n, [5], [7] * args.k if i < drafting else [], None,
-                                   greedy) for i, n in enumerate(lengths)]
-        started = time.perf_counter()
-        outcomes, _ = verifier.verify(runner, rows, realign=True)
-        seconds = time.perf_counter() - started
-        runner.trim([(o.seq_id, o.cache_len, n) for o, n in zip(outcomes, lengths)])
-        return seconds * 1000
+    def median_verify(drafting: int, seed: int) -> float:
+        """The median ms of `args.steps` verifies of fresh sequences (the first 3 warm up)."""
+        ids = [seed * args.rows + i + 1 for i in range(args.rows)]
+        lengths = [rng.randint(*args.context) for _ in ids]
+        runner.prefill([(i, [rng.randrange(vocab) for _ in range(n)])
+                        for i, n in zip(ids, lengths)])
+        times = []
+        for _ in range(args.steps + 3):
+            wide = set(rng.sample(range(args.rows), drafting))
+            rows = [verifier.VerifyRow(i, n, [rng.randrange(vocab)],
+                                       [rng.randrange(vocab) for _ in range(args.k)]
+                                       if j in wide else [], None, greedy)
+                    for j, (i, n) in enumerate(zip(ids, lengths))]
+            started = time.perf_counter()
+            outcomes, _ = verifier.verify(runner, rows, realign=True)
+            times.append((time.perf_counter() - started) * 1000)
+            lengths = [o.cache_len for o in outcomes]
+        runner.release(ids)
+        return statistics.median(times[3:])
 
-    print(f"{args.model}: a verify of {args.rows} rows ({low} to {high} cached positions), "
-          f"K = {args.k}; median of {args.repeats}")
-    for drafting in map(int, args.drafting.split(",")):
-        verify(drafting)  # warm
-        ms = statistics.median(verify(drafting) for _ in range(args.repeats))
-        print(f"  {drafting:3d} rows drafting: {ms:7.1f} ms")
+    print(f"{args.model}: verifies of {args.rows} rows ({args.context[0]} to {args.context[1]} "
+          f"cached positions at the start, {args.steps} steps), K = {args.k}, attention runs "
+          f"{args.attention_runs}; median of {args.rounds} rounds")
+    results = {d: [] for d in args.drafting}
+    seed = 0
+    for _ in range(args.rounds):
+        for drafting in args.drafting:
+            seed += 1
+            results[drafting].append(median_verify(drafting, seed))
+    for drafting, values in results.items():
+        print(f"  {drafting:3d} rows drafting: {statistics.median(values):7.1f} ms "
+              f"({min(values):.1f}-{max(values):.1f})")
     return 0
 
 

@@ -124,3 +124,40 @@ def test_a_copied_prefill_shares_its_source_and_continues_as_a_computed_one(mode
         runner.prefill_copies([(6, prompt)], {6: 2})  # 2 holds 4 positions, not 6
     with pytest.raises(errors.InvalidArgument):
         runner.prefill_copies([(7, prompt), (8, prompt)], {7: 8, 8: 7})
+
+
+def test_a_batch_is_written_over_only_where_no_stored_sequence_holds_the_columns(model_dirs):
+    """A verify's rejected drafts are written over in place by the next step (no holes, no
+    copy); where another sequence still holds those columns (a copy of the sequence made
+    before it was trimmed), the next step writes after them and the copy is left as it was."""
+    model = models.load_causal_lm(model_dirs["llama"][0])
+
+    def new_runner():
+        return runner_lib.ModelRunner(model, name="llama", device=torch.device("cpu"),
+                                      eos_token_ids=[], max_context_len=256)
+
+    def step(r, seq_id, cached, tokens, keep):
+        group = r.open_group([runner_lib.RowSpec(seq_id, cached, cached, tokens)],
+                             realign=False)
+        logits = group.step(torch.tensor([tokens]), num_logits=1)
+        r.store([seq_id], group.rows_after([keep]))
+        return group, logits
+
+    prompt = [5, 9, 14, 22, 31, 7, 11, 40]
+    runner = new_runner()
+    runner.prefill([(1, prompt)])
+    step(runner, 1, 8, [17, 18, 19], keep=9)  # two drafts rejected
+    buffer = runner.caches[1].home.buffers[0]
+    assert buffer.written == 11
+    group, _ = step(runner, 1, 9, [20], keep=10)
+    assert group.width == 10 and group.mask is None  # written over the rejected columns
+    assert runner.caches[1].home.buffers[0] is buffer and buffer.written == 10  # in place
+    runner.prefill_copies([(2, prompt + [17, 20])], {2: 1})  # holds columns 0..9
+    runner.trim([(1, 10, 9)])
+    group, _ = step(runner, 1, 9, [21], keep=10)
+    assert group.width == 11 and group.mask is not None  # after column 9, which 2 holds
+    _, got = step(runner, 2, 10, [23], keep=11)
+    reference = new_runner()
+    reference.prefill([(2, prompt + [17, 20])])
+    _, want = step(reference, 2, 10, [23], keep=11)
+    torch.testing.assert_close(got, want)

@@ -30,9 +30,9 @@ class Buffer:
     """One layer's keys and values, [batch, kv_heads, capacity, head_dim] each; columns
     [0, written) have been written, the others are free.
 
-    Invariant: a view handed out never reaches past `written`, and nothing is written below it.
-    So writing new positions at `written` changes no column any cache holds: a forward still
-    never alters a stored sequence, and a failed one leaves every sequence as it was."""
+    Invariant: a view handed out never reaches past `written`, and nothing is written below it
+    but columns no stored sequence holds (see next_column). So a forward changes no column any
+    stored sequence holds, and a failed one leaves every sequence as it was."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, written: int):
         self.keys, self.values, self.written = keys, values, written
@@ -127,12 +127,18 @@ def from_model_cache(cache: DynamicCache) -> list[LayerKV]:
     return layers
 
 
-def next_column(layers: list[LayerKV], width: int) -> int:
-    """Where a forward over the first `width` columns of a resident batch appends: `width`,
-    or past every written column of its buffers (the columns between then hold no row's
-    positions: holes) so that it can write in place."""
+def next_column(layers: list[LayerKV], width: int, held: int) -> int:
+    """Where a forward over the first `width` columns of a resident batch appends, given that
+    no stored sequence holds a column of its buffers past `held`: at `width` when the columns
+    after it are held by none (the written ones there, rejected drafts, are written over), else
+    after every written column (those between then hold no row's positions: holes), so that it
+    writes in place either way."""
     buffers = getattr(layers, "buffers", None)
     if not buffers or len({b.written for b in buffers}) != 1:
+        return width
+    if held <= width <= buffers[0].written:
+        for buffer in buffers:
+            buffer.written = width
         return width
     return max(width, buffers[0].written)
 

@@ -235,6 +235,14 @@ class ModelRunner(CacheBook):
         return GroupForward(self, [truncate(c, r.keep_len) for c, r in zip(caches, rows)],
                             reserve=len(rows[0].append_token_ids) + extra_positions)
 
+    def held_columns(self, layers: list[kvcache.LayerKV]) -> int:
+        """The most columns of the batch `layers` views that a stored sequence holds."""
+        buffers = getattr(layers, "buffers", None)
+        if not buffers:
+            return 0
+        return max((c.columns for c in self.caches.values()
+                    if getattr(c.home, "buffers", (None,))[0] is buffers[0]), default=0)
+
     def store(self, seq_ids: list[int], rows: list[SeqCache]) -> None:
         self.caches.update(zip(seq_ids, rows))
 
@@ -296,8 +304,8 @@ class GroupForward:
         reuse = runner.reuse_batches or len(caches) == 1
         layers = resident_batch(caches) if reuse else None
         self.width = max(c.columns for c in caches)
-        if layers:  # append after whatever its buffers hold, to write in place
-            self.width = kvcache.next_column(layers, self.width)
+        if layers:  # append where its buffers can be written in place
+            self.width = kvcache.next_column(layers, self.width, runner.held_columns(layers))
         self.copied = layers is None or (self.width - longest > hole_budget(longest)
                                          or self.width + reserve > runner.max_context_len)
         if self.copied:
