@@ -12,6 +12,8 @@ A batch's tensors are views of `Buffer`s with free columns after the written one
 writes its new positions there instead of concatenating (a copy of the whole cache at every
 layer, which cost a 16-row step over ~200 positions about a quarter of its time on a CPU).
 """
+from collections.abc import Callable
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -127,16 +129,16 @@ def from_model_cache(cache: DynamicCache) -> list[LayerKV]:
     return layers
 
 
-def next_column(layers: list[LayerKV], width: int, held: int) -> int:
+def next_column(layers: list[LayerKV], width: int, held: Callable[[], int]) -> int:
     """Where a forward over the first `width` columns of a resident batch appends, given that
-    no stored sequence holds a column of its buffers past `held`: at `width` when the columns
-    after it are held by none (the written ones there, rejected drafts, are written over), else
-    after every written column (those between then hold no row's positions: holes), so that it
-    writes in place either way."""
+    no stored sequence holds a column of its buffers past `held()` (asked only when columns
+    were written past `width`): at `width` when the columns after it are held by none (the
+    written ones there, rejected drafts, are written over), else after every written column
+    (those between then hold no row's positions: holes), so that it writes in place."""
     buffers = getattr(layers, "buffers", None)
-    if not buffers or len({b.written for b in buffers}) != 1:
+    if not buffers or len({b.written for b in buffers}) != 1 or width == buffers[0].written:
         return width
-    if held <= width <= buffers[0].written:
+    if width < buffers[0].written and held() <= width:
         for buffer in buffers:
             buffer.written = width
         return width

@@ -305,7 +305,8 @@ class GroupForward:
         layers = resident_batch(caches) if reuse else None
         self.width = max(c.columns for c in caches)
         if layers:  # append where its buffers can be written in place
-            self.width = kvcache.next_column(layers, self.width, runner.held_columns(layers))
+            self.width = kvcache.next_column(layers, self.width,
+                                             lambda: runner.held_columns(layers))
         self.copied = layers is None or (self.width - longest > hole_budget(longest)
                                          or self.width + reserve > runner.max_context_len)
         if self.copied:
