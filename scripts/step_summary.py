@@ -1,0 +1,102 @@
+"""Where a served run's time went, from the step logs `batchspec bench --step-logs DIR` writes
+(one JSON line per step, a file per method, client count and round: METHOD-cC-rR.jsonl).
+
+For each method and client count, medians over rounds: tokens per second of step time for
+drafted and for plain steps (prefills left out), the share of steps drafted, and the target's
+prefill seconds against the run's span. With --rows N, the median milliseconds of a plain step
+of N rows: the whole step, the target's round trip, its compute, and what is left for the
+coordinator.
+
+    python3 scripts/step_summary.py STEPS --rows 16
+
+A log that holds an earlier run too (a reused directory) is cut at its last pause of more
+than 300 s: only the latest run counts.
+"""
+import argparse
+import collections
+import json
+import pathlib
+import re
+import statistics
+
+NAME = re.compile(r"^(?P<method>.+)-c(?P<clients>\d+)-r(?P<round>\d+)\.jsonl$")
+
+
+def latest_run(path: pathlib.Path) -> list[dict]:
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for i in range(len(steps) - 1, 0, -1):
+        if steps[i]["t"] - steps[i - 1]["t"] > 300:
+            return steps[i:]
+    return steps
+
+
+def rate(steps: list[dict]) -> float | None:
+    seconds = sum(s["step_s"] for s in steps)
+    return sum(s["committed"] for s in steps) / seconds if seconds else None
+
+
+def median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def run_summary(steps: list[dict]) -> dict:
+    drafted = [s for s in steps if any(s["drafts"])]
+    plain = [s for s in steps if not any(s["drafts"])]
+    return {"drafted": rate(drafted), "plain": rate(plain),
+            "share": len(drafted) / len(steps) if steps else None,
+            "prefill": sum(s["prefill_target_s"] for s in steps),
+            "span": steps[-1]["t"] - steps[0]["t"] if steps else None}
+
+
+def plain_step_ms(steps: list[dict], rows: int) -> dict:
+    chosen = [s for s in steps if s["rows"] == rows and not any(s["drafts"])]
+    ms = {key: median(1000 * s[key] for s in chosen)
+          for key in ("step_s", "verify_s", "verify_compute_s")}
+    ms["coordinator"] = median(1000 * (s["step_s"] - s["verify_s"]) for s in chosen)
+    ms["count"] = len(chosen)
+    return ms
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("logs", type=pathlib.Path, help="the --step-logs directory")
+    parser.add_argument("--rows", type=int, help="also break down plain steps of this many rows")
+    args = parser.parse_args()
+    if not args.logs.is_dir():
+        parser.error(f"{args.logs} is not a directory")
+    if args.rows is not None and args.rows < 1:
+        parser.error("--rows must be at least 1")
+    runs = collections.defaultdict(list)
+    for path in sorted(args.logs.iterdir()):
+        match = NAME.match(path.name)
+        if match:
+            runs[(match["method"], int(match["clients"]))].append(latest_run(path))
+    if not runs:
+        parser.error(f"no step logs (METHOD-cC-rR.jsonl) in {args.logs}")
+    print("| method | clients | drafted steps tok/s | plain steps tok/s | share drafted | "
+          "target prefill s / span s |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for (method, clients), rounds in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        got = [run_summary(steps) for steps in rounds if steps]
+        m = {key: median(g[key] for g in got) for key in got[0]}
+        print(f"| {method} | {clients} | {fmt(m['drafted'], '.0f')} | {fmt(m['plain'], '.0f')} | "
+              f"{fmt(m['share'], '.2f')} | {fmt(m['prefill'], '.1f')} / {fmt(m['span'], '.0f')} |")
+    if args.rows:
+        print(f"\nplain steps of {args.rows} rows, median ms:")
+        for (method, clients), rounds in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            ms = plain_step_ms([s for steps in rounds for s in steps], args.rows)
+            if not ms["count"]:
+                continue
+            print(f"  {method} c{clients}: step {fmt(ms['step_s'], '.1f')}, target round trip "
+                  f"{fmt(ms['verify_s'], '.1f')}, compute {fmt(ms['verify_compute_s'], '.1f')}, "
+                  f"coordinator {fmt(ms['coordinator'], '.1f')} ({ms['count']} steps)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
