@@ -85,10 +85,12 @@ def top_probability(logits: torch.Tensor) -> torch.Tensor:
 
 def sample_rows(rows, logits, positions, wires) -> torch.Tensor:
     """Sample one draft token per row from its processed distribution, as sent on the wire."""
+    def per_row(values):  # on the draft's device, beside the logits
+        return torch.tensor(values, device=logits.device)
     probs = sampling.processed_probs(
-        logits[:, None], torch.tensor([r.sampling.temperature for r in rows]),
-        torch.tensor([r.sampling.top_k for r in rows]),
-        torch.tensor([r.sampling.top_p for r in rows]))[:, 0]  # [batch, vocab]
+        logits[:, None], per_row([r.sampling.temperature for r in rows]),
+        per_row([r.sampling.top_k for r in rows]),
+        per_row([r.sampling.top_p for r in rows]))[:, 0]  # [batch, vocab]
     chosen = []
     for i, row in enumerate(rows):
         if row.sampling.greedy:
@@ -97,5 +99,6 @@ def sample_rows(rows, logits, positions, wires) -> torch.Tensor:
         sent, token_ids, payload = probs_wire.wire_round_trip(probs[i])
         wires[i].append((token_ids, payload))
         u = sampling_uniforms(row.sampling.seed, [positions[i]], DRAFT_STREAM)
-        chosen.append(int(sampling.sample_inverse_cdf(sent[None], torch.tensor(u))[0]))
+        chosen.append(int(sampling.sample_inverse_cdf(sent[None],
+                                                      torch.tensor(u, device=sent.device))[0]))
     return torch.tensor(chosen)

@@ -116,22 +116,27 @@ def accept(rows: list[VerifyRow], drafts: torch.Tensor, logits: torch.Tensor,
            counts: torch.Tensor):
     """Greedy verification when every row is greedy, else lossless rejection sampling.
     counts: [batch] each row's real drafts (the rest of `drafts` is padding)."""
+    device = logits.device  # the target's: every tensor of the acceptance is put there
+    drafts, counts = drafts.to(device), counts.to(device)
     if all(r.sampling.greedy for r in rows):
         return sampling.greedy_verify(drafts, logits, counts)
     batch, width = drafts.shape
     vocab = logits.shape[-1]
+
+    def per_row(values):
+        return torch.tensor(values, device=device)
     target_probs = sampling.processed_probs(
-        logits, torch.tensor([r.sampling.temperature for r in rows]),
-        torch.tensor([r.sampling.top_k for r in rows]),
-        torch.tensor([r.sampling.top_p for r in rows]))
-    draft_probs = torch.stack([draft_distribution(r, drafts[i], width, vocab)
+        logits, per_row([r.sampling.temperature for r in rows]),
+        per_row([r.sampling.top_k for r in rows]), per_row([r.sampling.top_p for r in rows]))
+    draft_probs = torch.stack([draft_distribution(r, drafts[i], width, vocab).to(device)
                                for i, r in enumerate(rows)])
     positions = [first_draft_position(r) for r in rows]
     accept_u = torch.tensor([sampling_uniforms(r.sampling.seed, range(p, p + width),
                                                ACCEPT_STREAM) for r, p in zip(rows, positions)],
                             dtype=torch.float64).reshape(batch, width)
-    return sampling.rejection_sample(drafts, draft_probs, target_probs, accept_u.float(),
-                                     final_uniforms(rows, positions), counts)
+    return sampling.rejection_sample(drafts, draft_probs, target_probs,
+                                     accept_u.float().to(device),
+                                     final_uniforms(rows, positions).to(device), counts)
 
 
 def draft_distribution(row: VerifyRow, drafts: torch.Tensor, width: int, vocab: int):

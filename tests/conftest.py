@@ -1,5 +1,6 @@
 import contextlib
 import dataclasses
+import os
 import pathlib
 import sys
 import time
@@ -20,6 +21,11 @@ from target_service.servicer import SERVICE_NAME as TARGET_NAME  # noqa: E402
 from target_service.servicer import TargetServicer
 
 import tiny_models  # noqa: E402
+
+# The device the services in these tests compute on: the CPU, unless BATCHSPEC_TEST_DEVICE
+# names another (`BATCHSPEC_TEST_DEVICE=cuda python3 -m pytest tests/test_exactness.py` checks
+# exactness on a GPU; the references then run on that device too).
+TEST_DEVICE = os.environ.get("BATCHSPEC_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -49,14 +55,16 @@ class Stack:
 
 
 def start_target(model_dir, port=0):
-    return service.start_model_service(service.ServiceConfig(model=model_dir, port=port),
+    return service.start_model_service(service.ServiceConfig(model=model_dir, port=port,
+                                                             device=TEST_DEVICE),
                                        TargetServicer,
                                        target_pb2_grpc.add_TargetServiceServicer_to_server,
                                        TARGET_NAME)
 
 
 def start_draft(model_dir, port=0):
-    return service.start_model_service(service.ServiceConfig(model=model_dir, port=port),
+    return service.start_model_service(service.ServiceConfig(model=model_dir, port=port,
+                                                             device=TEST_DEVICE),
                                        DraftServicer,
                                        draft_pb2_grpc.add_DraftServiceServicer_to_server,
                                        DRAFT_NAME)

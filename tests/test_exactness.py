@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from batchspec.v1 import generate_pb2
 
 import tiny_models
-from conftest import running_stack, wait_for
+from conftest import TEST_DEVICE, running_stack, wait_for
 
 
 def random_requests(seed: int, count: int):
@@ -37,7 +37,7 @@ def references(model_dirs):
     def reference(arch, prompt, max_new):
         key = (arch, tuple(prompt), max_new)
         if key not in cache:
-            model = AutoModelForCausalLM.from_pretrained(model_dirs[arch][0])
+            model = AutoModelForCausalLM.from_pretrained(model_dirs[arch][0]).to(TEST_DEVICE)
             cache[key] = tiny_models.reference_greedy(model, prompt, max_new)
         return cache[key]
     return reference

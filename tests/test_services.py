@@ -3,6 +3,7 @@ import threading
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -190,3 +191,19 @@ def test_a_draft_on_the_cpu_computes_with_one_thread_unless_told():
     assert service.threads_for("target", config(threads=3)) == 3
     with pytest.raises(ValueError, match="threads"):
         config(threads=-1)
+
+
+def test_acceptance_runs_on_the_logits_device():
+    """The target's logits stay on its device (a GPU's): the drafts and counts built on the
+    CPU from the wire are moved beside them, never the other way round. A 'meta' tensor
+    stands in for a second device, so the check runs where there is no GPU."""
+    from target_service import verifier
+
+    rows = [verifier.VerifyRow(seq_id=i, expected_cache_len=3, append_token_ids=[1],
+                               draft_token_ids=[2, 3][:n], draft_probs=None,
+                               sampling=SamplingParams()) for i, n in enumerate((2, 1))]
+    logits = torch.zeros(2, 3, 8, device="meta")
+    result = verifier.accept(rows, torch.tensor([[2, 3], [2, 0]]), logits,
+                             torch.tensor([2, 1]))
+    assert result.num_accepted.device.type == "meta"
+    assert result.output_token_ids.shape == (2, 3)

@@ -19,8 +19,9 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int,
         return greedy_ignoring_eos(model, prompt, max_new_tokens)
     eos = model.generation_config.eos_token_id
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                             dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False,
+        ids = torch.tensor([prompt], device=model.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=eos, pad_token_id=eos)
     tokens = out[0, len(prompt):].tolist()
     return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens

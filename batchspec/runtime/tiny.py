@@ -45,11 +45,12 @@ def noisy_copy(model, seed: int, scale: float):
 def greedy_ignoring_eos(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The target alone at batch 1: plain greedy decoding that treats EOS as an ordinary token
     (the reference for requests with ignore_eos)."""
-    out = model(torch.tensor([prompt]), use_cache=True)
+    out = model(torch.tensor([prompt], device=model.device), use_cache=True)
     tokens = []
     for _ in range(max_new_tokens):
         tokens.append(int(out.logits[0, -1].argmax()))
-        out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values,
+        last = torch.tensor([tokens[-1:]], device=model.device)
+        out = model(last, past_key_values=out.past_key_values,
                     use_cache=True)
     return tokens
 

@@ -55,7 +55,7 @@ def distill_head(config, target, tokenizer, data: list[dict], vocab: list[int],
                               "features": "target's final hidden state (after its last norm)"},
                      "final_loss": final_loss,
                      "held_back_acceptance_by_position": acceptance,
-                     "machine": machine(), "torch": torch.__version__,
+                     "machine": machine(config.device), "torch": torch.__version__,
                      "seconds": round(time.time() - started, 1)},
     }
     manifest = out / "batchspec_draft.json"
@@ -73,8 +73,11 @@ def config_dict(config) -> dict:
     return dataclasses.asdict(config)
 
 
-def machine() -> str:
+def machine(device: str = "cpu") -> str:
+    """The CPU model and cores, led by the GPU's name when training ran on one."""
     import os
+
+    import torch
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -84,7 +87,10 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()}"
+    host = f"{cpu}, {os.cpu_count()} cores"
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(device)} (host: {host}), {platform.system()}"
+    return f"{host}, {platform.system()}"
 
 
 def target_features(config, target, examples: list[dict], out: pathlib.Path):
