@@ -85,12 +85,7 @@ def top_probability(logits: torch.Tensor) -> torch.Tensor:
 
 def sample_rows(rows, logits, positions, wires) -> torch.Tensor:
     """Sample one draft token per row from its processed distribution, as sent on the wire."""
-    def per_row(values):  # on the draft's device, beside the logits
-        return torch.tensor(values, device=logits.device)
-    probs = sampling.processed_probs(
-        logits[:, None], per_row([r.sampling.temperature for r in rows]),
-        per_row([r.sampling.top_k for r in rows]),
-        per_row([r.sampling.top_p for r in rows]))[:, 0]  # [batch, vocab]
+    probs = sampling.rows_probs(logits[:, None], [r.sampling for r in rows])[:, 0]  # [batch, vocab]
     chosen = []
     for i, row in enumerate(rows):
         if row.sampling.greedy:

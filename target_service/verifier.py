@@ -122,12 +122,7 @@ def accept(rows: list[VerifyRow], drafts: torch.Tensor, logits: torch.Tensor,
         return sampling.greedy_verify(drafts, logits, counts)
     batch, width = drafts.shape
     vocab = logits.shape[-1]
-
-    def per_row(values):
-        return torch.tensor(values, device=device)
-    target_probs = sampling.processed_probs(
-        logits, per_row([r.sampling.temperature for r in rows]),
-        per_row([r.sampling.top_k for r in rows]), per_row([r.sampling.top_p for r in rows]))
+    target_probs = sampling.rows_probs(logits, [r.sampling for r in rows])
     draft_probs = torch.stack([draft_distribution(r, drafts[i], width, vocab).to(device)
                                for i, r in enumerate(rows)])
     positions = [first_draft_position(r) for r in rows]

@@ -99,6 +99,14 @@ def sample_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.T
     return picked.clamp_max(weights.shape[-1] - 1)
 
 
+def rows_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """processed_probs with each row's settings taken from `params` (one SamplingParams per
+    row), built on the logits' device."""
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(p, name) for p in params], device=logits.device)
+    return processed_probs(logits, per_row("temperature"), per_row("top_k"), per_row("top_p"))
+
+
 def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor) -> torch.Tensor:
     """The distribution a request samples from, for every position.
