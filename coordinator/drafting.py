@@ -48,6 +48,7 @@ class RowDraft:
     # forced tokens it verifies after its own drafts (see DraftedCohort.constrained)
     token_masks: tuple[bytes, ...] = ()
     forced: tuple[int, ...] = ()
+    aside: bool = False  # its cohort stepped aside: no plan was made for it
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -196,7 +197,7 @@ class Drafter:
         have measured slower than plain ones for cohorts of this size, step aside: a greedy
         cohort then decodes plainly and no draft is asked."""
         if self._aside(seqs):
-            return DraftedCohort([RowDraft(seq) for seq in seqs])
+            return DraftedCohort([RowDraft(seq, aside=True) for seq in seqs])
         step = _Step(seqs)
         early = self._ask_first(step, timeout)
         plan, missed = self.plan(step), False
@@ -405,6 +406,13 @@ class Drafter:
             own = 0 if self.kinds[index].reads_features else min(
                 outcome.num_accepted, row.num_drafts, drafted - 1)  # not forced ones
             seq.drafts[index].valid_len = seq.committed_len + own
+        if row.aside:
+            # The evidence, not the plan, kept the row plain: it was not idle in the plan's
+            # sense. Counted idle, every row of a cohort aside for a while would be planned
+            # at the optimistic acceptance, so that the step trying drafting again drafted
+            # K for every row: an exploration, far dearer than drafting as planned, which
+            # would measure slower and keep the cohort aside.
+            return
         for d, state in enumerate(seq.drafts):
             if d != index:
                 self.policy.observe(state.spec, 0, 0, d)  # not asked: its evidence fades

@@ -157,3 +157,25 @@ def test_a_drafts_catch_up_is_left_out_of_what_drafted_steps_measure():
     drafter.observe_step(DraftedCohort(rows, Timing(0.01), catch_up_s=0.040), 12, 0.110)
     assert evidence.ratio(8) == pytest.approx((12 / 0.070) / (8 / 0.050))
     assert evidence.choose(8) is Choice.PLAN
+
+
+def test_rows_of_a_cohort_aside_are_not_idle_for_the_plan():
+    """Idle rows are planned at an optimistic acceptance (exploration). Rows the evidence kept
+    plain were not idle in that sense: counted idle, the step that tries drafting again after
+    a stretch aside would draft K for every row, far dearer than drafting as planned."""
+    from coordinator import goodput
+    from coordinator.clients import VerifyOutcome
+    from coordinator.drafting import Drafter, RowDraft
+    from coordinator.sequence import DraftState, Sequence
+
+    policy = goodput.GoodputPolicy(goodput.GoodputConfig(explore_every=4), [], None)
+    drafter = Drafter(peers=None, config=None, recorder=None, policy=policy)
+    aside = Sequence(1, [1, 2, 3], 8, frozenset(), drafts=[DraftState()])
+    planned = Sequence(2, [1, 2, 3], 8, frozenset(), drafts=[DraftState()])
+    for _ in range(6):
+        drafter.observe(RowDraft(aside, aside=True), VerifyOutcome(1, 0, [5], 4))
+        drafter.observe(RowDraft(planned), VerifyOutcome(2, 0, [5], 4))
+    assert aside.drafts[0].spec.idle_steps == 0
+    assert planned.drafts[0].spec.idle_steps == 6
+    assert policy.choice(planned.drafts[0].spec, 1, 0).acceptance == policy.config.optimism
+    assert policy.choice(aside.drafts[0].spec, 1, 0).acceptance < policy.config.optimism
