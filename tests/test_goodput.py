@@ -145,7 +145,7 @@ def test_a_packed_verify_lets_the_few_rows_that_pay_draft_in_a_large_batch():
     row makes the whole batch pay for a few good rows: plain decoding. Where the target packs
     positions, those rows pay only for their own tokens, and they draft."""
     rows = [goodput.Row(0.95)] * 5 + [goodput.Row(0.05)] * 11
-    costs = dict(verify_per_token=0.004, verify_per_row_token=0.001, draft_fraction=0.01)
+    costs = dict(verify_per_token=0.004, verify_per_row_token=0.0005, draft_fraction=0.01)
     padded = policy(**costs).plan(rows)
     assert padded.k == [0] * 16
     p = policy(**costs, packs_positions=True)
