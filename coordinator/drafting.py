@@ -67,9 +67,6 @@ class DraftedCohort:
     rows: list[RowDraft]
     timing: Timing | None = None  # the draft services' own account, summed; None: no call
     round_trip_s: float = 0.0  # coordinator-side, every draft call of the step
-    # seconds the step spent bringing drafts up to date: prefills of rows a draft held
-    # nothing of, the target's features a feature draft lacked (see Drafter.observe_step)
-    catch_up_s: float = 0.0
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -129,7 +126,6 @@ class _Step:
     answers: dict[int, Proposal] = dataclasses.field(default_factory=dict)
     # (the service's own timing, round-trip seconds) of each draft call
     spent: list[tuple[Timing, float]] = dataclasses.field(default_factory=list)
-    catch_up_s: float = 0.0  # see DraftedCohort.catch_up_s
 
     def offered(self) -> dict[int, dict[int, int]]:
         """{row: {kind: tokens}} the kinds asked before planning offered."""
@@ -149,7 +145,7 @@ class _Step:
                          self.answers.get(i)) for i, seq in enumerate(self.seqs)]
         timing = functools.reduce(operator.add, (t for t, _ in self.spent)) \
             if self.spent else None
-        return DraftedCohort(rows, timing, sum(s for _, s in self.spent), self.catch_up_s)
+        return DraftedCohort(rows, timing, sum(s for _, s in self.spent))
 
 
 class Drafter:
@@ -231,14 +227,10 @@ class Drafter:
         any draft counts as drafted even where nothing was verified (a lookup that found
         nothing, a plan that kept every row plain after asking): what drafting costs is
         weighed on its side, and the plain side is only steps that cost what decoding
-        without drafts does. A draft's catch-up (prefilling rows it missed while the cohort
-        stepped aside) is left out: it is paid once per stretch aside, not per drafted step,
-        and charged to the one step that tries drafting again it would make every such try
-        look slower than drafting is, keeping the cohort aside for good."""
+        without drafts does."""
         if self.evidence is not None and all(s.sampling.greedy for s in cohort.seqs):
             drafted = cohort.timing is not None or any(row.num_drafts for row in cohort.rows)
-            self.evidence.observe(len(cohort.rows), drafted, num_committed,
-                                  max(seconds - cohort.catch_up_s, 1e-6))
+            self.evidence.observe(len(cohort.rows), drafted, num_committed, seconds)
 
     def _ask_first(self, step: _Step, timeout: float | None) -> list[int]:
         """Ask the kinds due before planning for every row; the kinds asked. One not due this
@@ -298,16 +290,11 @@ class Drafter:
         lost. A proposal's tokens are what the service drafted (and cached, but the last),
         which may be more than the row verifies (or fewer: a lookup proposes what it finds)."""
         seqs = [step.seqs[i] for i in rows]
-        started = time.perf_counter()
-        try:
-            if not self.peers.warm(kind, seqs) or not num_drafts:
-                return {}
-            ready, width = scheduler.draft_plan(seqs, kind.index)
-            if not ready or (kind.reads_features and
-                             not features.ensure(self.peers.target, ready)):
-                return {}
-        finally:
-            step.catch_up_s += time.perf_counter() - started
+        if not self.peers.warm(kind, seqs) or not num_drafts:
+            return {}
+        ready, width = scheduler.draft_plan(seqs, kind.index)
+        if not ready or (kind.reads_features and not features.ensure(self.peers.target, ready)):
+            return {}
         try:
             proposals, timing, round_trip = self._send(kind, ready, width, num_drafts, timeout)
         except errors.Unavailable as error:

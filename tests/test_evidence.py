@@ -138,27 +138,6 @@ def test_a_step_that_asked_a_draft_counts_as_drafted_even_with_nothing_verified(
     drafter.observe_step(DraftedCohort(rows), 2, 0.04)  # stepped aside: no draft asked
     drafter.observe_step(DraftedCohort([RowDraft(rows[0].seq, 2, 0)], Timing(0.01)), 3, 0.06)
     assert seen == [True, False, True]
-
-
-def test_a_drafts_catch_up_is_left_out_of_what_drafted_steps_measure():
-    """Prefilling the rows a draft missed while the cohort stepped aside is paid once per
-    stretch aside: charged to the step that tries drafting again, every such try would
-    measure slower than drafting is, and the bucket would stay aside for good."""
-    from coordinator.clients import Timing
-    from coordinator.drafting import DraftedCohort, Drafter, RowDraft
-    from coordinator.sequence import Sequence
-
-    evidence = Evidence(EvidenceConfig(min_steps=2, min_clear_steps=1))
-    drafter = Drafter(peers=None, config=None, recorder=None, evidence=evidence)
-    rows = [RowDraft(Sequence(i, [1, 2, 3], 8, frozenset()), 1, 0) for i in range(8)]
-    for _ in range(3):
-        drafter.observe_step(DraftedCohort([RowDraft(r.seq) for r in rows]), 8, 0.050)
-    # 12 tokens in 0.110 s, 0.040 of it catching up: 12 / 0.070 beats 8 / 0.050
-    drafter.observe_step(DraftedCohort(rows, Timing(0.01), catch_up_s=0.040), 12, 0.110)
-    assert evidence.ratio(8) == pytest.approx((12 / 0.070) / (8 / 0.050))
-    assert evidence.choose(8) is Choice.PLAN
-
-
 def test_rows_of_a_cohort_aside_are_not_idle_for_the_plan():
     """Idle rows are planned at an optimistic acceptance (exploration). Rows the evidence kept
     plain were not idle in that sense: counted idle, the step that tries drafting again after
