@@ -36,3 +36,25 @@ def positive_seconds(value: str) -> float:
     if not seconds > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, not {value}")
     return seconds
+
+
+def positive_int(value: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return number
+
+
+def port(value: str) -> int:
+    """An argparse type: a TCP port, 1..65535."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port, not {value!r}") from None
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in 1..65535, not {value}")
+    return number

@@ -37,11 +37,12 @@ import dataclasses
 import math
 
 # A packed verify of B rows, c of them drafting, costs plain + (wide - plain) * (c / B) ** this:
-# the first drafting rows cost most. Fitted to verifies of SmolLM2-135M on a 2-core EPYC, where
-# the share of the full-width extra that c rows paid was 0.53 for 1 of 8 rows, 0.30 for 1 of
-# 16 or of 32, 0.60 to 0.74 for a quarter of the rows and 0.82 for half of 16 (K = 1 and 4). A
-# square root (0.5) priced a few drafting rows at about half their cost: plans verified a
-# lookup's offers for a few rows of 32, and the step measured half again a plain one.
+# the first drafting rows cost most. Verifies of SmolLM2-135M on a 2-core EPYC (K = 1,
+# scripts/verify_width.py) paid these shares of the full-width extra: 0.85 for 1 row of 8, 0.96
+# for 3 of 8; 0.52 for 1 of 16, 0.71 for 4 of 16; 0.21 for 1 of 32, 0.46 for 8 of 32. 0.35
+# fits them as a whole (0.48, 0.71; 0.38, 0.62; 0.30, 0.62) better than a square root did
+# (0.35, 0.61; 0.25, 0.50; 0.18, 0.50), which priced a few drafting rows at about half their
+# cost: plans verified a lookup's offers for a few rows of 32, at half again a plain step.
 PARTIAL_EXPONENT = 0.35
 
 

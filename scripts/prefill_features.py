@@ -7,6 +7,7 @@ import argparse
 import statistics
 import time
 
+from batchspec import cliargs
 from batchspec.runtime import models
 from batchspec.runtime.service import ServiceConfig, build_runner, warm_up
 from batchspec_tools.data import bench_prompts
@@ -15,11 +16,9 @@ from batchspec_tools.data import bench_prompts
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", default="docs/bench/heldout_prompts.jsonl")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--num-prompts", type=cliargs.positive_int, default=16)
+    parser.add_argument("--rounds", type=cliargs.positive_int, default=6)
     args = parser.parse_args()
-    if args.num_prompts < 1 or args.rounds < 1:
-        parser.error("--num-prompts and --rounds must be >= 1")
     runner = build_runner(ServiceConfig(model=models.model_path("smollm2")))
     warm_up(runner)
     tokenizer = models.load_tokenizer("smollm2")

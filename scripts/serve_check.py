@@ -15,6 +15,7 @@ import time
 import grpc
 import torch
 
+from batchspec import cliargs
 from batchspec.runtime import models
 from batchspec.v1 import generate_pb2, generate_pb2_grpc
 from batchspec_tools.data import bench_prompts
@@ -37,14 +38,12 @@ def reference(model, prompt: list[int], max_new: int, eos: set[int]) -> list[int
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--port", type=int, required=True, help="the server's gRPC port")
+    parser.add_argument("--port", type=cliargs.port, required=True, help="the server's gRPC port")
     parser.add_argument("--target", default="smollm2", help="the target the server runs")
     parser.add_argument("--device", default="cpu", help="where the reference decodes")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--num-prompts", type=cliargs.positive_int, default=16)
+    parser.add_argument("--max-new-tokens", type=cliargs.positive_int, default=64)
     args = parser.parse_args()
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
-        parser.error("--num-prompts and --max-new-tokens must be >= 1")
     tokenizer = models.load_tokenizer(args.target)
     prompts = [models.chat_ids(tokenizer, p["prompt"]) for p in bench_prompts(args.num_prompts)]
     channel = grpc.insecure_channel(f"127.0.0.1:{args.port}")

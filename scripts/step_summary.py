@@ -19,6 +19,8 @@ import pathlib
 import re
 import statistics
 
+from batchspec import cliargs
+
 NAME = re.compile(r"^(?P<method>.+)-c(?P<clients>\d+)-r(?P<round>\d+)\.jsonl$")
 
 
@@ -65,12 +67,11 @@ def plain_step_ms(steps: list[dict], rows: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("logs", type=pathlib.Path, help="the --step-logs directory")
-    parser.add_argument("--rows", type=int, help="also break down plain steps of this many rows")
+    parser.add_argument("--rows", type=cliargs.positive_int,
+                        help="also break down plain steps of this many rows")
     args = parser.parse_args()
     if not args.logs.is_dir():
         parser.error(f"{args.logs} is not a directory")
-    if args.rows is not None and args.rows < 1:
-        parser.error("--rows must be at least 1")
     runs = collections.defaultdict(list)
     for path in sorted(args.logs.iterdir()):
         match = NAME.match(path.name)
@@ -83,6 +84,8 @@ def main() -> int:
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for (method, clients), rounds in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         got = [run_summary(steps) for steps in rounds if steps]
+        if not got:  # logs of a run still starting: no step yet
+            continue
         m = {key: median(g[key] for g in got) for key in got[0]}
         print(f"| {method} | {clients} | {fmt(m['drafted'], '.0f')} | {fmt(m['plain'], '.0f')} | "
               f"{fmt(m['share'], '.2f')} | {fmt(m['prefill'], '.1f')} / {fmt(m['span'], '.0f')} |")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from batchspec import cliargs  # noqa: E402
 from batchspec.params import SamplingParams  # noqa: E402
 from batchspec.runtime import attention, fastlinear, models, service  # noqa: E402
 from target_service import verifier  # noqa: E402
@@ -36,16 +37,6 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
-    return value
-
-
 def span(text: str) -> tuple[int, int]:
     values = int_list(text)
     if len(values) != 2 or not 0 < values[0] <= values[1]:
@@ -56,13 +47,14 @@ def span(text: str) -> tuple[int, int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--rows", type=positive, default=16)
-    parser.add_argument("--k", type=positive, default=4)
+    parser.add_argument("--rows", type=cliargs.positive_int, default=16)
+    parser.add_argument("--k", type=cliargs.positive_int, default=4)
     parser.add_argument("--drafting", type=int_list, default=[0, 1, 4, 8, 16])
     parser.add_argument("--context", type=span, default=(100, 250),
                         help="cached lengths drawn from MIN,MAX")
-    parser.add_argument("--steps", type=positive, default=20, help="verifies per count and round")
-    parser.add_argument("--rounds", type=positive, default=3)
+    parser.add_argument("--steps", type=cliargs.positive_int, default=20,
+                        help="verifies per count and round")
+    parser.add_argument("--rounds", type=cliargs.positive_int, default=3)
     parser.add_argument("--attention-runs", choices=("on", "off"), default="on",
                         help="off: attention over the whole batch in one call per layer")
     args = parser.parse_args()

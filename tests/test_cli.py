@@ -144,3 +144,13 @@ def test_generate_without_a_server_says_how_to_start_one():
     done = run("generate", "--address", f"127.0.0.1:{free_port()}", "--timeout", "5", "hi")
     assert done.returncode == 1 and "batchspec serve" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_shared_argument_types_refuse_what_they_cannot_be():
+    import argparse
+
+    assert cliargs.positive_int("3") == 3 and cliargs.port("50051") == 50051
+    for kind, bad in ((cliargs.positive_int, "0"), (cliargs.positive_int, "2.5"),
+                      (cliargs.port, "0"), (cliargs.port, "65536"), (cliargs.port, "x")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            kind(bad)
