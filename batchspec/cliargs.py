@@ -27,34 +27,28 @@ def address(value: str) -> str:
     return value
 
 
+def _number(value: str, convert, what: str, within, rule: str):
+    """`value` converted, where it converts and `within` holds for it; else an argparse
+    type error: "expected {what}" or "{rule}"."""
+    try:
+        number = convert(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, not {value!r}") from None
+    if not within(number):
+        raise argparse.ArgumentTypeError(f"{rule}, not {value}")
+    return number
+
+
 def positive_seconds(value: str) -> float:
     """An argparse type: a number of seconds > 0."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, not {value!r}") from None
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, not {value}")
-    return seconds
+    return _number(value, float, "seconds", lambda s: s > 0, "must be > 0")
 
 
 def positive_int(value: str) -> int:
     """An argparse type: a whole number >= 1."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, not {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
-    return number
+    return _number(value, int, "a whole number", lambda n: n >= 1, "must be >= 1")
 
 
 def port(value: str) -> int:
     """An argparse type: a TCP port, 1..65535."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port, not {value!r}") from None
-    if not 1 <= number <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is in 1..65535, not {value}")
-    return number
+    return _number(value, int, "a port", lambda n: 1 <= n <= 65535, "a port is in 1..65535")
