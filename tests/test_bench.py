@@ -1,7 +1,12 @@
 """`batchspec bench --quick` produces a complete report, and batchspec's output is exact."""
+import contextlib
 import json
+import os
+import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -202,3 +207,44 @@ def test_steady_throughput_leaves_out_the_drain_after_the_last_request_is_sent()
               Trace(2.0, [8, 9], arrived_at=[3.0, 9.0])]
     assert steady_tokens_per_s(traces) == 3.0  # 6 tokens in the first 2 s
     assert steady_tokens_per_s(traces[:2]) is None  # all sent at once: no steady window
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    kids = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+@pytest.mark.slow
+def test_a_bench_stopped_with_sigterm_stops_the_services_it_started(tmp_path):
+    bench = subprocess.Popen([sys.executable, "-m", "batchspec_tools", "bench", "--quick",
+                              "--out", str(tmp_path), "--methods", "grpc_target_only",
+                              "--concurrency", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    services = []
+    try:
+        deadline = time.monotonic() + 180
+        while len(_children(bench.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the three services, started once for every gRPC method
+        services = _children(bench.pid)
+        assert len(services) >= 3, services
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) != 0
+        deadline = time.monotonic() + 30
+        while any(pathlib.Path(f"/proc/{pid}").exists() for pid in services) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in services if pathlib.Path(f"/proc/{pid}").exists()]
+    finally:
+        bench.kill()
+        bench.wait()
+        for pid in services:  # left running where the bench did not stop them
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -15,6 +15,7 @@ import logging
 import os
 import pathlib
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -148,10 +149,17 @@ def main(argv=None) -> int:
     config = parse_config(build_parser(), sys.argv[1:] if argv is None else argv,
                           config_from_args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s bench %(message)s")
+    # stopped with SIGTERM (kill, a CI's timeout), unwind as on Ctrl-C, so that the services
+    # it started are stopped too (by default the signal ends it at once and leaves them)
+    signal.signal(signal.SIGTERM, _stop)
     report = run(config)
     paths = write_report(report, pathlib.Path(config.out))
     print("\n".join(f"wrote {p}" for p in paths))
     return 0
+
+
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -420,12 +428,16 @@ class GrpcStack:
                                                   "--dtype", workload.dtype]),
                     ("model", "draft_service", model_cmd),
                     ("ngram", "draft_service", ["--model", "ngram"]))
-        for role, module, extra in services:
-            self._start(role, module, extra)
-            if not together:
+        try:
+            for role, module, extra in services:
+                self._start(role, module, extra)
+                if not together:
+                    self._wait(role)
+            for role, _, _ in services if together else ():
                 self._wait(role)
-        for role, _, _ in services if together else ():
-            self._wait(role)
+        except BaseException:  # a service failed (its log kept), or the bench was stopped
+            self._stop_services()
+            raise
 
     def _start(self, role: str, module: str, extra: list[str]) -> None:
         # its log kept, so a service that dies at start says why
@@ -520,11 +532,14 @@ class GrpcStack:
                    coord.get("realigned_steps_total", 0) / max(1, steps),
                    normalise(breakdown, seconds))
 
-    def close(self):
+    def _stop_services(self):
         for proc in self.procs:
             proc.terminate()
         for proc in self.procs:
             proc.wait(timeout=30)
+
+    def close(self):
+        self._stop_services()
         for log in self.logs:  # kept only when a service died at start (named in the error)
             pathlib.Path(log).unlink(missing_ok=True)
 
