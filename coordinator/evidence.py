@@ -10,8 +10,9 @@ measured: while one is chosen, the other is tried every few steps of its bucket.
 
 Invariants: a decision changes only when the measured rates differ by more than `margin`
 (hysteresis), and only once both sides have `min_steps` steps of evidence, so timing noise does
-not flip it step to step; probes of a settled decision grow rarer (backoff). Pure Python, no
-clock: callers pass the seconds they measured.
+not flip it step to step; probes of a settled decision grow rarer (backoff). A new bucket
+decodes plainly until its plain side has `min_steps` steps: the yardstick is measured before
+anything is weighed against it. Pure Python, no clock: callers pass the seconds they measured.
 """
 import dataclasses
 import enum
@@ -91,15 +92,15 @@ class Evidence:
     def choose(self, rows: int) -> Choice:
         """For a greedy cohort of `rows`: plan, or step aside. Called once per such step."""
         bucket = self.buckets.setdefault(bucket_of(rows), Bucket())
-        bucket.since_probe += 1
-        probe = bucket.since_probe >= self._probe_every(rows) * bucket.backoff
         if bucket.plain.steps < self.config.min_steps:
-            # plain evidence first, a step in a few, while the policy plans the others
-            probe = bucket.since_probe >= max(2, self.config.probe_every // 3)
-        elif probe:
-            bucket.backoff = min(2 * bucket.backoff, self.config.max_backoff)
-        if probe:
+            # the yardstick first: a plain step costs what the server without drafts pays,
+            # so a bucket where drafting loses pays only for the few drafted steps that show
+            # it (min_clear_steps), never for a start-up stretch of the plan's guesses
+            return Choice.PLAIN
+        bucket.since_probe += 1
+        if bucket.since_probe >= self._probe_every(rows) * bucket.backoff:
             bucket.since_probe = 0
+            bucket.backoff = min(2 * bucket.backoff, self.config.max_backoff)
             return Choice.PLAN if bucket.aside else Choice.PLAIN
         return Choice.PLAIN if bucket.aside else Choice.PLAN
 

@@ -20,15 +20,17 @@ expected tokens per second. A row that has not drafted with a kind for long is p
 optimistic acceptance for it (exploration), so an estimate never freezes at a value that turned
 K off; rows left idle draft together when enough of them would pay at that acceptance, so one
 widened verify buys the evidence of many. A kind with too little evidence over all rows must be
-tried. A row a draft holds nothing of yet ("cold": it is prefilled on first use) is priced as if
-the draft held it (the prefill is paid once, not per step), but where a row must draft
-(exploring, or forced) and so widens the verify anyway, the cold rows riding along are charged
-their prefill spread over cold_horizon steps: they join only where they pay for it, never for
-free; of cold rows, only one per kind at a time explores, and only when no row has drafted with
-that kind for long (or it lacks evidence), so exploring never buys a prefill per row, and no
-kind is starved of evidence. Evidence is bought only where it could change a plan: a kind is
-forced on no cohort where drafting would not clearly beat plain decoding even at that optimistic
-acceptance (wide verifies at their full price, as at large batches on a CPU).
+tried. A row a draft holds nothing of yet ("cold": it is prefilled on first use) is charged
+that prefill spread over cold_horizon steps (it is paid once and serves the steps after): cold
+rows draft only where they pay for it, never for free, whether they would ride along on a
+verify a row forced to draft widens anyway or join a plan of their own (a stretch aside at a
+large batch leaves most rows cold, and the step that tries drafting again must not prefill
+them all on the plan's word); of cold rows, only one per kind at a time explores, and only
+when no row has drafted with that kind for long (or it lacks evidence), so exploring never
+buys a prefill per row, and no kind is starved of evidence. Evidence is bought only where it
+could change a plan: a kind is forced on no cohort where drafting would not clearly beat plain
+decoding even at that optimistic acceptance (wide verifies at their full price, as at large
+batches on a CPU).
 
 Pure Python: the coordinator stays free of torch.
 """
@@ -74,9 +76,9 @@ class GoodputConfig:
     # once live timings flow, a step is plain when the target has run no plain step for this
     # many commands, so what every plan is weighed against is measured
     measure_plain_every: int = 128
-    # cold rows joining a verify that a row forced to draft widens anyway are charged their
-    # prefill in the draft, spread over this many steps (it serves the steps after too): so
-    # one row exploring at a large batch never has the draft prefill all of them
+    # cold rows are charged their prefill in the draft spread over this many steps (it serves
+    # the steps after too): so one row exploring at a large batch never has the draft prefill
+    # all of them, nor does a plan that prices them as if the draft held them
     cold_horizon: int = 8
 
     def __post_init__(self):
@@ -472,7 +474,7 @@ class GoodputPolicy:
             tokens += gain
             counts[d] = counts.get(d, 0) + 1
             widths[d] = max(widths.get(d, 1), catch_up)
-            if prefill and required:  # riding on a verify forced wide: (rows, longest prompt)
+            if prefill:  # (rows, longest prompt) of the cold rows it would prefill
                 rows_cold, longest = cold.get(d, (0, 0))
                 cold[d] = (rows_cold + 1, max(longest, prefill))
             draft_s[d] = 0.0 if paid else \

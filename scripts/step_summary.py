@@ -2,8 +2,12 @@
 (one JSON line per step, a file per method, client count and round: METHOD-cC-rR.jsonl).
 
 For each method and client count, medians over rounds: tokens per second of step time for
-drafted and for plain steps (prefills left out), the share of steps drafted, and the target's
-prefill seconds against the run's span. With --rows N, the median milliseconds of a plain step
+drafted and for plain steps (prefills left out), the share of steps drafted, what drafting
+cost net (the seconds drafted steps took beyond what the same run's plain steps of about as
+many rows take for the tokens they committed; negative: drafting saved time), and the target's
+prefill seconds against the run's span. Rounds of a shared machine move by a tenth and more;
+the net cost compares steps of one run, so it shows what drafting did where the tok/s of two
+runs cannot. With --rows N, the median milliseconds of a plain step
 of N rows: the whole step, the target's round trip, its compute, and what is left for the
 coordinator.
 
@@ -20,6 +24,7 @@ import re
 import statistics
 
 from batchspec import cliargs
+from coordinator.evidence import bucket_of
 
 NAME = re.compile(r"^(?P<method>.+)-c(?P<clients>\d+)-r(?P<round>\d+)\.jsonl$")
 
@@ -46,11 +51,32 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def drafting_net_s(steps: list[dict]) -> float | None:
+    """Seconds the drafted steps of a run took beyond what its plain steps of about as many
+    rows (the batch-size bucket the step-aside evidence uses, or the nearest one measured)
+    take per committed token; None without plain steps to compare with."""
+    per_token: dict[int, list[float]] = collections.defaultdict(list)
+    for s in steps:
+        if not any(s["drafts"]):
+            per_token[bucket_of(s["rows"])].append(s["step_s"] / s["committed"])
+    if not per_token:
+        return None
+    typical = {bucket: statistics.median(values) for bucket, values in per_token.items()}
+    net = 0.0
+    for s in steps:
+        if any(s["drafts"]):
+            bucket = bucket_of(s["rows"])
+            nearest = min(typical, key=lambda b: (abs(b - bucket), b))
+            net += s["step_s"] - s["committed"] * typical[nearest]
+    return net
+
+
 def run_summary(steps: list[dict]) -> dict:
     drafted = [s for s in steps if any(s["drafts"])]
     plain = [s for s in steps if not any(s["drafts"])]
     return {"drafted": rate(drafted), "plain": rate(plain),
             "share": len(drafted) / len(steps) if steps else None,
+            "net": drafting_net_s(steps),
             "prefill": sum(s["prefill_target_s"] for s in steps),
             "span": steps[-1]["t"] - steps[0]["t"] if steps else None}
 
@@ -80,15 +106,16 @@ def main() -> int:
     if not runs:
         parser.error(f"no step logs (METHOD-cC-rR.jsonl) in {args.logs}")
     print("| method | clients | drafted steps tok/s | plain steps tok/s | share drafted | "
-          "target prefill s / span s |")
-    print("| --- | ---: | ---: | ---: | ---: | --- |")
+          "drafting's net s | target prefill s / span s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for (method, clients), rounds in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         got = [run_summary(steps) for steps in rounds if steps]
         if not got:  # logs of a run still starting: no step yet
             continue
         m = {key: median(g[key] for g in got) for key in got[0]}
         print(f"| {method} | {clients} | {fmt(m['drafted'], '.0f')} | {fmt(m['plain'], '.0f')} | "
-              f"{fmt(m['share'], '.2f')} | {fmt(m['prefill'], '.1f')} / {fmt(m['span'], '.0f')} |")
+              f"{fmt(m['share'], '.2f')} | {fmt(m['net'], '+.2f')} | "
+              f"{fmt(m['prefill'], '.1f')} / {fmt(m['span'], '.0f')} |")
     if args.rows:
         print(f"\nplain steps of {args.rows} rows, median ms:")
         for (method, clients), rounds in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):

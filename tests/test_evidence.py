@@ -24,13 +24,24 @@ def test_buckets_group_batch_sizes_by_powers_of_two():
         [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
 
 
-def test_it_plans_at_first_and_measures_plain_steps_meanwhile():
+def test_it_measures_the_plain_yardstick_first_then_plans():
     evidence = Evidence()
     choices = run(evidence, 8, 40, drafted_rate=150.0, plain_rate=100.0)
-    assert choices[0] is Choice.PLAN
-    assert Choice.PLAIN in choices[:8]  # plain evidence is gathered early
+    assert choices[:6] == [Choice.PLAIN] * 6  # min_steps plain steps before any drafting
+    assert choices[6] is Choice.PLAN
     assert choices[-12:].count(Choice.PLAN) >= 10  # drafting pays: it keeps planning
     assert evidence.ratio(8) == pytest.approx(1.5)
+    # another bucket starts from its own yardstick
+    assert [evidence.choose(32) for _ in range(3)] == [Choice.PLAIN] * 3
+
+
+def test_where_drafting_loses_at_start_up_few_drafted_steps_are_paid():
+    """A new bucket where drafting clearly loses pays for min_clear_steps drafted steps,
+    not for a stretch of the plan's guesses while plain evidence trickles in."""
+    evidence = Evidence()
+    choices = run(evidence, 32, 40, drafted_rate=50.0, plain_rate=100.0)  # no probe yet
+    assert choices.count(Choice.PLAN) == EvidenceConfig().min_clear_steps
+    assert evidence.buckets[bucket_of(32)].aside
 
 
 def test_where_drafting_measures_slower_it_steps_aside_and_keeps_probing():

@@ -406,10 +406,21 @@ def test_cold_rows_join_a_widened_verify_only_for_the_price_of_their_prefill():
     assert drafting(0.45, prefill=0) == 32  # were prefills free, all would join
     assert drafting(0.45, prefill=200) == 1  # the explorer alone
     assert drafting(0.95, prefill=200) == 32  # rows that pay for it still join
-    # a lone row pays for widening its own verify: its prefill is priced as paid once (it
-    # serves the steps after), or a new request at batch 1 would seldom start drafting
-    lone = goodput.Row(choices=(goodput.Choice(0.5, cold=True, prefill=200),))
-    assert p.plan([lone]).k[0] > 0
+
+
+def test_cold_rows_of_a_plan_of_their_own_are_charged_their_prefill():
+    """Cold rows nobody forces are charged their prefill too (spread over cold_horizon
+    steps): a cohort back from a stretch aside, mostly new to the draft, drafts only the
+    rows that pay for it; a lone row with a good draft still starts drafting."""
+    p = policy(verify_per_token=0.002, verify_per_row_token=0.0002)
+
+    def drafting(acceptance, prefill, rows=32):
+        cold = goodput.Row(choices=(goodput.Choice(acceptance, cold=True, prefill=prefill),))
+        return sum(k > 0 for k in p.plan([cold] * rows).k)
+    assert drafting(0.6, prefill=0) == 32  # were prefills free, every row would draft
+    assert drafting(0.6, prefill=200) == 0
+    assert drafting(0.8, prefill=200, rows=1) == 1
+    assert drafting(0.5, prefill=200, rows=1) == 0  # would not pay back its prefill
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
