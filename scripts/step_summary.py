@@ -54,12 +54,13 @@ def fmt(value, spec: str) -> str:
 def drafting_net_s(steps: list[dict]) -> float | None:
     """Seconds the drafted steps of a run took beyond what its plain steps of about as many
     rows (the batch-size bucket the step-aside evidence uses, or the nearest one measured)
-    take per committed token; None without plain steps to compare with."""
+    take per committed token; None without drafted steps, or without plain steps to compare
+    them with."""
     per_token: dict[int, list[float]] = collections.defaultdict(list)
     for s in steps:
         if not any(s["drafts"]):
             per_token[bucket_of(s["rows"])].append(s["step_s"] / s["committed"])
-    if not per_token:
+    if not per_token or all(not any(s["drafts"]) for s in steps):
         return None
     typical = {bucket: statistics.median(values) for bucket, values in per_token.items()}
     net = 0.0

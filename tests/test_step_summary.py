@@ -39,6 +39,7 @@ def test_drafting_net_is_weighed_against_plain_steps_of_its_bucket():
     assert summary.drafting_net_s(plain + [step(23, 2, 1, 3, 0.02)]) == pytest.approx(
         0.02 - 3 * 0.05 / 8)
     assert summary.drafting_net_s([step(0, 8, 1, 12, 0.06)]) is None  # nothing to weigh by
+    assert summary.drafting_net_s(plain) is None  # nothing drafted: no cost to report
 
 
 def test_the_table_reports_the_net_cost_per_method(tmp_path):
@@ -51,3 +52,6 @@ def test_the_table_reports_the_net_cost_per_method(tmp_path):
                          text=True, check=True).stdout
     router = next(line for line in out.splitlines() if line.startswith("| grpc_router |"))
     assert "| +0.10 |" in router  # 200 ms for what plain steps commit in 100
+    plain_server = next(line for line in out.splitlines()
+                        if line.startswith("| grpc_target_only |"))
+    assert plain_server.split("|")[6].strip() == "-"  # no drafted steps, no net figure
