@@ -57,18 +57,20 @@ def drafting_net_s(steps: list[dict]) -> float | None:
     take per committed token; None without drafted steps, or without plain steps to compare
     them with."""
     per_token: dict[int, list[float]] = collections.defaultdict(list)
+    drafted = []
     for s in steps:
-        if not any(s["drafts"]):
+        if any(s["drafts"]):
+            drafted.append(s)
+        else:
             per_token[bucket_of(s["rows"])].append(s["step_s"] / s["committed"])
-    if not per_token or all(not any(s["drafts"]) for s in steps):
+    if not (drafted and per_token):
         return None
     typical = {bucket: statistics.median(values) for bucket, values in per_token.items()}
     net = 0.0
-    for s in steps:
-        if any(s["drafts"]):
-            bucket = bucket_of(s["rows"])
-            nearest = min(typical, key=lambda b: (abs(b - bucket), b))
-            net += s["step_s"] - s["committed"] * typical[nearest]
+    for s in drafted:
+        bucket = bucket_of(s["rows"])
+        nearest = min(typical, key=lambda b: (abs(b - bucket), b))
+        net += s["step_s"] - s["committed"] * typical[nearest]
     return net
 
 
