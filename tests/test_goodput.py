@@ -191,6 +191,27 @@ def test_sampled_rows_always_draft_k_and_a_kind_short_of_evidence_must_draft():
     assert max(p.plan([goodput.Row(choices=(new_kind,))] * 2).k) >= 1
 
 
+def test_a_kind_short_of_evidence_is_tried_by_a_few_rows_of_a_large_batch():
+    """Evidence is bought with a few rows' drafts: forcing a new kind on every row of a large
+    batch made a start-up step of 32 rows verify K = 4 for all of them (ten plain steps'
+    time). The rows held and with least to catch up on explore; where drafting does not
+    otherwise pay (acceptance at its prior here, wide verifies dear), the rest stay plain."""
+    p = policy(verify_per_token=0.002, verify_per_row_token=0.0006, packs_positions=True)
+    new_kind = p.choice(goodput.RowState(), catch_up=1, kind=0)
+    assert new_kind.explore
+    unforced = dataclasses.replace(new_kind, explore=False)
+    assert p.plan([goodput.Row(choices=(unforced,))] * 32).k == [0] * 32  # it would not pay
+    behind = dataclasses.replace(new_kind, catch_up=6)
+    rows = [goodput.Row(choices=(behind,))] * 30 + [goodput.Row(choices=(new_kind,))] * 2
+    plan = p.plan(rows)
+    assert [i for i, k in enumerate(plan.k) if k] == [30, 31]
+    assert p.config.explorers == 2
+    unlimited = goodput.GoodputPolicy(goodput.GoodputConfig(explorers=32), p.drafts, p.target)
+    assert min(unlimited.plan(rows).k) >= 1  # every row forced: the whole batch drafts
+    # every row of a small cohort still explores when the limit allows it
+    assert min(p.plan([goodput.Row(choices=(new_kind,))] * 2).k) >= 1
+
+
 def test_evidence_is_not_bought_where_drafting_could_not_pay_at_all():
     """Where every extra verified token costs its full price (a large batch on a CPU),
     drafting loses even if every row accepted at the optimistic rate: a kind short of
@@ -503,6 +524,7 @@ def test_a_calibration_wrong_in_its_slope_is_corrected_per_command_size():
 
 
 @pytest.mark.parametrize("bad", [{"max_k": 0}, {"explore_every": 0}, {"starve_every": 0},
+                                 {"explorers": 0},
                                  {"measure_plain_every": 0}, {"optimism": 1.0},
                                  {"optimism": -0.1}, {"decay": 0.0}, {"prior_weight": 0.0},
                                  {"margin": -0.1}, {"explore_margin": -0.1}])
