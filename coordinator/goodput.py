@@ -322,7 +322,7 @@ class GoodputPolicy:
         self.config = config
         self.drafts = list(drafts)
         self.target = target
-        # running acceptance over every row, per draft kind: (mean, weight)
+        # running acceptance over every row, per draft kind: (mean, trials behind it)
         self._means: dict[int, tuple[float, float]] = {}
         # per draft kind, decayed sums of (accepted drafts, what the model above expected of
         # those proposals): the geometric model misjudges drafts whose acceptance is
@@ -359,9 +359,12 @@ class GoodputPolicy:
         state.observe(num_drafts, num_accepted, self.config.decay)
         if num_drafts:
             trials = num_accepted + (1 if num_accepted < num_drafts else 0)
+            # weight counts real trials; the prior weighs as min_evidence of them, so one
+            # lucky first step (two drafts, both accepted) does not make every row's estimate
+            # 0.99 and the next plan draft K = 4 for a whole large batch on its word
             mean, weight = self._means.get(kind, (self.config.prior_acceptance, 0.0))
             weight = min(weight + trials, 1000.0)
-            mean += (num_accepted / trials - mean) * trials / weight
+            mean += (num_accepted / trials - mean) * trials / (weight + self.config.min_evidence)
             self._means[kind] = (mean, weight)
 
     def delivered(self, kind: int) -> float:

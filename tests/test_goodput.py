@@ -264,6 +264,18 @@ def verified(p, state, steps: int, num_drafts: int, num_accepted: int) -> float:
     return p.acceptance(state)
 
 
+def test_one_lucky_first_step_does_not_make_a_new_kind_look_perfect():
+    """The running mean over all rows starts from the prior, weighed as min_evidence trials:
+    one first step of two drafts, both accepted, once set it to 1.0, every row's estimate to
+    0.99, and the next plan of a 28-row cohort drafted K = 4 for all of them (0.8 s against
+    0.13 for a plain step, a third of its drafts accepted)."""
+    p = policy(verify_per_token=0.002)
+    verified(p, goodput.RowState(), 1, num_drafts=2, num_accepted=2)
+    assert 0.6 < p.acceptance(goodput.RowState()) < 0.75
+    verified(p, goodput.RowState(), 60, num_drafts=4, num_accepted=4)
+    assert p.acceptance(goodput.RowState()) > 0.9  # evidence outweighs the prior
+
+
 def test_acceptance_estimate_follows_the_evidence():
     p = policy(verify_per_token=0.002)
     state = goodput.RowState()
@@ -393,7 +405,7 @@ def test_one_cold_row_explores_a_kind_starved_of_evidence():
     p = policy(verify_per_token=0.002, verify_per_row_token=0.001)
     idle = goodput.RowState(idle_steps=100)
     verified(p, goodput.RowState(), 1, num_drafts=4, num_accepted=0)  # one rejection
-    first = p.choice(idle, catch_up=40, kind=0, cold=True)
+    first = p.choice(idle, catch_up=40, kind=0, cold=True, prefill=200)
     assert first.explore and first.cold and first.catch_up == 1  # too little evidence yet
     plan = p.plan([goodput.Row(choices=(first,))] * 16)
     assert sum(k > 0 for k in plan.k) == 1  # one prefill buys the evidence, not sixteen
@@ -407,7 +419,7 @@ def test_one_cold_row_explores_a_kind_starved_of_evidence():
         p.plan([goodput.Row(choices=(cold,))] * 16)
     assert not p.choice(idle, catch_up=40, kind=0, cold=True).explore
     p.plan([goodput.Row(choices=(cold,))] * 16)
-    starved = p.choice(idle, catch_up=40, kind=0, cold=True)
+    starved = p.choice(idle, catch_up=40, kind=0, cold=True, prefill=200)
     assert starved.explore  # no row drafted with it for starve_every plans
     assert p.choice(idle, catch_up=40, kind=0).explore  # rows it holds, idle, are forced too
     assert not p.choice(goodput.RowState(), catch_up=1, kind=0).explore  # not a fresh row
