@@ -20,18 +20,18 @@ expected tokens per second. A row that has not drafted with a kind for long is p
 optimistic acceptance for it (exploration), so an estimate never freezes at a value that turned
 K off; rows left idle draft together when enough of them would pay at that acceptance, so one
 widened verify buys the evidence of many. A kind with too little evidence over all rows must be
-tried, by a few rows of a cohort (`explorers`): forced on every row of a large batch, the
-trial would cost that batch several plain steps. A row a draft holds nothing of yet ("cold": it is prefilled on first use) is charged
-that prefill spread over cold_horizon steps (it is paid once and serves the steps after): cold
-rows draft only where they pay for it, never for free, whether they would ride along on a
-verify a row forced to draft widens anyway or join a plan of their own (a stretch aside at a
-large batch leaves most rows cold, and the step that tries drafting again must not prefill
-them all on the plan's word); of cold rows, only one per kind at a time explores, and only
-when no row has drafted with that kind for long (or it lacks evidence), so exploring never
-buys a prefill per row, and no kind is starved of evidence. Evidence is bought only where it
-could change a plan: a kind is forced on no cohort where drafting would not clearly beat plain
-decoding even at that optimistic acceptance (wide verifies at their full price, as at large
-batches on a CPU).
+tried, by a few rows of a cohort (`explorers`): forced on every row of a large batch, the trial
+would cost that batch several plain steps. A row a draft holds nothing of yet ("cold": it is
+prefilled on first use) is charged that prefill spread over cold_horizon steps (it is paid once
+and serves the steps after): cold rows draft only where they pay for it, never for free,
+whether they would ride along on a verify a row forced to draft widens anyway or join a plan of
+their own (a stretch aside at a large batch leaves most rows cold, and the step that tries
+drafting again must not prefill them all on the plan's word); of cold rows, only one per kind
+at a time explores, and only when no row has drafted with that kind for long (or it lacks
+evidence), so exploring never buys a prefill per row, and no kind is starved of evidence.
+Evidence is bought only where it could change a plan: a kind is forced on no cohort where
+drafting would not clearly beat plain decoding even at that optimistic acceptance (wide
+verifies at their full price, as at large batches on a CPU).
 
 Pure Python: the coordinator stays free of torch.
 """
