@@ -60,8 +60,9 @@ class GoodputConfig:
     # a kind no row drafted with for this many plans is tried by the rows idle with it, or
     # by one row it holds nothing of yet (no kind is starved of evidence)
     starve_every: int = 128
-    # a draft kind with fewer verified drafts than this over all rows is tried by every row
-    # that can (a new kind is never starved of evidence by one that looked good first)
+    # a draft kind with fewer verified drafts than this over all rows is tried by rows that
+    # can (`explorers` of a cohort), so a new kind is never starved of evidence by one that
+    # looked good first; the running mean's prior weighs as many trials
     min_evidence: float = 8.0
     # a kind forced on a cohort (short of evidence, or starved of it) is forced on at most
     # this many of its rows: a few rows' drafts buy the evidence, while forcing every row
