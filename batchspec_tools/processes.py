@@ -1,5 +1,7 @@
 """Service processes seen from outside: a free port to start one on, a wait until its health
-check says SERVING (failing early when it died), and an orderly stop."""
+check says SERVING (failing early when it died), what CPU time one has used, and an orderly
+stop."""
+import os
 import signal
 import socket
 import subprocess
@@ -16,6 +18,18 @@ def stop_children(children) -> None:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user and system, all its threads) the process `pid` has used so far;
+    None where that cannot be read (the process is gone, or no Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()  # past "pid (name)"
+    except OSError:
+        return None
+    # utime and stime are the stat file's 14th and 15th fields, in clock ticks
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 _HANDED_OUT: set[int] = set()

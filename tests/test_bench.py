@@ -170,6 +170,11 @@ def test_closed_loop_clients_against_the_same_server_without_drafts(tmp_path):
         if row["method"] == "grpc_router":
             assert len(row["vs_plain_runs"]) == 2 and row["vs_plain"] > 0
     assert "## Closed-loop clients, over gRPC" in (out / "results.md").read_text()
+    for row in serving:  # each process's CPU seconds over the timed run
+        spent = row["cpu_s"]
+        assert spent["target"] > 0 and spent["coordinator"] > 0 and spent["clients"] > 0
+        assert {"model", "ngram"} <= set(spent)
+    assert "target cores busy" in (out / "results.md").read_text()
     logs = sorted(p.name for p in (tmp_path / "steps").iterdir())
     assert logs[0] == "grpc_router-c1-r0.jsonl" and len(logs) == 8
     step = json.loads((tmp_path / "steps" / logs[0]).read_text().splitlines()[-1])
@@ -196,6 +201,40 @@ def test_closed_loop_rows_take_the_median_run_and_the_ratio_per_round():
     assert "vs_plain" not in plain
     assert "| grpc_router | 8 | 100.0 | 90.0 / 120.0 / 100.0 | 1.00x | 0.90-1.50 |" in \
         "\n".join(closed_loop.markdown(rows))
+
+
+def test_closed_loop_cpu_table_shows_each_process_and_the_target_cores_kept_busy():
+    from batchspec_tools.bench import closed_loop
+
+    before = {"target": 10.0, "model": 1.0, "ngram": None, "coordinator": 2.0, "clients": 0.5}
+    after = {"target": 25.0, "model": 1.25, "ngram": 3.0, "coordinator": 2.5, "clients": 0.75}
+    spent = closed_loop.cpu_spent(before, after)
+    assert spent == {"target": 15.0, "model": 0.25, "coordinator": 0.5, "clients": 0.25}
+    rows = [{"method": "grpc_router", "concurrency": 8, "seconds": 10.0, "cpu_s": spent},
+            {"method": "grpc_target_only", "concurrency": 8, "seconds": 7.5,
+             "cpu_s": {"target": 15.0}}]
+    table = "\n".join(closed_loop.cpu_markdown(rows))
+    assert "| grpc_router | 8 | 15.00 | 0.25 |  | 0.50 | 0.25 | 1.50 |" in table
+    assert "| grpc_target_only | 8 | 15.00 |  |  |  |  | 2.00 |" in table
+    assert closed_loop.cpu_markdown([{"method": "grpc_router", "concurrency": 8}]) == []
+
+
+def test_cpu_seconds_of_a_process_count_its_work_and_none_once_it_is_gone():
+    from batchspec_tools.processes import cpu_seconds
+
+    busy = subprocess.Popen([sys.executable, "-c",
+                             "import time\nend = time.process_time() + 0.6\n"
+                             "while time.process_time() < end: pass\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while (cpu_seconds(busy.pid) or 0) < 0.6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        used = cpu_seconds(busy.pid)
+        assert 0.6 <= used < 3.0  # its loop's 0.6 s and its start-up, not its sleep
+    finally:
+        busy.kill()
+        busy.wait()
+    assert cpu_seconds(busy.pid) is None
 
 
 def test_steady_throughput_leaves_out_the_drain_after_the_last_request_is_sent():

@@ -7,10 +7,14 @@ the methods are taken in turn, and the whole sweep `repeat` times, so a machine 
 drifts moves every method alike. Each row is a method at a concurrency: the median run's
 throughput with every run's figure, medians of TTFT and ITL p50/p99, exactness against the
 target alone, and its speed over `grpc_target_only` (the same server without drafts): the
-ratio of the medians, and the spread of the per-round ratios.
+ratio of the medians, and the spread of the per-round ratios. Each run also records the CPU
+seconds every process used while it was timed (target, drafts, its coordinator, the clients):
+the target's over the run's seconds is how many cores it kept busy, and what it left idle is
+time spent waiting on the coordinator, the drafts or the round trips.
 """
 import pathlib
 import statistics
+import time
 
 WARM_UP_TOKENS = 8
 PLAIN = "grpc_target_only"
@@ -59,14 +63,27 @@ def one_run(stack, workload, config, method: str, concurrency: int, drafts, refe
             stub = generate_pb2_grpc.CoordinatorStub(channel)
             arrivals.run_closed_loop(stub, workload.prompts[:concurrency], WARM_UP_TOKENS,
                                      concurrency)
+            before = cpu_now(stack)
             traces, seconds = arrivals.run_closed_loop(stub, workload.prompts,
                                                        workload.max_new_tokens, concurrency)
+            spent = cpu_spent(before, cpu_now(stack))
     row = {"method": method, "concurrency": concurrency, "batch_size": config.load_batch_size,
            "k": k if drafts else None, **arrivals.summarise(traces, seconds),
-           "steady_tokens_per_s": arrivals.steady_tokens_per_s(traces)}
+           "steady_tokens_per_s": arrivals.steady_tokens_per_s(traces), "cpu_s": spent}
     if reference:
         row["exact_match"] = arrivals.exact_share(traces, reference)
     return row
+
+
+def cpu_now(stack) -> dict[str, float | None]:
+    """CPU seconds used so far by each process of the stack and by this one (the clients)."""
+    return {**stack.cpu_seconds(), "clients": time.process_time()}
+
+
+def cpu_spent(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds each process used between two cpu_now readings (those read both times)."""
+    return {role: round(after[role] - before[role], 2) for role in after
+            if after[role] is not None and before.get(role) is not None}
 
 
 def summarise(method: str, concurrency: int, runs: list[dict]) -> dict:
@@ -123,4 +140,30 @@ def markdown(rows: list[dict]) -> list[str]:
                      f"| {ratio} | {within} | {steady} | {steady_ratio} | "
                      f"{r['ttft_p50_ms']} / {r['ttft_p99_ms']} | "
                      f"{r['itl_p50_ms']} / {r['itl_p99_ms']} | {r.get('exact_match', 0):.0%} |")
+    return lines + [""] + cpu_markdown(rows)
+
+
+CPU_ROLES = (("target", "target"), ("model", "model draft"), ("ngram", "n-gram draft"),
+             ("coordinator", "coordinator"), ("clients", "clients"))
+
+
+def cpu_markdown(rows: list[dict]) -> list[str]:
+    """Where the CPU time of each median run went, per process, and how many cores the target
+    kept busy on average (its CPU seconds over the run's): what it did not is time the
+    services waited on each other, on the coordinator or on the clients."""
+    rows = [r for r in rows if r.get("cpu_s")]
+    if not rows:
+        return []
+    lines = ["CPU seconds of each median run, per process (the services are shared by every "
+             "method; each method has its own coordinator), and the cores the target kept "
+             "busy on average:", "",
+             "| method | clients | " + " | ".join(name for _, name in CPU_ROLES)
+             + " | target cores busy |",
+             "| --- | ---: |" + " ---: |" * (len(CPU_ROLES) + 1)]
+    for r in sorted(rows, key=lambda r: (r["concurrency"], r["method"] != PLAIN, r["method"])):
+        spent = r["cpu_s"]
+        cells = [f"{spent[role]:.2f}" if role in spent else "" for role, _ in CPU_ROLES]
+        busy = f"{spent['target'] / r['seconds']:.2f}" if "target" in spent else ""
+        lines.append(f"| {r['method']} | {r['concurrency']} | " + " | ".join(cells)
+                     + f" | {busy} |")
     return lines + [""]

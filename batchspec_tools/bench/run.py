@@ -197,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "next request when its last one ends) at each of these "
                              "concurrencies (comma-separated), for every gRPC method of "
                              "--methods, taken in turn; with --repeat, medians and their "
-                             "spread; reports throughput, TTFT and ITL p50/p99 and each "
-                             "method over grpc_target_only (the same server without drafts)")
+                             "spread; reports throughput, TTFT and ITL p50/p99, each "
+                             "method over grpc_target_only (the same server without drafts), "
+                             "and each process's CPU seconds")
     parser.add_argument("--step-logs", default=None,
                         help="a directory where each closed-loop run's coordinator writes its "
                              "--step-log (METHOD-cC-rROUND.jsonl)")
@@ -420,6 +421,7 @@ class GrpcStack:
         from batchspec_tools.processes import free_port
 
         self.procs, self.logs = [], []
+        self.coordinator_pid: int | None = None  # while a coordinator runs (see coordinator)
         self.ports = {role: free_port() for role in self.SERVICES}
         self.metrics = {role: free_port() for role in self.SERVICES}
         model_cmd = ["--model", workload.draft, "--dtype", workload.dtype] + (
@@ -485,10 +487,22 @@ class GrpcStack:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_healthy(f"127.0.0.1:{port}", "batchspec.v1.Coordinator", 120, [process])
+            self.coordinator_pid = process.pid
             yield port, metrics_port
         finally:
+            self.coordinator_pid = None
             process.terminate()
             process.wait(timeout=30)
+
+    def cpu_seconds(self) -> dict[str, float | None]:
+        """CPU seconds each process has used so far: the services by role and the running
+        coordinator (None where not readable; see processes.cpu_seconds)."""
+        from batchspec_tools.processes import cpu_seconds
+
+        pids = {role: proc.pid for role, proc in zip(self.SERVICES, self.procs)}
+        if self.coordinator_pid is not None:
+            pids["coordinator"] = self.coordinator_pid
+        return {role: cpu_seconds(pid) for role, pid in pids.items()}
 
     def run(self, workload: Workload, batch_size: int, k: int,
             drafts: tuple[str, ...] = ("model",), extra: tuple[str, ...] = ()) -> Run:
