@@ -17,7 +17,7 @@ import time
 import torch
 
 from batchspec.params import SamplingParams
-from batchspec.runtime import models
+from batchspec.runtime import kvcache, models
 from batchspec_tools.data import read_jsonl
 
 HELD_OUT = "docs/bench/heldout_prompts.jsonl"
@@ -58,14 +58,14 @@ def time_loop(model, batch: list[list[int]], steps: int) -> float:
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+                use_cache=True, logits_to_keep=1, **kvcache.with_cache(model, DynamicCache()))
     started = time.perf_counter()
     for _ in range(steps):
         mask = torch.cat([mask, mask.new_ones(len(batch), 1)], 1)
         positions = positions[:, -1:] + 1
         out = model(input_ids=out.logits[:, -1].argmax(-1, keepdim=True), attention_mask=mask,
-                    position_ids=positions, past_key_values=out.past_key_values,
-                    use_cache=True, logits_to_keep=1)
+                    position_ids=positions, use_cache=True, logits_to_keep=1,
+                    **kvcache.with_cache(model, kvcache.returned_cache(out)))
     return (time.perf_counter() - started) / steps
 
 

@@ -36,7 +36,7 @@ def use_mode(model, mode: str, tuned: dict) -> None:
 
 @torch.inference_mode()
 def step_ms(model, context: int, num_tokens: int, repeats: int) -> float:
-    prefix = model(torch.randint(0, 1000, (1, context)), use_cache=True).past_key_values
+    prefix = kvcache.returned_cache(model(torch.randint(0, 1000, (1, context)), use_cache=True))
     layers = kvcache.from_model_cache(prefix)
     times = []
     for _ in range(repeats + 2):
@@ -44,8 +44,8 @@ def step_ms(model, context: int, num_tokens: int, repeats: int) -> float:
         ids = torch.randint(0, 1000, (1, num_tokens))
         positions = torch.arange(context, context + num_tokens)[None]
         started = time.perf_counter()
-        out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                    logits_to_keep=num_tokens)
+        out = model(input_ids=ids, position_ids=positions, use_cache=True,
+                    logits_to_keep=num_tokens, **kvcache.with_cache(model, cache))
         out.logits.float().argmax(-1)
         times.append(time.perf_counter() - started)
     return statistics.median(times[2:]) * 1000

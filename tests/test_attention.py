@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.integrations import sdpa_attention
 
-from batchspec.runtime import attention, tiny
+from batchspec.runtime import attention, kvcache, tiny
 
 
 def _masked_verify_logits(model, prompts: list[list[int]], new: list[list[int]]):
@@ -19,7 +19,8 @@ def _masked_verify_logits(model, prompts: list[list[int]], new: list[list[int]])
         mask = torch.cat([mask, torch.ones_like(added)], dim=1)
         positions = positions[:, -1:] + 1 + torch.arange(added.shape[1])[None, :]
         return model(input_ids=added, attention_mask=mask, position_ids=positions,
-                     past_key_values=out.past_key_values, use_cache=True).logits
+                     use_cache=True,
+                     **kvcache.with_cache(model, kvcache.returned_cache(out))).logits
 
 
 def test_grouped_attention_equals_repeated_heads_and_copies_no_cache(monkeypatch):

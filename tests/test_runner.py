@@ -191,3 +191,34 @@ def test_a_batch_is_written_over_only_where_no_stored_sequence_holds_the_columns
     reference.prefill([(2, prompt + [17, 20])])
     _, want = step(reference, 2, 10, [23], keep=11)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "head"])
+def test_forwards_pass_the_cache_by_the_keyword_the_installed_transformers_takes(
+        model_dirs, arch, tmp_path):
+    """transformers 5 renamed a forward's `past_key_values` to `cache` (the old name warns,
+    and goes in 5.40): prefill and verify of targets and of a feature head pass it by the
+    name their forward takes, so neither warns."""
+    import warnings
+
+    from batchspec.params import SamplingParams
+    from batchspec.runtime import kvcache, tiny
+    from target_service import verifier
+
+    path = tiny.save_feature_head(model_dirs["llama"][0], tmp_path / "head") \
+        if arch == "head" else model_dirs[arch][0]
+    model = models.load_causal_lm(path)
+    runner = runner_lib.ModelRunner(model, name=arch, device=torch.device("cpu"),
+                                    eos_token_ids=[], max_context_len=256)
+    assert runner.cache_keyword == kvcache.cache_keyword(model)
+    features = runner_lib.zero_features(runner, 1, 5)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        runner.prefill([(1, [5, 6, 7, 8, 9])], {1: features[0]} if arch == "head" else None)
+        if arch == "head":
+            group = runner.open_group([runner_lib.RowSpec(1, 5, 5, [10])], realign=False)
+            group.step(torch.tensor([[10]]), num_logits=1,
+                       features=runner_lib.zero_features(runner, 1, 1))
+        else:
+            verifier.verify(runner, [verifier.VerifyRow(1, 5, [10], [11, 12], None,
+                                                        SamplingParams())], realign=False)

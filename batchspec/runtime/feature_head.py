@@ -21,6 +21,8 @@ import pathlib
 import torch
 from safetensors.torch import load_file, save_file
 
+from batchspec.runtime import kvcache
+
 FORMAT = "batchspec-feature-head-v1"
 WEIGHTS = "head.safetensors"
 
@@ -28,7 +30,7 @@ WEIGHTS = "head.safetensors"
 @dataclasses.dataclass
 class HeadOutput:
     logits: torch.Tensor  # [batch, logits_to_keep, vocab]
-    past_key_values: object
+    cache: object
     hidden: torch.Tensor  # [batch, T, hidden] predicted features of every fed position
 
 
@@ -62,7 +64,7 @@ def body_config(target_config, max_context_len: int):
 
 class FeatureHead(torch.nn.Module):
     """The head as a causal LM the model-runner drives: forward(input_ids, position_ids,
-    past_key_values, attention_mask, logits_to_keep, features) with features [batch, T,
+    cache, attention_mask, logits_to_keep, features) with features [batch, T,
     hidden], the features of the position before each fed token."""
 
     def __init__(self, target, vocab: list[int], max_context_len: int):
@@ -86,15 +88,16 @@ class FeatureHead(torch.nn.Module):
         self.vocab = list(vocab)
         self.feature_width = hidden
 
-    def forward(self, input_ids, features, position_ids=None, past_key_values=None,
+    def forward(self, input_ids, features, position_ids=None, cache=None,
                 attention_mask=None, use_cache=True, logits_to_keep=1, **_):
         embedded = self.embed_tokens(input_ids)
         fused = self.fuse(torch.cat([embedded, features.to(embedded.dtype)], dim=-1))
-        out = self.body(inputs_embeds=fused, position_ids=position_ids, cache=past_key_values,
-                        attention_mask=attention_mask, use_cache=use_cache)
+        out = self.body(inputs_embeds=fused, position_ids=position_ids,
+                        attention_mask=attention_mask, use_cache=use_cache,
+                        **kvcache.with_cache(self.body, cache))
         hidden = out.last_hidden_state
         logits = self.lm_head(hidden[:, -logits_to_keep:]) if logits_to_keep else None
-        return HeadOutput(logits, out.past_key_values, hidden)
+        return HeadOutput(logits, kvcache.returned_cache(out), hidden)
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         """What a head directory stores: everything but the target's embedding and head."""

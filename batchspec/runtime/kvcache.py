@@ -12,6 +12,7 @@ A batch's tensors are views of `Buffer`s with free columns after the written one
 writes its new positions there instead of concatenating (a copy of the whole cache at every
 layer, which cost a 16-row step over ~200 positions about a quarter of its time on a CPU).
 """
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -99,6 +100,26 @@ def _moved(keys: torch.Tensor, values: torch.Tensor, like: torch.Tensor, more: i
     if width:
         buffer.append(keys, values)
     return buffer
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword a model's forward takes its KV cache by: `cache` where it has one
+    (transformers 5, where `past_key_values` is deprecated and goes in 5.40), else
+    `past_key_values` (earlier releases). Read from its signature: ask once per model on a
+    hot path."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters \
+        else "past_key_values"
+
+
+def with_cache(model: torch.nn.Module, cache) -> dict:
+    """{keyword: cache} for a forward of `model` (see cache_keyword)."""
+    return {cache_keyword(model): cache}
+
+
+def returned_cache(out):
+    """The KV cache a forward returned, under whichever name its output gives it."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 def to_model_cache(layers: list[LayerKV] | None) -> DynamicCache:

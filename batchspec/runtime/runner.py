@@ -79,6 +79,8 @@ class ModelRunner(CacheBook):
         self.reads_features = int(getattr(model, "feature_width", 0))
         # The width of the features this model returns when asked (its hidden size).
         self.hidden_size = int(getattr(model.config, "hidden_size", 0) or 0)
+        # the keyword its forward takes the KV cache by (it moves between releases)
+        self.cache_keyword = kvcache.cache_keyword(model)
 
     def prefill(self, entries: list[tuple[int, list[int]]],
                 features: dict[int, torch.Tensor] | None = None) -> list[int]:
@@ -366,10 +368,10 @@ class GroupForward:
         if self.mask is not None:
             self.mask = torch.cat([self.mask, self.mask.new_ones(batch, num_new)], dim=1)
             kwargs["attention_mask"] = self.mask
+        kwargs[self.runner.cache_keyword] = self.cache
         out = self.runner.model(input_ids=input_ids.to(device), position_ids=position_ids,
-                                past_key_values=self.cache, use_cache=True,
-                                logits_to_keep=num_logits, **kwargs)
-        self.cache = out.past_key_values
+                                use_cache=True, logits_to_keep=num_logits, **kwargs)
+        self.cache = kvcache.returned_cache(out)
         self.hidden = getattr(out, "hidden", None)
         if self.hidden is None and kwargs.get("output_hidden_states"):
             self.hidden = out.hidden_states[-1]

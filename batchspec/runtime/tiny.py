@@ -6,6 +6,8 @@ import pathlib
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from batchspec.runtime import kvcache
+
 VOCAB = 96
 EOS = 3  # placeholder in the configs; save_pair picks a real one per model (pick_eos)
 
@@ -50,8 +52,8 @@ def greedy_ignoring_eos(model, prompt: list[int], max_new_tokens: int) -> list[i
     for _ in range(max_new_tokens):
         tokens.append(int(out.logits[0, -1].argmax()))
         last = torch.tensor([tokens[-1:]], device=model.device)
-        out = model(last, past_key_values=out.past_key_values,
-                    use_cache=True)
+        out = model(last, use_cache=True,
+                    **kvcache.with_cache(model, kvcache.returned_cache(out)))
     return tokens
 
 

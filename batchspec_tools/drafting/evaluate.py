@@ -52,13 +52,16 @@ def agreement(draft, pairs) -> float:
 def decode_step_seconds(model, context: int = 200, repeats: int = 40) -> float:
     import torch
 
+    from batchspec.runtime import kvcache
+
     with torch.inference_mode():
         vocab = min(1000, model.config.vocab_size)  # any ids the embedding holds
         out = model(torch.randint(0, vocab, (1, context)), use_cache=True)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            step = model(torch.tensor([[5]]), past_key_values=out.past_key_values, use_cache=True)
+            step = model(torch.tensor([[5]]), use_cache=True,
+                         **kvcache.with_cache(model, kvcache.returned_cache(out)))
             times.append(time.perf_counter() - started)
             out = step
     return statistics.median(times)

@@ -210,9 +210,9 @@ def unroll(head, ids, feats, steps: int):
         mask = None
         if k > 1:
             mask = chain_mask(length, k, ids.device)[None, None].expand(batch, 1, -1, -1)
-        out = head(ids, current, position_ids=positions, past_key_values=cache,
+        out = head(ids, current, position_ids=positions, cache=cache,
                    attention_mask=mask, logits_to_keep=0)
-        cache = out.past_key_values
+        cache = out.cache
         outs.append(out.hidden)
         current = torch.cat([torch.zeros_like(out.hidden[:, :1]), out.hidden[:, :-1]], dim=1)
     return torch.stack(outs)
