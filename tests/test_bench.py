@@ -287,3 +287,29 @@ def test_a_bench_stopped_with_sigterm_stops_the_services_it_started(tmp_path):
         for pid in services:  # left running where the bench did not stop them
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_bench_runs_both_models_on_the_device_asked_and_refuses_one_it_cannot_use(capsys):
+    import torch
+
+    from batchspec_tools.bench import run as bench
+
+    workload = bench.Workload("target-dir", "draft-dir", 2, [[5, 6]], 4, [3], device="cuda:1")
+    commands = {role: (module, flags) for role, module, flags in
+                bench.service_commands(workload)}
+    assert [role for role, *_ in bench.service_commands(workload)] == list(
+        bench.GrpcStack.SERVICES)
+    for role in ("target", "model"):
+        flags = commands[role][1]
+        assert flags[flags.index("--device") + 1] == "cuda:1"
+    assert commands["model"][1][-2:] == ["--num-layers", "2"]
+    assert "--device" not in commands["ngram"][1]  # a lookup: no model, no device
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--quick", "--device", "tpu"])
+    assert stopped.value.code == 2 and "device must be cpu, cuda" in capsys.readouterr().err
+    if torch.cuda.is_available():
+        assert bench.BenchConfig(device="cuda").device == "cuda"
+    else:  # said at once, not after loading the models
+        with pytest.raises(ValueError, match="torch sees no cuda device"):
+            bench.BenchConfig(device="cuda")
+    assert bench.BenchConfig().device == "cpu"

@@ -84,6 +84,8 @@ class BenchConfig:
     concurrency: tuple[int, ...] = ()
     step_logs: str | None = None  # a directory: each closed-loop coordinator logs its steps
     dtype: str = "float32"  # of both models, in every method
+    # where both models run, in every method (the services' --device; the n-gram draft has none)
+    device: str = "cpu"
     prompts: str | None = None  # a JSONL file of {"prompt": ...}; default: the packaged set
     by_category: bool = False  # run the sweep once per prompt category, side by side
     # run the whole sweep this many times, in turn, and report each setting's median run:
@@ -107,6 +109,21 @@ class BenchConfig:
                              "them without --by-category")
         if self.prompts is not None and not pathlib.Path(self.prompts).is_file():
             raise ValueError(f"--prompts {self.prompts}: no such file")
+        from batchspec.runtime import models
+
+        models.check_device(self.device)
+        check_present(self.device)
+
+
+def check_present(device: str) -> None:
+    """ValueError where torch here sees no device of that kind (a CPU build, no GPU)."""
+    import torch
+
+    kind = device.split(":")[0]
+    backend = torch.backends.mps if kind == "mps" else getattr(torch, kind, None)
+    if kind != "cpu" and not (backend is not None and backend.is_available()):
+        raise ValueError(f"--device {device}: torch sees no {kind} device here (a CPU build "
+                         "of torch, or no GPU given to this process); use --device cpu")
 
 
 @dataclasses.dataclass
@@ -121,6 +138,7 @@ class Workload:
     draft_policy: str = EngineConfig.draft_policy  # methods 4-6
     dtype: str = "float32"
     categories: list[str] = dataclasses.field(default_factory=list)  # one per prompt
+    device: str = "cpu"  # of both models, in every method
 
     def split(self) -> dict[str, "Workload"]:
         """{category: the workload of its prompts}, in first-seen order."""
@@ -216,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="dtype of both models in every method; `exact` then compares with "
                              "the target alone at batch 1 in the same dtype")
+    parser.add_argument("--device", default="cpu",
+                        help="where both models run in every method, the services included "
+                             "(cpu, cuda, cuda:N, xpu[:N], mps); the n-gram draft needs none")
     parser.add_argument("--load-batch-size", type=int, default=32,
                         help="the coordinator's --batch-size under the arrival-driven load")
     parser.add_argument("--methods", default=",".join(METHODS),
@@ -243,7 +264,8 @@ def config_from_args(args) -> BenchConfig:
                            arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",")
                                                if x),
                            load_batch_size=args.load_batch_size, dtype=args.dtype,
-                           concurrency=ints(args.concurrency), step_logs=args.step_logs)
+                           concurrency=ints(args.concurrency), step_logs=args.step_logs,
+                           device=args.device)
     return BenchConfig(target=args.target, draft=args.draft, draft_layers=args.draft_layers,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                        batch_sizes=batch_sizes, ks=ks,
@@ -254,7 +276,7 @@ def config_from_args(args) -> BenchConfig:
                        load_batch_size=args.load_batch_size, dtype=args.dtype,
                        prompts=args.prompts, by_category=args.by_category,
                        repeat=args.repeat, concurrency=ints(args.concurrency),
-                       step_logs=args.step_logs)
+                       step_logs=args.step_logs, device=args.device)
 
 
 # ---- the workload ------------------------------------------------------------------------------
@@ -276,7 +298,7 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
         return Workload(target, draft, None, prompts, config.max_new_tokens, eos,
                         config.min_draft_confidence, config.draft_policy,
                         categories=["repeating" if i % 2 else "random"
-                                    for i in range(len(prompts))])
+                                    for i in range(len(prompts))], device=config.device)
     from batchspec.runtime.models import chat_ids, load_tokenizer
     from batchspec_tools.data import bench_prompts
 
@@ -287,7 +309,8 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
     target_model = models.load_causal_lm(config.target)
     return Workload(config.target, draft, config.draft_layers, prompts, config.max_new_tokens,
                     models.eos_token_ids(target_model), config.min_draft_confidence,
-                    config.draft_policy, config.dtype, [r["category"] for r in rows])
+                    config.draft_policy, config.dtype, [r["category"] for r in rows],
+                    config.device)
 
 
 def truncate_at_eos(tokens: list[int], eos: set[int], limit: int) -> list[int]:
@@ -334,8 +357,10 @@ def run_hf(models_, workload: Workload, method: str, batch_size: int, k: int) ->
         for i in range(0, len(workload.prompts), size):
             batch = workload.prompts[i:i + size]
             width = max(map(len, batch))
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch],
+                               device=target.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
+                                device=target.device)
             before = counter.calls
             out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                                   max_new_tokens=workload.max_new_tokens, pad_token_id=pad,
@@ -409,6 +434,17 @@ def normalise(breakdown: dict, seconds: float) -> dict:
 
 
 # ---- method 6: three processes -----------------------------------------------------------------
+def service_commands(workload: Workload) -> list[tuple[str, str, list[str]]]:
+    """(role, module, its flags) of each service a GrpcStack starts, in GrpcStack.SERVICES
+    order: the target and the model draft on the workload's device, the n-gram draft (no
+    model, no device) beside them."""
+    placed = ["--dtype", workload.dtype, "--device", workload.device]
+    layers = ["--num-layers", str(workload.draft_layers)] if workload.draft_layers else []
+    return [("target", "target_service", ["--model", workload.target, *placed]),
+            ("model", "draft_service", ["--model", workload.draft, *placed, *layers]),
+            ("ngram", "draft_service", ["--model", "ngram"])]
+
+
 class GrpcStack:
     """Target, model draft and n-gram draft services as processes (started once); a
     coordinator per setting."""
@@ -424,12 +460,7 @@ class GrpcStack:
         self.coordinator_pid: int | None = None  # while a coordinator runs (see coordinator)
         self.ports = {role: free_port() for role in self.SERVICES}
         self.metrics = {role: free_port() for role in self.SERVICES}
-        model_cmd = ["--model", workload.draft, "--dtype", workload.dtype] + (
-            ["--num-layers", str(workload.draft_layers)] if workload.draft_layers else [])
-        services = (("target", "target_service", ["--model", workload.target,
-                                                  "--dtype", workload.dtype]),
-                    ("model", "draft_service", model_cmd),
-                    ("ngram", "draft_service", ["--model", "ngram"]))
+        services = service_commands(workload)
         try:
             for role, module, extra in services:
                 self._start(role, module, extra)
@@ -593,15 +624,16 @@ def run(config: BenchConfig) -> dict:
 
     with tempfile.TemporaryDirectory() as scratch:
         workload = build_workload(config, pathlib.Path(scratch))
-        target = models.load_causal_lm(workload.target, dtype=workload.dtype)
+        placed = {"dtype": workload.dtype, "device": workload.device}
+        target = models.load_causal_lm(workload.target, **placed)
         draft = models.load_causal_lm(workload.draft, num_layers=workload.draft_layers,
-                                      dtype=workload.dtype)
+                                      **placed)
         hf = {"target": target, "draft": draft}
         if {"hf_stock_batch1", "hf_stock_batched"} & set(config.methods):
-            hf["stock"] = models.load_causal_lm(workload.target, stock=True,
-                                                dtype=workload.dtype)
+            hf["stock"] = models.load_causal_lm(workload.target, stock=True, **placed)
         make_runner = lambda m, n: runner_lib.ModelRunner(  # noqa: E731
-            m, name=n, device=torch.device("cpu"), eos_token_ids=workload.eos_token_ids,
+            m, name=n, device=torch.device(workload.device),
+            eos_token_ids=workload.eos_token_ids,
             max_context_len=models.max_context_len(target))
         runners = {"target": make_runner(target, workload.target),
                    "draft": make_runner(draft, workload.draft)}
@@ -640,7 +672,8 @@ def run(config: BenchConfig) -> dict:
         finally:
             if stack:
                 stack.close()
-    return {"config": dataclasses.asdict(config), "machine": machine(config.dtype),
+    return {"config": dataclasses.asdict(config),
+            "machine": machine(config.dtype, config.device),
             "num_prompts": len(workload.prompts), "target": workload.target,
             "draft": workload.draft, "rows": rows, "load": load, "serving": serving,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
@@ -679,7 +712,7 @@ def warm_up(hf, runners, workload: Workload) -> None:
     from batchspec.runtime import fastlinear, models
 
     for name, model in hf.items():
-        if name != "stock":
+        if name != "stock" and model.device.type == "cpu":
             fastlinear.tune(model, models.kernel_plans_file())
     short = dataclasses.replace(workload, prompts=workload.prompts[:2], max_new_tokens=4)
     run_hf(hf, short, "hf_batch1", 1, 0)
@@ -750,13 +783,16 @@ def add_ratios(rows: list[dict]) -> None:
                     row["tokens_per_s"] / batched[row["batch_size"]], 3)
 
 
-def machine(dtype: str = "float32") -> dict:
+def machine(dtype: str = "float32", device: str = "cpu") -> dict:
     import torch
 
-    return {"cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "python": platform.python_version(),
-            "platform": platform.platform(), "device": "cpu", "dtype": dtype,
-            "cpu": cpu_model()}
+    found = {"cpu_count": os.cpu_count(), "torch": torch.__version__,
+             "threads": torch.get_num_threads(), "python": platform.python_version(),
+             "platform": platform.platform(), "device": device, "dtype": dtype,
+             "cpu": cpu_model()}
+    if device.startswith("cuda"):
+        found["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return found
 
 
 def cpu_model() -> str:
