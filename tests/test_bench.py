@@ -313,3 +313,28 @@ def test_bench_runs_both_models_on_the_device_asked_and_refuses_one_it_cannot_us
         with pytest.raises(ValueError, match="torch sees no cuda device"):
             bench.BenchConfig(device="cuda")
     assert bench.BenchConfig().device == "cpu"
+
+
+def test_the_warm_up_takes_a_feature_head_as_its_draft(model_dirs, tmp_path):
+    """The default draft is a feature head, which is no transformers model (no `.device`,
+    no `generate`): the warm-up before the timed methods runs with it as with a model."""
+    import torch
+
+    from batchspec.runtime import models, tiny
+    from batchspec.runtime import runner as runner_lib
+    from batchspec_tools.bench import run as bench
+
+    target_dir = model_dirs["llama"][0]
+    head_dir = tiny.save_feature_head(target_dir, tmp_path / "head")
+    target, head = models.load_causal_lm(target_dir), models.load_causal_lm(head_dir)
+    eos = models.eos_token_ids(target)
+    workload = bench.Workload(target_dir, head_dir, None, [[5, 6, 7, 8], [9, 10, 11]], 4, eos)
+
+    def runner(model, name):
+        return runner_lib.ModelRunner(model, name=name, device=torch.device("cpu"),
+                                      eos_token_ids=eos,
+                                      max_context_len=models.max_context_len(target))
+
+    runners = {"target": runner(target, "target"), "draft": runner(head, "head")}
+    bench.warm_up({"target": target, "draft": head}, runners, workload)
+    assert not runners["target"].caches and not runners["draft"].caches  # all released

@@ -711,8 +711,8 @@ def warm_up(hf, runners, workload: Workload) -> None:
     lazy initialisation."""
     from batchspec.runtime import fastlinear, models
 
-    for name, model in hf.items():
-        if name != "stock" and model.device.type == "cpu":
+    for name, model in hf.items():  # the plans are for CPU kernels
+        if name != "stock" and workload.device == "cpu":
             fastlinear.tune(model, models.kernel_plans_file())
     short = dataclasses.replace(workload, prompts=workload.prompts[:2], max_new_tokens=4)
     run_hf(hf, short, "hf_batch1", 1, 0)
