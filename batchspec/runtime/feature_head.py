@@ -87,6 +87,7 @@ class FeatureHead(torch.nn.Module):
                                   int(target.config.vocab_size))
         self.vocab = list(vocab)
         self.feature_width = hidden
+        self.cache_keyword = kvcache.cache_keyword(self.body)  # asked once: forwards are hot
 
     def forward(self, input_ids, features, position_ids=None, cache=None,
                 attention_mask=None, use_cache=True, logits_to_keep=1, **_):
@@ -94,7 +95,7 @@ class FeatureHead(torch.nn.Module):
         fused = self.fuse(torch.cat([embedded, features.to(embedded.dtype)], dim=-1))
         out = self.body(inputs_embeds=fused, position_ids=position_ids,
                         attention_mask=attention_mask, use_cache=use_cache,
-                        **kvcache.with_cache(self.body, cache))
+                        **{self.cache_keyword: cache})
         hidden = out.last_hidden_state
         logits = self.lm_head(hidden[:, -logits_to_keep:]) if logits_to_keep else None
         return HeadOutput(logits, kvcache.returned_cache(out), hidden)
