@@ -72,6 +72,17 @@ def check_device(device: str) -> None:
         raise ValueError(f"device must be cpu, cuda, cuda:N, xpu[:N] or mps, not {device!r}")
 
 
+def check_present(device: str) -> None:
+    """ValueError where torch here sees no device of that kind (a CPU build, no GPU)."""
+    import torch
+
+    kind = device.split(":")[0]
+    backend = torch.backends.mps if kind == "mps" else getattr(torch, kind, None)
+    if kind != "cpu" and not (backend is not None and backend.is_available()):
+        raise ValueError(f"--device {device}: torch sees no {kind} device here (a CPU build "
+                         "of torch, or no GPU given to this process); use --device cpu")
+
+
 def model_path(spec: str) -> str:
     """A --model value with a shipped draft's name replaced by its directory."""
     return str(DRAFTS_DIR / spec) if spec in SHIPPED_DRAFTS else spec

@@ -285,9 +285,10 @@ def build_runner(config: ServiceConfig) -> runner_lib.ModelRunner:
 
     from batchspec.runtime import runner as runner_lib
 
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError("no CUDA device is visible to this process (a CPU build of torch, "
-                           "or no GPU given to it); use --device cpu")
+    try:
+        models.check_present(config.device)
+    except ValueError as error:  # found at start-up, as a failure to start
+        raise RuntimeError(str(error)) from None
     model = models.load_causal_lm(config.model, dtype=config.dtype, device=config.device,
                                   num_layers=config.num_layers)
     return runner_lib.ModelRunner(model, name=config.model, device=torch.device(config.device),

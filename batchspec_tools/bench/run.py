@@ -112,18 +112,7 @@ class BenchConfig:
         from batchspec.runtime import models
 
         models.check_device(self.device)
-        check_present(self.device)
-
-
-def check_present(device: str) -> None:
-    """ValueError where torch here sees no device of that kind (a CPU build, no GPU)."""
-    import torch
-
-    kind = device.split(":")[0]
-    backend = torch.backends.mps if kind == "mps" else getattr(torch, kind, None)
-    if kind != "cpu" and not (backend is not None and backend.is_available()):
-        raise ValueError(f"--device {device}: torch sees no {kind} device here (a CPU build "
-                         "of torch, or no GPU given to this process); use --device cpu")
+        models.check_present(self.device)
 
 
 @dataclasses.dataclass
