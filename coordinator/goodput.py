@@ -196,14 +196,10 @@ class ServiceCost:
     """One service's command time: ratio x calibrated forwards + overhead, both tracked live
     (exponential moving averages of what the service and the round trip report). The ratio is
     kept per command shape (its forwards' rows and tokens), per command size (tokens fed,
-    summed over the command's forwards), over wide commands (a forward feeding a row more
-    than one token) and overall, and the most specific one seen is used: a calibration off in
-    its shape (taken while another process loaded on the same cores, masks, copies, longer
-    contexts than it measured) would otherwise make one command look cheaper than another
-    that costs more. Wide commands are off together: attention grows with the tokens fed
-    times the context, which the calibration measured short, so a wide shape not seen yet is
-    priced by the wide ones that were, not by the plain steps that dominate the overall ratio
-    (one costly trial of drafting at a large batch must not be followed by another)."""
+    summed over the command's forwards) and overall, and the most specific one seen is used:
+    a calibration off in its shape (taken while another process loaded on the same cores,
+    masks, copies, longer contexts than it measured) would otherwise make one command look
+    cheaper than another that costs more."""
 
     def __init__(self, forwards: ForwardCosts, smoothing: float = 0.1,
                  packs_positions: bool = False):
@@ -212,7 +208,6 @@ class ServiceCost:
         self.ratio = 1.0  # measured forward time / calibrated forward time, all commands
         self.ratios: dict[int, float] = {}  # the same, per command size
         self.shapes: dict[tuple, float] = {}  # the same, per command shape
-        self.wide_ratio: float | None = None  # the same, over wide commands (None: none yet)
         self.overhead_s = 0.0  # round trip minus forward time
         self.observed = 0  # commands timed so far
         self._seen_at: dict[int, int] = {}  # command size -> `observed` when last timed
@@ -237,8 +232,7 @@ class ServiceCost:
 
     def predict(self, calls: list[tuple]) -> float:
         """Seconds of one command running forwards of (rows, tokens)."""
-        ratio = (self.shapes.get(tuple(calls)) or self.ratios.get(self.size(calls))
-                 or (self.wide_ratio if is_wide(calls) else None) or self.ratio)
+        ratio = self.shapes.get(tuple(calls)) or self.ratios.get(self.size(calls), self.ratio)
         return ratio * self._forward_s(calls) + self.overhead_s
 
     def verify_calls(self, batch: int, drafting: int, k: int) -> list[tuple]:
@@ -269,16 +263,8 @@ class ServiceCost:
         for table, key in ((self.ratios, size), (self.shapes, tuple(calls))):
             known = table.get(key)
             table[key] = measured if known is None else known + a * (measured - known)
-        if is_wide(calls):
-            known = self.wide_ratio
-            self.wide_ratio = measured if known is None else known + a * (measured - known)
         self.observed += 1
         self._seen_at[size] = self.observed
-
-
-def is_wide(calls: list[tuple]) -> bool:
-    """Whether a command's forwards feed some row more than one token."""
-    return any(call[1] > 1 for call in calls)
 
 
 def draft_calls(rows: int, width: int, k: int) -> list[tuple[int, int]]:

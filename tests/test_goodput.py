@@ -535,45 +535,6 @@ def test_a_calibration_wrong_in_its_slope_is_corrected_per_command_size():
     assert cost.predict([(8, 3)]) == pytest.approx(0.12, rel=0.05)
 
 
-def test_one_costly_wide_verify_prices_the_wide_shapes_not_seen_yet():
-    """Calibrated at a short context, wide verifies at 32 rows cost 1.75x what start-up
-    measured, plain steps 1.25x. After plain steps and one trial of K = 2, K = 3 (a shape not
-    seen yet) is priced as wide verifies measured, not as plain steps did; a plain shape not
-    seen yet stays priced by the plain ones."""
-    calibrated = {(r, t): 0.02 + 0.0025 * r + 0.002 * r * (t - 1) for r in (16, 32)
-                  for t in (1, 2, 3, 4, 5)}
-    cost = goodput.ServiceCost(goodput.ForwardCosts([(r, t, s) for (r, t), s
-                                                     in calibrated.items()]))
-    for _ in range(20):
-        cost.observe([(32, 1)], forward_s=1.25 * calibrated[32, 1], round_trip_s=0.1)
-    cost.observe([(32, 3)], forward_s=1.75 * calibrated[32, 3], round_trip_s=0.3)
-    overhead = cost.overhead_s
-    assert cost.predict([(32, 4)]) == pytest.approx(1.75 * calibrated[32, 4] + overhead,
-                                                    rel=0.02)
-    assert cost.predict([(16, 1)]) == pytest.approx(1.25 * calibrated[16, 1] + overhead,
-                                                    rel=0.05)
-
-
-def test_after_a_costly_trial_at_a_large_batch_the_planner_does_not_try_a_wider_one():
-    """Plain steps at 32 rows cost 1.25x the calibration; on its word the planner drafts for
-    all 32 rows, and the trial costs 1.75x what was predicted for its shape. The next plan
-    must not try another, wider verify on the same calibration's word: the trial's shape does
-    not pay at what it cost, nor do the wider ones."""
-    draft, target = cpu_like(verify_per_token=0.004, verify_per_row_token=0.0006,
-                             draft_fraction=0.02)
-    p = goodput.GoodputPolicy(goodput.GoodputConfig(max_k=4, margin=0.0), [draft], target)
-    plain_s = 1.25 * target.forwards.predict(32, 1)
-    for _ in range(20):
-        p.target.observe([(32, 1)], forward_s=plain_s, round_trip_s=plain_s)
-    rows = [goodput.Row(0.8)] * 32
-    first = max(p.plan(rows).k)
-    assert first >= 1
-    calls = p.target.verify_calls(32, 32, first)
-    wide_s = 1.75 * p.target.predict(calls)
-    p.target.observe(calls, forward_s=wide_s, round_trip_s=wide_s)
-    assert p.plan(rows).k == [0] * 32
-
-
 @pytest.mark.parametrize("bad", [{"max_k": 0}, {"explore_every": 0}, {"starve_every": 0},
                                  {"explorers": 0},
                                  {"measure_plain_every": 0}, {"optimism": 1.0},
