@@ -33,6 +33,7 @@ class ModelInfo:
     draining: bool = False  # shutting down: takes no new sequence
     # a target: the width of the features it returns; a draft: of those it reads (0: none)
     feature_width: int = 0
+    calibrated: bool = False  # a draft whose probabilities track acceptance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,7 @@ class Proposal:
     draft_probs: list  # opaque wire form, passed through to the target untouched
     cache_len: int
     probs_bytes: int  # bytes the draft distributions take on the wire (0 when greedy)
+    cut: bool = False  # a confidence cut ended it short: it holds what the draft was sure of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +192,7 @@ def _model_info(info) -> ModelInfo:
                      info.max_context_len, info.num_sequences, info.num_cached_tokens,
                      tuple((c.rows, c.tokens, c.seconds) for c in info.step_costs),
                      info.device, info.packs_positions, info.instance_id, info.draining,
-                     info.feature_width)
+                     info.feature_width, info.calibrated)
 
 
 class Probe:
@@ -315,7 +317,7 @@ class DraftClient(ServiceClient):
                                        sampling=_sampling(s.sampling), features=s.features)
                 for s in specs]))
         return [Proposal(e.seq_id, list(e.draft_token_ids), list(e.draft_probs), e.cache_len,
-                         sum(p.ByteSize() for p in e.draft_probs))
+                         sum(p.ByteSize() for p in e.draft_probs), e.cut)
                 for e in result.entries], _timing(result.timing)
 
 

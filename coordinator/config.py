@@ -26,8 +26,11 @@ class EngineConfig:
     # With the goodput policy: greedy cohorts decode plainly where drafted steps have measured
     # slower than plain ones for cohorts of their size (coordinator/evidence.py).
     step_aside: bool = True
-    # Greedy cohorts stop drafting early once every row's draft is less sure than this (0: off).
-    min_draft_confidence: float = 0.0
+    # Each greedy row's model draft is cut before its first token at which the draft's
+    # probability of its whole draft so far falls below this; a row may verify none (0: off).
+    # None: drafts whose probabilities track acceptance (ModelInfo.calibrated) are cut where
+    # a token stops paying for itself at the step's shape (goodput.break_even_confidence).
+    min_draft_confidence: float | None = None
     # Draft for the next cohort while the target verifies this one, so both services work at
     # once: "on", "off", or "auto": on unless both services run on CPU (then they share the
     # host's cores, and running both at once slows each down).
@@ -48,7 +51,7 @@ class EngineConfig:
             raise ValueError("overlap must be 'auto', 'on' or 'off'")
         if self.draft_policy not in ("goodput", "fixed"):
             raise ValueError("draft_policy must be 'goodput' or 'fixed'")
-        if not 0.0 <= self.min_draft_confidence <= 1.0:
+        if self.min_draft_confidence is not None and not 0.0 <= self.min_draft_confidence <= 1.0:
             raise ValueError("min_draft_confidence must be in [0, 1]")
         if self.max_num_seqs < 1 or self.max_queue < 0:
             raise ValueError("max_num_seqs must be >= 1 and max_queue >= 0")
@@ -150,8 +153,10 @@ ENGINE_FLAGS = (
          "drafted steps have measured slower than plain ones for cohorts of their size (on), or "
          "the policy's predictions alone decide (off)", "on" if EngineConfig.step_aside else "off",
          str, ("on", "off")),
-    Flag(("--min-draft-confidence",), "greedy cohorts stop drafting once every row's draft "
-         "probability falls below this (0: off)", EngineConfig.min_draft_confidence, float),
+    Flag(("--min-draft-confidence",), "cut each greedy row's model draft where the draft's "
+         "probability of it falls below this (0: off; default: a calibrated draft is cut where "
+         "a token stops paying for itself, others never)", EngineConfig.min_draft_confidence,
+         float),
     Flag(("--max-num-seqs",), "sequences in the pool", EngineConfig.max_num_seqs, int),
     Flag(("--max-queue",), "requests that may wait for the pool before RESOURCE_EXHAUSTED",
          EngineConfig.max_queue, int),

@@ -32,7 +32,7 @@ ASK_FIRST_SHARE = 0.05
 class DraftingConfig:
     num_draft_tokens: int  # K, the most a row drafts in a step
     draft_policy: str  # "goodput" or "fixed" (see EngineConfig)
-    min_draft_confidence: float
+    min_draft_confidence: float | None  # None: calibrated drafts cut at break-even
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +122,8 @@ class _Step:
     drafted: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     # row -> the kind indices that proposed nothing for it, in call order
     misses: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # (row, kind index) of those misses that a confidence cut made: not rejections
+    declined: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     # row -> the latest answer a call planned for it gave (empty ones too)
     answers: dict[int, Proposal] = dataclasses.field(default_factory=dict)
     # (the service's own timing, round-trip seconds) of each draft call
@@ -180,6 +182,7 @@ class Drafter:
             if target is not None else None
         for kind, info in zip(self.kinds, infos):
             kind.cost = cost(info)
+            kind.calibrated = info is not None and info.calibrated
             if info is not None and info.step_costs:
                 kind.unit_cost = min(seconds for _, _, seconds in info.step_costs)
         if self.policy is None:
@@ -263,6 +266,8 @@ class Drafter:
                 step.drafted[i] = (kind.index, plan.k[i])
             else:
                 step.misses.setdefault(i, []).append(kind.index)
+                if i in got and got[i].cut:
+                    step.declined.add((i, kind.index))
                 missed = True
         return missed
 
@@ -272,7 +277,7 @@ class Drafter:
         asked = step.asked()
         for i, indices in step.misses.items():
             for index in indices:
-                if index != asked[i]:
+                if index != asked[i] and (i, index) not in step.declined:
                     self.policy.observe(step.seqs[i].drafts[index].spec, 1, 0, index)
 
     def asked_first(self) -> list[DraftKind]:
@@ -296,7 +301,9 @@ class Drafter:
         if not ready or (kind.reads_features and not features.ensure(self.peers.target, ready)):
             return {}
         try:
-            proposals, timing, round_trip = self._send(kind, ready, width, num_drafts, timeout)
+            proposals, timing, round_trip = self._send(
+                kind, ready, width, num_drafts, timeout,
+                self._cut(kind, len(step.seqs), len(ready), num_drafts))
         except errors.Unavailable as error:
             self.peers.draft_lost(kind, error)
             return {}
@@ -310,20 +317,32 @@ class Drafter:
         row_of = {step.seqs[i].seq_id: i for i in rows}
         return {row_of[p.seq_id]: p for p in proposals}
 
+    def _cut(self, kind: DraftKind, rows: int, drafting: int, num_drafts: int) -> float:
+        """The confidence a call's drafts are cut at: --min-draft-confidence where given; else,
+        for a calibrated draft, the break-even of this step's shape (`rows` in the cohort,
+        `drafting` of them asked); else none (0)."""
+        if self.config.min_draft_confidence is not None:
+            return self.config.min_draft_confidence
+        if not (kind.calibrated and kind.cost is not None and self.policy.calibrated):
+            return 0.0
+        return goodput.break_even_confidence(self.policy.target, kind.cost, rows, drafting,
+                                             num_drafts)
+
     def _send(self, kind: DraftKind, seqs: list[Sequence], width: int, num_drafts: int,
-              timeout: float | None) -> tuple[list[Proposal], Timing, float]:
-        """One propose command; every row appends `width` committed tokens first."""
+              timeout: float | None, cut: float = 0.0) -> tuple[list[Proposal], Timing, float]:
+        """One propose command; every row appends `width` committed tokens first, and each
+        greedy row's draft is cut where the draft's confidence falls below `cut`."""
         specs = [ProposeSpec(s.seq_id, s.drafts[kind.index].cache_len, s.committed_len - width,
                              s.token_ids[s.committed_len - width:], s.sampling,
                              s.features.fed_with(s.committed_len - width, s.committed_len)
                              if kind.reads_features else None) for s in seqs]
         started = time.perf_counter()
         proposals, timing = kind.client.propose(
-            num_drafts, mixed(seqs), specs, timeout=timeout,
-            min_confidence=self.config.min_draft_confidence)
+            num_drafts, mixed(seqs), specs, timeout=timeout, min_confidence=cut)
         round_trip = time.perf_counter() - started
         if kind.cost is not None and self.policy.calibrated:
-            drafted = max(len(p.draft_token_ids) for p in proposals)
+            # the forwards it ran: a confidence cut may return fewer drafts than that
+            drafted = max(p.cache_len - s.committed_len + 1 for s, p in zip(seqs, proposals))
             kind.cost.observe(goodput.draft_calls(len(seqs), width, drafted),
                               timing.forward_seconds, round_trip)
         return proposals, timing, round_trip
@@ -384,14 +403,15 @@ class Drafter:
         seq, index = row.seq, row.kind_index
         answered = index is not None and row.proposal is not None
         drafted = len(row.proposal.draft_token_ids) if answered else 0
-        if answered and row.proposal.cache_len == seq.drafts[index].cache_len and drafted:
-            # The draft cached committed[:before] and drafts 1..D-1 (D = drafted); those up to
-            # the first rejection are now committed (a row verifies at most D of them). A
-            # draft lost or re-prefilled since holds none of them (its cache_len moved on).
-            # A feature head computed its drafts' positions from its own features, not the
-            # target's: it keeps none of them.
+        verified = min(row.num_drafts, drafted)  # its own drafts the target weighed
+        if answered and row.proposal.cache_len == seq.drafts[index].cache_len:
+            # The draft cached committed[:before] and at least drafts 1..D-1 (D = drafted,
+            # maybe 0: a confidence cut returns a prefix of what it fed); those up to the
+            # first rejection are now committed. A draft lost or re-prefilled since holds
+            # none of them (its cache_len moved on). A feature head computed its drafts'
+            # positions from its own features, not the target's: it keeps none of them.
             own = 0 if self.kinds[index].reads_features else min(
-                outcome.num_accepted, row.num_drafts, drafted - 1)  # not forced ones
+                outcome.num_accepted, verified, max(drafted - 1, 0))  # not forced ones
             seq.drafts[index].valid_len = seq.committed_len + own
         if row.aside:
             # The evidence, not the plan, kept the row plain: it was not idle in the plan's
@@ -403,6 +423,12 @@ class Drafter:
         for d, state in enumerate(seq.drafts):
             if d != index:
                 self.policy.observe(state.spec, 0, 0, d)  # not asked: its evidence fades
+            elif answered and row.proposal.cut:
+                # The draft declined what it was unsure of: the tokens it kept are the
+                # evidence (a rejection only if one of them was rejected), and a draft cut to
+                # nothing is none. The acceptance planned with is that of the drafts a row
+                # verifies, while the cut keeps their number to what pays.
+                self.policy.observe(state.spec, verified, min(outcome.num_accepted, verified), d)
             elif answered:
                 # a kind that found nothing to propose is as good as one rejected at once
                 self.policy.observe(state.spec, max(row.num_drafts, 1),

@@ -37,6 +37,9 @@ class DraftKind:
         # and its cache of its own drafts never holds committed positions (it computed them
         # from its own features, not the target's)
         self.reads_features = False
+        # its probabilities of its drafts track their acceptance (ModelInfo.calibrated): its
+        # drafts are cut where they stop paying (goodput.break_even_confidence)
+        self.calibrated = False
 
     @property
     def client(self):

@@ -272,6 +272,23 @@ def draft_calls(rows: int, width: int, k: int) -> list[tuple[int, int]]:
     return [(rows, width)] + [(rows, 1)] * (k - 1) if rows and k else []
 
 
+def break_even_confidence(target: ServiceCost, draft: ServiceCost, rows: int, drafting: int,
+                          k: int) -> float:
+    """The least probability of being accepted at which a drafted token pays for itself, in
+    a step of `rows` rows of which `drafting` draft up to k tokens each: what one more
+    verified token and one more draft forward cost a row, over what a committed token is
+    worth (a plain step's time per row). Where a draft's probability of its drafts tracks
+    their acceptance, drafts are cut where it falls below this (ProposeCommand)."""
+    plain = target.predict(target.verify_calls(rows, 0, 0))
+    if drafting < 1 or k < 1 or plain <= 0:
+        return 0.0
+    verify = max(0.0, target.predict(target.verify_calls(rows, drafting, k)) - plain)
+    forwards = max(0.0, draft.predict(draft_calls(drafting, 1, k))
+                   - draft.predict(draft_calls(drafting, 1, 1)))
+    per_token = verify / (drafting * k) + forwards / (drafting * max(k - 1, 1))
+    return min(1.0, per_token * rows / plain)
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """One draft kind as it stands for one row."""

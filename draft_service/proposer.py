@@ -30,17 +30,21 @@ class Proposal:
     draft_token_ids: list[int]
     draft_probs: list[tuple[list[int], bytes]]  # wire form per drafted token; empty if greedy
     cache_len: int
+    cut: bool = False  # min_confidence ended it before num_drafts
 
 
 def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: int, *,
             realign: bool, min_confidence: float = 0.0):
     """Draft up to num_drafts tokens per row: one forward for the appended tokens, then one per
-    draft but the last. Cache on return: keep_len + appended + drafted - 1 positions (the last
-    draft is never fed; it is cached next step if accepted).
+    draft but the last. Cache on return: keep_len + appended + drafted - 1 positions, drafted
+    being the forwards run (the last draft is never fed; it is cached next step if accepted).
 
-    A group of greedy rows stops early once every row's draft gave its token a probability
-    below min_confidence (draft-side information only, so outputs are unchanged); every row
-    drafts the same number of tokens."""
+    min_confidence > 0 cuts each greedy row's draft before its first token at which the
+    draft's probability of the whole draft so far (the product of its tokens' probabilities,
+    which tracks how often the target accepts all of them) falls below min_confidence; a row
+    may propose nothing. The forwards stop once every row is cut. Sampled rows are never cut
+    (their drafts are what the rejection sampler weighs). Draft-side information only, so
+    outputs are unchanged."""
     if num_drafts < 1:
         raise errors.InvalidArgument("num_draft_tokens must be >= 1")
     if not 0.0 <= min_confidence <= 1.0:
@@ -57,7 +61,7 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
     next_input = torch.tensor([r.append_token_ids for r in rows])
     first_position = [r.keep_len + len(r.append_token_ids) for r in rows]
     drafts, wires = [], [[] for _ in rows]
-    adaptive = all_greedy and min_confidence > 0.0
+    cut = _Cut(rows, num_drafts, min_confidence)
     for j in range(num_drafts):  # the last draft is never fed
         logits = group.step(next_input, num_logits=1, features=features)[:, -1]  # [batch, vocab]
         if features is not None:
@@ -68,14 +72,35 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
             token_ids = sample_rows(rows, logits, [p + j for p in first_position], wires)
         drafts.append(token_ids)
         next_input = token_ids[:, None]
-        if adaptive and bool((top_probability(logits) < min_confidence).all()):
+        if cut.after(j, logits):
             break
     cache_lens = [p + len(drafts) - 1 for p in first_position]
     runner.store([r.seq_id for r in rows], group.rows_after(cache_lens))
-    stacked = torch.stack(drafts, dim=1).tolist()  # [batch, K]
-    proposals = [Proposal(r.seq_id, d, w, c)
-                 for r, d, w, c in zip(rows, stacked, wires, cache_lens)]
+    stacked = torch.stack(drafts, dim=1).tolist()  # [batch, forwards run]
+    proposals = [Proposal(r.seq_id, d[:n], w, c, n < num_drafts)
+                 for r, d, w, c, n in zip(rows, stacked, wires, cache_lens, cut.lengths)]
     return proposals, group
+
+
+class _Cut:
+    """Where each row's draft ends under min_confidence (see `propose`)."""
+
+    def __init__(self, rows: list[ProposeRow], num_drafts: int, min_confidence: float):
+        self.lengths = [num_drafts] * len(rows)  # invariant: a row's draft is d[:length]
+        self.min_confidence = min_confidence
+        self.greedy = torch.tensor([r.sampling.greedy for r in rows])
+        self.sure = torch.ones(len(rows))  # the product of each row's drafts' probabilities
+        self.open = self.greedy & (min_confidence > 0.0)  # rows not cut yet
+
+    def after(self, j: int, logits: torch.Tensor) -> bool:
+        """Weigh draft j of every row; True when no further forward is needed."""
+        if not bool(self.open.any()):
+            return False
+        self.sure *= top_probability(logits.float()).cpu()
+        for i in torch.nonzero(self.open & (self.sure < self.min_confidence)).flatten().tolist():
+            self.lengths[i] = j
+            self.open[i] = False
+        return bool(self.greedy.all()) and not bool(self.open.any())
 
 
 def top_probability(logits: torch.Tensor) -> torch.Tensor:

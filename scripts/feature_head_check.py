@@ -32,7 +32,7 @@ def runner_of(model, name):
                                   max_context_len=models.max_context_len(model))
 
 
-def decode(target, head, prompt, k, max_new_tokens, stats):
+def decode(target, head, prompt, k, max_new_tokens, stats, min_confidence=0.0):
     """Greedy decoding of one prompt with drafts from the head; fills stats."""
     _, kept = target.prefill_features([(1, prompt[:-1])], keep=True)
     features = kept[1]  # positions [0, len(tokens) - 1)
@@ -46,15 +46,21 @@ def decode(target, head, prompt, k, max_new_tokens, stats):
             [torch.zeros(1, features.shape[1]), features[:len(tokens) - 1]])
         started = time.perf_counter()
         proposals, _ = proposer.propose(head, [proposer.ProposeRow(
-            1, head_len, valid, append, SamplingParams(), rows)], k, realign=False)
-        stats["head_s"].append(time.perf_counter() - started)
+            1, head_len, valid, append, SamplingParams(), rows)], k, realign=False,
+            min_confidence=min_confidence)
+        forwards, spent = proposals[0].cache_len - len(tokens) + 1, time.perf_counter() - started
+        stats["head_s"].append(spent / forwards)
+        stats["spent_s"] += spent
         drafts = proposals[0].draft_token_ids
+        stats["drafted"] += len(drafts)
         started = time.perf_counter()
         outcomes, _ = verifier.verify(target, [verifier.VerifyRow(
             1, len(tokens) - 1, [tokens[-1]], drafts, None, SamplingParams())],
             realign=False, keep_features=True)
         stats["verify_s"].append(time.perf_counter() - started)
+        stats["spent_s"] += stats["verify_s"][-1]
         outcome = outcomes[0]
+        stats["accepted_total"] += outcome.num_accepted
         for position in range(k):
             if position <= outcome.num_accepted and position < len(drafts):
                 stats["tried"][position] += 1
@@ -92,6 +98,8 @@ def main(argv=None):
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("-k", type=int, default=4)
+    parser.add_argument("--min-confidence", type=float, default=0.0,
+                        help="cut each draft where its probability falls below this")
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     tokenizer = models.load_tokenizer(args.target)
@@ -99,22 +107,28 @@ def main(argv=None):
     head = runner_of(models.load_causal_lm(args.head), "head")
     rows = bench_prompts(args.num_prompts, args.prompts)
     stats = {"head_s": [], "verify_s": [], "tried": [0] * args.k, "accepted": [0] * args.k,
-             "wire_bytes": 0, "wire_rows": 0, "committed": 0, "steps": 0}
+             "drafted": 0, "accepted_total": 0, "spent_s": 0.0, "wire_bytes": 0, "wire_rows": 0,
+             "committed": 0, "steps": 0}
     plain = []
     for row in rows:
         prompt = models.chat_ids(tokenizer, row["prompt"])
         plain.append(plain_step_seconds(target, prompt))
-        decode(target, head, prompt, args.k, args.max_new_tokens, stats)
+        decode(target, head, prompt, args.k, args.max_new_tokens, stats, args.min_confidence)
     step = statistics.median(plain)
-    per_draft = statistics.median(stats["head_s"]) / args.k
-    drafted = sum(stats["tried"])
+    per_draft = statistics.median(stats["head_s"])
+    reached = sum(stats["tried"])
     print(json.dumps({
         "prompts": args.prompts, "num_prompts": len(rows), "k": args.k,
         "acceptance_by_position": [round(a / max(1, t), 3)
                                    for a, t in zip(stats["accepted"], stats["tried"])],
-        "accepted_share_of_drafted": round(sum(stats["accepted"]) / max(1, drafted), 3),
+        "min_confidence": args.min_confidence,
+        "acceptance_rate": round(sum(stats["accepted"]) / max(1, reached), 3),
+        "drafted_per_step": round(stats["drafted"] / max(1, stats["steps"]), 3),
+        "accepted_share_of_drafted": round(stats["accepted_total"] / max(1, stats["drafted"]),
+                                           3),
         "tokens_per_target_pass": round(stats["committed"] / max(1, stats["steps"]), 3),
         "plain_target_step_ms": round(1000 * step, 2),
+        "ms_per_committed_token": round(1000 * stats["spent_s"] / max(1, stats["committed"]), 2),
         "head_ms_per_drafted_token": round(1000 * per_draft, 2),
         "head_cost_share_of_target_step": round(per_draft / step, 3),
         "feature_wire_bytes_per_position": round(stats["wire_bytes"] / max(1, stats["wire_rows"]),

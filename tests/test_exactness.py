@@ -74,7 +74,7 @@ def test_greedy_output_is_the_targets_own(model_dirs, references, arch, batch_si
 
 @pytest.mark.parametrize("arch,batch_size", [("llama", 1), ("gpt2", 4)])
 def test_adaptive_draft_length_stays_exact(model_dirs, references, arch, batch_size):
-    """Greedy groups stop drafting when the draft is unsure: fewer drafts, same output."""
+    """Greedy rows' drafts are cut where the draft is unsure: fewer drafts, same output."""
     requests = random_requests(seed=7 + batch_size, count=16)
     target_dir, draft_dir = model_dirs[arch]
     k = 6
@@ -86,7 +86,8 @@ def test_adaptive_draft_length_stays_exact(model_dirs, references, arch, batch_s
         assert tokens == references(arch, prompt, max_new)
     drafted = sum(last.stats.num_drafted_tokens for _, last in results)
     passes = sum(last.stats.num_target_forward_passes for _, last in results)
-    assert passes < drafted < k * passes  # some steps stopped early, some did not
+    # rows drafted, and the cut kept fewer than half of the K drafts a step could verify
+    assert 0 < drafted < k * passes / 2
 
 
 def test_both_grouped_and_realigned_steps_happen_and_stay_exact(model_dirs, references):

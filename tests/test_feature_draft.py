@@ -1,13 +1,16 @@
 """The feature-level (EAGLE-style) draft: the target's features on the wire, the head as a
 draft service obeying the same cache commands, and greedy output through the services equal
 to the target's own, on a Llama-style and a GPT-2-style target."""
+import json
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from batchspec import errors
 from batchspec.params import SamplingParams
-from batchspec.runtime import features_wire, models, tiny
+from batchspec.runtime import draft_model, features_wire, models, tiny
 from batchspec.runtime import runner as runner_lib
 from batchspec.v1 import cache_pb2, draft_pb2, generate_pb2, target_pb2
 from coordinator import features as features_lib
@@ -119,6 +122,16 @@ def test_services_refuse_features_where_they_do_not_belong(model_dirs, heads):
     _, found = target.handle("features", target_pb2.FeaturesCommand(entries=[
         target_pb2.FeaturesEntry(seq_id=9, token_ids=[5, 6, 7, 8])]))
     assert found.features[0].num_positions == 4 and 9 not in target.runner.caches
+
+
+def test_a_head_says_it_is_calibrated_when_its_manifest_does(heads, tmp_path):
+    """ModelInfo.calibrated comes from the manifest: the coordinator cuts only such drafts."""
+    head_dir = tmp_path / "head"
+    shutil.copytree(heads["llama"][1], head_dir)
+    assert not DraftServicer(runner(str(head_dir))).Describe(None, None).calibrated
+    manifest = json.loads((head_dir / draft_model.MANIFEST).read_text())
+    (head_dir / draft_model.MANIFEST).write_text(json.dumps({**manifest, "calibrated": True}))
+    assert DraftServicer(runner(str(head_dir))).Describe(None, None).calibrated
 
 
 def generate(stack, prompt, max_new_tokens):

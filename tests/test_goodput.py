@@ -37,6 +37,22 @@ def policy(max_k=4, **costs) -> goodput.GoodputPolicy:
     return goodput.GoodputPolicy(goodput.GoodputConfig(max_k=max_k), [draft], target)
 
 
+def test_the_break_even_confidence_is_a_tokens_cost_over_its_worth_and_grows_with_the_batch():
+    draft, target = cpu_like(verify_per_token=0.0, verify_per_row_token=0.002)
+
+    def cut(rows, drafting, k):
+        return goodput.break_even_confidence(target, draft, rows, drafting, k)
+
+    # 8 rows, all drafting 2: a plain step 0.046 s (0.00575 a row's token); the verify adds
+    # 0.032 s for 16 tokens, the second draft forward 0.0092 s for 8 rows
+    assert cut(8, 8, 2) == pytest.approx((0.032 / 16 + 0.0092 / 8) * 8 / 0.046)
+    assert cut(1, 1, 2) == pytest.approx((0.004 / 2 + 0.0064) / 0.032)
+    assert cut(1, 1, 2) < 0.3 < cut(8, 8, 2) < cut(32, 32, 2) < 1.0
+    assert cut(8, 0, 2) == 0.0  # nothing drafted
+    draft, target = cpu_like(verify_per_token=0.0, verify_per_row_token=0.01)
+    assert cut(32, 32, 2) == 1.0  # no draft pays there: every one is cut
+
+
 def test_expected_tokens_is_the_geometric_sum():
     assert goodput.expected_tokens(0.5, 0) == 1
     assert goodput.expected_tokens(0.5, 2) == pytest.approx(1.75)
@@ -343,6 +359,35 @@ def run_all(engine, requests, ignore_eos=False):
             tokens += handle.events.get().token_ids
         out.append(tokens)
     return out, handles
+
+
+class Recording(Scripted):
+    """A scripted policy that keeps what it was told of each row's drafts."""
+
+    def __init__(self, script):
+        super().__init__(script)
+        self.seen = []
+
+    def observe(self, state, num_drafts, num_accepted, kind=0):
+        self.seen.append((num_drafts, num_accepted))
+        super().observe(state, num_drafts, num_accepted, kind)
+
+
+@pytest.mark.parametrize("cut", [1.0, 1e-9])
+def test_drafts_a_confidence_cut_declines_are_not_rejections(model_dirs, cut):
+    """The target drafting for itself: every draft would be accepted. Cut to nothing (no
+    probability reaches 1.0), the policy is told of no drafts at all, not of a rejection;
+    barely cut, of drafts all accepted. Outputs exact either way."""
+    target_dir, _ = model_dirs["llama"]
+    recording = Recording(lambda step, batch: [3] * batch)
+    engine, _ = engine_for(target_dir, target_dir, None, batch_size=2,
+                           min_draft_confidence=cut)
+    engine.drafter.policy = recording
+    drafted = run_self_drafted(engine, target_dir, seed=3, count=2, max_new=12)
+    if cut == 1.0:
+        assert drafted == 0 and set(recording.seen) == {(0, 0)}
+    else:
+        assert drafted > 0 and all(n == a > 0 for n, a in recording.seen)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

@@ -11,6 +11,7 @@ from batchspec import errors
 from batchspec.params import SamplingParams
 from batchspec.runtime import compute
 from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
+from draft_service import proposer
 
 from conftest import start_draft, start_target
 
@@ -104,9 +105,10 @@ def test_unsure_greedy_drafts_stop_early_and_sampled_ones_do_not(draft):
     client, runner, _ = draft
     client.prefill([(1, [5, 6, 7]), (2, [8, 9, 10])])
     specs = [ProposeSpec(1, 3, 3, [11], GREEDY), ProposeSpec(2, 3, 3, [12], GREEDY)]
-    # every probability is below 1.0: stop after the first draft, cache only what was fed
+    # every probability is below 1.0: both rows are cut before their first draft, after one
+    # forward; the cache holds only what was fed
     proposals, _ = client.propose(4, False, specs, min_confidence=1.0)
-    assert [len(p.draft_token_ids) for p in proposals] == [1, 1]
+    assert [p.draft_token_ids for p in proposals] == [[], []]
     assert [p.cache_len for p in proposals] == [4, 4] == [runner.caches[s].length for s in (1, 2)]
     sampled = SamplingParams(temperature=1.0, seed=3)
     proposals, _ = client.propose(4, False, [ProposeSpec(1, 4, 3, [11], sampled)],
@@ -115,6 +117,27 @@ def test_unsure_greedy_drafts_stop_early_and_sampled_ones_do_not(draft):
     with pytest.raises(errors.InvalidArgument, match="min_draft_confidence"):
         client.propose(2, False, [ProposeSpec(2, 4, 3, [12], GREEDY)], min_confidence=1.5)
     client.release([1, 2])
+
+
+def test_the_confidence_cut_is_per_row_and_weighs_the_whole_draft():
+    rows = [proposer.ProposeRow(i, 3, 3, [11], GREEDY) for i in (1, 2)] + [
+        proposer.ProposeRow(3, 3, 3, [11], SamplingParams(temperature=1.0, seed=3))]
+
+    def logits(*top):  # [rows, 4]: each row's top token at probability p, the rest evenly
+        return torch.log(torch.tensor([[p] + [(1 - p) / 3] * 3 for p in top]))
+
+    cut = proposer._Cut(rows, 4, 0.6)
+    assert not cut.after(0, logits(0.9, 0.5, 0.1))  # row 2 is cut before its first draft
+    assert cut.lengths[1] == 0
+    assert not cut.after(1, logits(0.7, 0.99, 0.1))  # row 1: 0.9 * 0.7 = 0.63, still in
+    assert not cut.after(2, logits(0.9, 0.99, 0.1))  # 0.63 * 0.9 < 0.6: cut before draft 3
+    # the sampled row keeps every draft, so the forwards go on to K
+    assert cut.lengths == [2, 0, 4]
+    greedy_only = proposer._Cut(rows[:2], 4, 0.6)
+    assert not greedy_only.after(0, logits(0.9, 0.5))
+    assert greedy_only.after(1, logits(0.5, 0.99))  # every row is cut: no further forward
+    assert greedy_only.lengths == [1, 0]
+    assert proposer._Cut(rows, 4, 0.0).lengths == [4, 4, 4]
 
 
 def test_health_says_serving_and_reflection_lists_the_service(target):

@@ -267,9 +267,17 @@ def load_draft(path: str, *, dtype: str, device: str):
     if feature_head.is_head_manifest(manifest):
         target = load_causal_lm(manifest["base_model"], dtype="float32", device="cpu",
                                 num_layers=1)
-        return feature_head.load_head(path, target, max_context_len(target), dtype=dtype,
-                                      device=device)
-    model = load_causal_lm(manifest["base_model"], dtype="float32", device="cpu",
-                           num_layers=manifest["num_layers"])
-    draft_model.apply_adapter(model, path, manifest)
-    return model.to(device=device, dtype=getattr(torch, dtype)).eval()
+        model = feature_head.load_head(path, target, max_context_len(target), dtype=dtype,
+                                       device=device)
+    else:
+        model = load_causal_lm(manifest["base_model"], dtype="float32", device="cpu",
+                               num_layers=manifest["num_layers"])
+        draft_model.apply_adapter(model, path, manifest)
+        model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    model.batchspec_calibrated = bool(manifest.get("calibrated", False))
+    return model
+
+
+def calibrated(model) -> bool:
+    """Whether a draft's manifest says its probabilities track acceptance (ModelInfo)."""
+    return getattr(model, "batchspec_calibrated", False)

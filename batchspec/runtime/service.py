@@ -214,6 +214,7 @@ def describe(runner: CacheBook, dtype: str, gate: Gate,
              feature_width: int = 0) -> cache_pb2.ModelInfo:
     return cache_pb2.ModelInfo(model=runner.name, vocab_size=runner.vocab_size,
                                feature_width=feature_width,
+                               calibrated=models.calibrated(getattr(runner, "model", None)),
                                instance_id=gate.instance_id, draining=gate.draining.is_set(),
                                max_sequences=gate.max_sequences,
                                max_cached_tokens=gate.max_cached_tokens,

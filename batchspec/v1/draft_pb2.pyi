@@ -44,16 +44,18 @@ class SparseProbs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs_f16: _Optional[bytes] = ...) -> None: ...
 
 class ProposeResultEntry(_message.Message):
-    __slots__ = ("seq_id", "draft_token_ids", "draft_probs", "cache_len")
+    __slots__ = ("seq_id", "draft_token_ids", "draft_probs", "cache_len", "cut")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[SparseProbs]
     cache_len: int
-    def __init__(self, seq_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseProbs, _Mapping]]] = ..., cache_len: _Optional[int] = ...) -> None: ...
+    cut: bool
+    def __init__(self, seq_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseProbs, _Mapping]]] = ..., cache_len: _Optional[int] = ..., cut: _Optional[bool] = ...) -> None: ...
 
 class ProposeResult(_message.Message):
     __slots__ = ("entries", "timing")

@@ -2,7 +2,7 @@
 engine, minus serialisation and RPC (for the benchmark's in-process methods)."""
 import time
 
-from batchspec.runtime import features_wire, probs_wire
+from batchspec.runtime import features_wire, models, probs_wire
 from batchspec.runtime import runner as runner_lib
 from coordinator.clients import ModelInfo, Proposal, Timing, VerifyOutcome
 from draft_service import proposer
@@ -47,7 +47,8 @@ class _InProcess:
         return ModelInfo(r.name, r.vocab_size, r.eos_token_ids, r.max_context_len,
                          len(r.caches), r.num_cached_tokens(),
                          tuple((c.rows, c.tokens, c.seconds) for c in r.step_costs),
-                         str(r.device), feature_width=self.feature_width)
+                         str(r.device), feature_width=self.feature_width,
+                         calibrated=models.calibrated(r.model))
 
     @property
     def feature_width(self) -> int:
@@ -78,7 +79,7 @@ class InProcessDraft(_InProcess):
         proposals, group = proposer.propose(self.runner, rows, num_drafts, realign=realign,
                                             min_confidence=min_confidence)
         return [Proposal(p.seq_id, p.draft_token_ids, p.draft_probs, p.cache_len,
-                         sum(len(b) + 4 * len(i) for i, b in p.draft_probs))
+                         sum(len(b) + 4 * len(i) for i, b in p.draft_probs), p.cut)
                 for p in proposals], _timing(group, started)
 
 

@@ -123,7 +123,8 @@ class Workload:
     prompts: list[list[int]]
     max_new_tokens: int
     eos_token_ids: list[int]
-    min_draft_confidence: float = 0.0  # adaptive draft length (methods 3 to 6 alike)
+    # adaptive draft length (methods 3 to 6 alike; None: the server's default)
+    min_draft_confidence: float | None = None
     draft_policy: str = EngineConfig.draft_policy  # methods 4-6
     dtype: str = "float32"
     categories: list[str] = dataclasses.field(default_factory=list)  # one per prompt
@@ -234,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="bench-out", help="report directory")
     parser.add_argument("--min-draft-confidence", type=float,
                         default=EngineConfig.min_draft_confidence,
-                        help="stop drafting early below this draft confidence (greedy; also "
-                             "given to HF assisted generation); 0: always draft K")
+                        help="cut greedy drafts where the draft's confidence falls below "
+                             "this (also given to HF assisted generation); 0: always draft K; "
+                             "default: the server's (see batchspec serve --help; 0 for HF)")
     return parser
 
 
@@ -338,7 +340,8 @@ def run_hf(models_, workload: Workload, method: str, batch_size: int, k: int) ->
     if method == "hf_assisted":
         draft.generation_config.num_assistant_tokens = k
         draft.generation_config.num_assistant_tokens_schedule = "constant"
-        draft.generation_config.assistant_confidence_threshold = workload.min_draft_confidence
+        draft.generation_config.assistant_confidence_threshold = \
+            workload.min_draft_confidence or 0.0
         kwargs["assistant_model"] = draft
     started = time.perf_counter()
     rows_passes = 0
@@ -499,9 +502,10 @@ class GrpcStack:
                    # with no draft K is moot (0 for the target alone), but must be valid
                    "--batch-size", str(batch_size), "-k", str(max(k, 1)),
                    "--max-num-seqs", str(max(64, len(workload.prompts))),
-                   "--min-draft-confidence", str(workload.min_draft_confidence),
                    "--draft-policy", workload.draft_policy,
                    "--metrics-port", str(metrics_port), *extra]
+        if workload.min_draft_confidence is not None:
+            command += ["--min-draft-confidence", str(workload.min_draft_confidence)]
         for role in drafts:
             command += ["--draft", f"127.0.0.1:{self.ports[role]}"]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -808,13 +812,15 @@ def write_report(report: dict, out: pathlib.Path) -> list[pathlib.Path]:
 
 
 def markdown(report: dict) -> str:
+    cut = report["config"]["min_draft_confidence"]
+    cut = "at break-even" if cut is None else cut
     lines = [f"# batchspec bench ({report['date']})", "",
              f"target `{report['target']}`, draft `{report['draft']}`, "
              f"{report['num_prompts']} prompts, max_new_tokens "
              f"{report['config']['max_new_tokens']}, {report['machine']['device']} "
              f"{report['machine']['dtype']}, {report['machine']['threads']} threads, "
              f"draft policy {report['config'].get('draft_policy', 'fixed')}, "
-             f"min_draft_confidence {report['config']['min_draft_confidence']} "
+             f"min_draft_confidence {cut} "
              "(K is the most drafted per step)"
              + (f"; each row the median of {report['config']['repeat']} runs taken in turn"
                 if report["config"].get("repeat", 1) > 1 else ""), "",
