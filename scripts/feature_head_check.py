@@ -9,7 +9,9 @@ Each prompt is decoded greedily the way the services do it: the target verifies 
 returns the features of the positions it caches; the head keeps the positions it computed
 from the target's features, drops those of its own drafts, and is fed the new tokens with
 their features. Acceptance at position k is the share of steps whose k-th draft was accepted
-among those whose first k - 1 were. Costs are medians of the timed forwards, taken in turn.
+among those whose first k - 1 were; the share of drafted tokens accepted counts every draft.
+`--min-confidence C` cuts each draft where the head's probability of it falls below C, as the
+services do (docs/design.md). Costs are medians of the timed forwards, taken in turn.
 """
 import argparse
 import json
