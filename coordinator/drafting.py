@@ -59,6 +59,12 @@ class RowDraft:
     def draft_probs(self) -> list:
         return self.proposal.draft_probs[:self.num_drafts] if self.proposal else []
 
+    def traced(self, accepted: int, committed: int) -> tuple:
+        """The step log's account: (kind or None, drafts verified, accepted, committed). A
+        confidence cut may leave a row fewer drafts than planned, or none."""
+        verified = len(self.draft_token_ids)
+        return self.kind_index if verified else None, verified, accepted, committed
+
 
 @dataclasses.dataclass(frozen=True)
 class DraftedCohort:

@@ -313,9 +313,7 @@ class Engine:
                              len(row.draft_token_ids), self.stats.num_steps,
                              self.recorder.telemetry):
                 finished.append(row.seq)
-            verified = len(row.draft_token_ids)  # a confidence cut may leave fewer than planned
-            trace.append((row.kind_index if verified else None, verified,
-                          outcome.num_accepted, row.seq.committed_len - before))
+            trace.append(row.traced(outcome.num_accepted, row.seq.committed_len - before))
         self._release(finished)
         seconds = time.perf_counter() - started
         self.drafter.observe_step(cohort, sum(t[3] for t in trace), seconds)
