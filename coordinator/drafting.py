@@ -347,8 +347,9 @@ class Drafter:
             num_drafts, mixed(seqs), specs, timeout=timeout, min_confidence=cut)
         round_trip = time.perf_counter() - started
         if kind.cost is not None and self.policy.calibrated:
-            # the forwards it ran: a confidence cut may return fewer drafts than that
-            drafted = max(p.cache_len - s.committed_len + 1 for s, p in zip(seqs, proposals))
+            drafted = max(len(p.draft_token_ids) for p in proposals)
+            if any(p.cut for p in proposals):  # a cut returns fewer drafts than it ran forwards
+                drafted = max(p.cache_len - s.committed_len + 1 for s, p in zip(seqs, proposals))
             kind.cost.observe(goodput.draft_calls(len(seqs), width, drafted),
                               timing.forward_seconds, round_trip)
         return proposals, timing, round_trip
