@@ -156,6 +156,21 @@ class _Step:
         return DraftedCohort(rows, timing, sum(s for _, s in self.spent))
 
 
+
+def turnover_seconds(cohort: DraftedCohort, verify_timing: Timing | None) -> float:
+    """The seconds the target spent re-stacking a cohort's rows because they are not the batch
+    they last ran in, in its order (requests joined or left it): turnover, which comes once
+    per arrival and departure whether or not the server drafts, so it says nothing about
+    drafting (one such copy of a newly formed batch took 241 ms, four plain steps' time, and
+    made a yardstick of plain steps measure a third too slow). Copies that compact the holes
+    rejected drafts leave in an unchanged batch stay drafting's cost. Records what each row
+    ran with."""
+    ids = tuple(row.seq.seq_id for row in cohort.rows)
+    changed = any(row.seq.ran_with != ids for row in cohort.rows)
+    for row in cohort.rows:
+        row.seq.ran_with = ids
+    return verify_timing.realign_seconds if changed and verify_timing is not None else 0.0
+
 class Drafter:
     def __init__(self, peers: Peers, config: DraftingConfig, recorder: Recorder,
                  policy: goodput.GoodputPolicy | None = None,
@@ -231,15 +246,18 @@ class Drafter:
             return False
         return self.evidence.choose(len(seqs)) is Choice.PLAIN
 
-    def observe_step(self, cohort: DraftedCohort, num_committed: int, seconds: float) -> None:
+    def observe_step(self, cohort: DraftedCohort, num_committed: int, seconds: float,
+                     verify_timing: Timing | None = None) -> None:
         """A verified greedy cohort's measured delivery, for the evidence. A step that asked
         any draft counts as drafted even where nothing was verified (a lookup that found
         nothing, a plan that kept every row plain after asking): what drafting costs is
         weighed on its side, and the plain side is only steps that cost what decoding
-        without drafts does."""
+        without drafts does. Turnover (see turnover_seconds) is left out of both sides."""
+        turnover = turnover_seconds(cohort, verify_timing)
         if self.evidence is not None and all(s.sampling.greedy for s in cohort.seqs):
             drafted = cohort.timing is not None or any(row.num_drafts for row in cohort.rows)
-            self.evidence.observe(len(cohort.rows), drafted, num_committed, seconds)
+            self.evidence.observe(len(cohort.rows), drafted, num_committed,
+                                  max(0.0, seconds - turnover))
 
     def _ask_first(self, step: _Step, timeout: float | None) -> list[int]:
         """Ask the kinds due before planning for every row; the kinds asked. One not due this

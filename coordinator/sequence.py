@@ -77,6 +77,8 @@ class Sequence:
     stats: Stats = dataclasses.field(default_factory=Stats)
     last_step: int = 0  # engine step at which the sequence last advanced (for fairness)
     cohort: int | None = None  # the cohort it is stepped with (scheduler); None: not yet placed
+    # the seq_ids, in order, of the verify it last ran in (the target's batch it sits in)
+    ran_with: tuple[int, ...] = ()
     created: float = dataclasses.field(default_factory=time.monotonic)
     # Optional coordinator.text.TextStream: the generated text and its stop strings.
     text: object = dataclasses.field(default=None, repr=False, compare=False)

@@ -169,3 +169,30 @@ def test_rows_of_a_cohort_aside_are_not_idle_for_the_plan():
     assert planned.drafts[0].spec.idle_steps == 6
     assert policy.choice(planned.drafts[0].spec, 1, 0).acceptance == policy.config.optimism
     assert policy.choice(aside.drafts[0].spec, 1, 0).acceptance < policy.config.optimism
+
+
+def test_turnover_copies_are_left_out_of_both_sides():
+    """A verify whose rows are not the batch they last ran in (a request joined or left)
+    pays for re-stacking them whatever the server drafts: those seconds are left out of the
+    evidence. In an unchanged batch, the target's realignment (compacting the holes rejected
+    drafts leave) stays in: that is drafting's cost."""
+    from coordinator.clients import Timing
+    from coordinator.drafting import DraftedCohort, Drafter, RowDraft
+    from coordinator.sequence import Sequence
+
+    seen = []
+
+    class Recording:
+        def observe(self, rows, drafted, tokens, seconds):
+            seen.append(round(seconds, 3))
+
+    drafter = Drafter(peers=None, config=None, recorder=None, evidence=Recording())
+    seqs = [Sequence(i, [1, 2, 3], 8, frozenset()) for i in range(3)]
+    verify = Timing(compute_seconds=0.3, realign_seconds=0.24)
+    step = [RowDraft(s) for s in seqs[:2]]
+    drafter.observe_step(DraftedCohort(step), 2, 0.32, verify)  # a new batch: copied
+    drafter.observe_step(DraftedCohort(step), 2, 0.32, verify)  # the same batch: compacted
+    drafter.observe_step(DraftedCohort([RowDraft(s) for s in seqs]), 3, 0.32, verify)  # joined
+    drafter.observe_step(DraftedCohort(step[::-1]), 2, 0.32, verify)  # reordered: a copy
+    drafter.observe_step(DraftedCohort(step[::-1]), 2, 0.32)  # no timing: nothing to take off
+    assert seen == [0.08, 0.32, 0.08, 0.08, 0.32]
