@@ -73,7 +73,6 @@ class DraftedCohort:
     rows: list[RowDraft]
     timing: Timing | None = None  # the draft services' own account, summed; None: no call
     round_trip_s: float = 0.0  # coordinator-side, every draft call of the step
-    warm_s: float = 0.0  # prefilling rows a draft held nothing of (Peers.warm), in the step
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -135,7 +134,6 @@ class _Step:
     answers: dict[int, Proposal] = dataclasses.field(default_factory=dict)
     # (the service's own timing, round-trip seconds) of each draft call
     spent: list[tuple[Timing, float]] = dataclasses.field(default_factory=list)
-    warm_s: float = 0.0  # seconds prefilling cold rows in drafts
 
     def offered(self) -> dict[int, dict[int, int]]:
         """{row: {kind: tokens}} the kinds asked before planning offered."""
@@ -155,7 +153,7 @@ class _Step:
                          self.answers.get(i)) for i, seq in enumerate(self.seqs)]
         timing = functools.reduce(operator.add, (t for t, _ in self.spent)) \
             if self.spent else None
-        return DraftedCohort(rows, timing, sum(s for _, s in self.spent), self.warm_s)
+        return DraftedCohort(rows, timing, sum(s for _, s in self.spent))
 
 
 
@@ -254,18 +252,12 @@ class Drafter:
         any draft counts as drafted even where nothing was verified (a lookup that found
         nothing, a plan that kept every row plain after asking): what drafting costs is
         weighed on its side, and the plain side is only steps that cost what decoding
-        without drafts does. Turnover (see turnover_seconds) is left out of both sides, and
-        a draft's prefill of rows it held nothing of is charged spread over the steps it
-        serves (GoodputConfig.cold_horizon), as the plan prices it: paid once per request,
-        all of it on one step made the drafted steps that try drafting again after a stretch
-        aside (their rows mostly new to the draft) look half as fast as drafting is."""
+        without drafts does. Turnover (see turnover_seconds) is left out of both sides."""
         turnover = turnover_seconds(cohort, verify_timing)
         if self.evidence is not None and all(s.sampling.greedy for s in cohort.seqs):
             drafted = cohort.timing is not None or any(row.num_drafts for row in cohort.rows)
-            warm = cohort.warm_s * (1 - 1 / self.policy.config.cold_horizon) \
-                if self.policy is not None else 0.0
             self.evidence.observe(len(cohort.rows), drafted, num_committed,
-                                  max(0.0, seconds - turnover - warm))
+                                  max(0.0, seconds - turnover))
 
     def _ask_first(self, step: _Step, timeout: float | None) -> list[int]:
         """Ask the kinds due before planning for every row; the kinds asked. One not due this
@@ -327,10 +319,7 @@ class Drafter:
         lost. A proposal's tokens are what the service drafted (and cached, but the last),
         which may be more than the row verifies (or fewer: a lookup proposes what it finds)."""
         seqs = [step.seqs[i] for i in rows]
-        started = time.perf_counter()
-        warmed = self.peers.warm(kind, seqs)
-        step.warm_s += time.perf_counter() - started
-        if not warmed or not num_drafts:
+        if not self.peers.warm(kind, seqs) or not num_drafts:
             return {}
         ready, width = scheduler.draft_plan(seqs, kind.index)
         if not ready or (kind.reads_features and not features.ensure(self.peers.target, ready)):

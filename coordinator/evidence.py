@@ -2,13 +2,13 @@
 
 The policy plans from predicted costs and acceptances; this keeps what steps actually
 delivered: committed tokens per second of the engine's own time (from choosing the cohort to
-streaming its tokens, a draft's prefill of new rows spread over the steps it serves;
-admissions and turnover copies, which the server pays whether it drafts or not, left out:
-Drafter.observe_step) of drafted steps and of plain steps, per batch-size bucket. Where
-drafted steps measure slower than plain ones, greedy cohorts step aside (decode plainly, asking
-no draft at all, so they cost what the same server without drafts costs); where they measure
-faster again, the policy plans as before. Each side is kept measured: while one is chosen, the
-other is tried every few steps of its bucket.
+streaming its tokens, draft prefills included; admissions and turnover copies, which the
+server pays whether it drafts or not, left out: drafting.turnover_seconds) of drafted steps
+and of plain steps, per batch-size bucket. Where drafted steps measure slower than plain ones,
+greedy cohorts step aside (decode plainly, asking no draft at all, so they cost what the same
+server without drafts costs); where they measure faster again, the policy plans as before.
+Each side is kept measured: while one is chosen, the other is tried every few steps of its
+bucket.
 
 Invariants: a decision changes only when the measured rates differ by more than `margin`
 (hysteresis), and only once both sides have `min_steps` steps of evidence, so timing noise does

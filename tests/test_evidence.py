@@ -196,30 +196,3 @@ def test_turnover_copies_are_left_out_of_both_sides():
     drafter.observe_step(DraftedCohort(step[::-1]), 2, 0.32, verify)  # reordered: a copy
     drafter.observe_step(DraftedCohort(step[::-1]), 2, 0.32)  # no timing: nothing to take off
     assert seen == [0.08, 0.32, 0.08, 0.08, 0.32]
-
-
-def test_a_drafts_prefill_of_new_rows_is_charged_spread_over_the_steps_it_serves():
-    """A draft prefills a row once, on the first step that drafts it: charged whole to that
-    step, the step that tries drafting again after a stretch aside (its rows mostly new to
-    the draft) would measure far slower than drafting is. It is charged as the plan prices
-    it, spread over GoodputConfig.cold_horizon steps."""
-    import types
-
-    from coordinator.clients import Timing
-    from coordinator.drafting import DraftedCohort, Drafter, RowDraft
-    from coordinator.goodput import GoodputConfig
-    from coordinator.sequence import Sequence
-
-    seen = []
-
-    class Recording:
-        def observe(self, rows, drafted, tokens, seconds):
-            seen.append(round(seconds, 3))
-
-    policy = types.SimpleNamespace(config=GoodputConfig(cold_horizon=8))
-    drafter = Drafter(peers=None, config=None, recorder=None, policy=policy,
-                      evidence=Recording())
-    rows = [RowDraft(Sequence(i, [1, 2, 3], 8, frozenset()), 2, 0) for i in range(2)]
-    drafter.observe_step(DraftedCohort(rows, Timing(0.01), 0.01, warm_s=0.08), 4, 0.2)
-    drafter.observe_step(DraftedCohort(rows, Timing(0.01), 0.01), 4, 0.2)
-    assert seen == [0.13, 0.2]
