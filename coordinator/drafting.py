@@ -386,10 +386,14 @@ class Drafter:
         rows = [self._row(step, i, up, offered[i]) for i in range(len(step.seqs))]
         plan = self.policy.plan(rows)
         # a kind not offered for the row (not reachable, asked already) cannot draft for it
+        # nor past what the row may still commit: a step commits at most a row's drafts and
+        # one more token, so drafts beyond its remaining tokens but one are verified for nothing
+        room = [s.max_new_tokens - s.num_generated - 1 for s in step.seqs]
         indices = [plan.kind(i) for i in range(len(rows))]
-        indices = [d if d is not None and rows[i].choices[d] is not None else None
-                   for i, d in enumerate(indices)]
-        return goodput.Plan([n if d is not None else 0 for n, d in zip(plan.k, indices)],
+        indices = [d if d is not None and rows[i].choices[d] is not None and room[i] > 0
+                   else None for i, d in enumerate(indices)]
+        return goodput.Plan([min(n, r) if d is not None else 0
+                             for n, r, d in zip(plan.k, room, indices)],
                             plan.tokens_per_s, indices)
 
     def _row(self, step: _Step, i: int, up: list[DraftKind],

@@ -108,6 +108,27 @@ def test_ignore_eos_runs_to_max_new_tokens(model_dirs):
         assert len(tokens) == 60 and last.finish_reason == generate_pb2.FINISH_REASON_LENGTH
 
 
+def test_no_row_drafts_past_the_tokens_it_may_still_commit(model_dirs):
+    """A step commits at most a row's drafts and one more token, so a row drafts at most its
+    remaining tokens but one: none when one token is left. The target serves as its own draft
+    (every draft accepted, had it been verified) at a fixed K = 4: before this cap a request
+    for one token verified four drafts, and one for six verified eight."""
+    target_dir, _ = model_dirs["llama"]
+    requests = [([5, 6, 7], n) for n in (1, 2, 3, 5, 6, 9)]
+    with running_stack(target_dir, target_dir, batch_size=1, num_draft_tokens=4,
+                       overlap="off") as stack:
+        results = generate_all(stack.stub(), requests, ignore_eos=True)
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    drafted = {}
+    for (prompt, n), (tokens, last) in zip(requests, results):
+        assert tokens == tiny_models.reference_greedy(model, prompt, n, ignore_eos=True)
+        drafted[n] = last.stats.num_drafted_tokens
+    assert drafted[1] == 0 and drafted[2] <= 1, drafted
+    # each step drafts at most what is left but one, and commits its accepted drafts and one
+    # more: with every draft accepted, n tokens take ceil(n / 5) steps and n - steps drafts
+    assert all(d <= n - 1 for n, d in drafted.items()), drafted
+
+
 BAD_REQUESTS = [
     ({"max_new_tokens": 5}, "empty"),
     ({"prompt_token_ids": [5], "max_new_tokens": 0}, "max_new_tokens"),
