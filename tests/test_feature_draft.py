@@ -193,8 +193,9 @@ def test_a_head_that_computes_what_the_target_computes_has_every_draft_accepted(
         for prompt in PROMPTS[:2]:
             tokens, stats = generate(stack, prompt, 13)
             assert tokens == tiny.greedy_ignoring_eos(model, prompt, 13)
-            # 4 steps of 3 accepted drafts and a bonus token, then one plain token
-            assert stats.num_accepted_tokens == stats.num_drafted_tokens >= 12
+            # 3 steps of 3 accepted drafts and a bonus token, then the 13th token with no
+            # draft (none past the tokens a row may still commit)
+            assert stats.num_accepted_tokens == stats.num_drafted_tokens == 9
         # a scored prompt is prefilled without features: the head's prefill asks the target
         # to compute them (the path a lost feature log takes too)
         responses = list(stack.stub().Generate(generate_pb2.GenerateRequest(
@@ -203,7 +204,7 @@ def test_a_head_that_computes_what_the_target_computes_has_every_draft_accepted(
         assert [t for r in responses for t in r.token_ids] == tiny.greedy_ignoring_eos(
             model, PROMPTS[3], 13)
         stats = responses[-1].stats
-        assert stats.num_accepted_tokens == stats.num_drafted_tokens >= 12
+        assert stats.num_accepted_tokens == stats.num_drafted_tokens == 9
 
 
 def test_a_restarted_feature_draft_is_refilled_from_the_targets_features(heads, monkeypatch):
