@@ -156,7 +156,6 @@ class _Step:
         return DraftedCohort(rows, timing, sum(s for _, s in self.spent))
 
 
-
 def turnover_seconds(cohort: DraftedCohort, verify_timing: Timing | None) -> float:
     """The seconds the target spent re-stacking a cohort's rows because they are not the batch
     they last ran in, in its order (requests joined or left it): turnover, which comes once
@@ -170,6 +169,7 @@ def turnover_seconds(cohort: DraftedCohort, verify_timing: Timing | None) -> flo
     for row in cohort.rows:
         row.seq.ran_with = ids
     return verify_timing.realign_seconds if changed and verify_timing is not None else 0.0
+
 
 class Drafter:
     def __init__(self, peers: Peers, config: DraftingConfig, recorder: Recorder,
@@ -385,9 +385,9 @@ class Drafter:
         offered = step.offered()
         rows = [self._row(step, i, up, offered[i]) for i in range(len(step.seqs))]
         plan = self.policy.plan(rows)
-        # a kind not offered for the row (not reachable, asked already) cannot draft for it
-        # nor past what the row may still commit: a step commits at most a row's drafts and
-        # one more token, so drafts beyond its remaining tokens but one are verified for nothing
+        # a kind not offered for the row (not reachable, asked already) cannot draft for it,
+        # and no row drafts past what it may still commit: a step commits at most its drafts
+        # and one more token, so drafts beyond its remaining tokens but one would be for nothing
         room = [s.max_new_tokens - s.num_generated - 1 for s in step.seqs]
         indices = [plan.kind(i) for i in range(len(rows))]
         indices = [d if d is not None and rows[i].choices[d] is not None and room[i] > 0
