@@ -17,7 +17,8 @@ from batchspec_tools.bench.run import GRPC_DRAFTS, METHODS, USES_BATCH, USES_K
 def test_quick_bench_writes_a_complete_exact_report(tmp_path):
     out = tmp_path / "report"
     done = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--quick", "--out",
-                           str(out), "--arrival-rates", "40", "--ks", "4"],
+                           str(out), "--arrival-rates", "40", "--ks", "4",
+                           "--step-logs", str(tmp_path / "steps")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "results.json").read_text())
@@ -53,6 +54,12 @@ def test_quick_bench_writes_a_complete_exact_report(tmp_path):
         assert 0 <= row["itl_p50_ms"] <= row["itl_p99_ms"] and row["tokens_per_s"] > 0
     assert "Arrival-driven load" in markdown
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # each gRPC batch run's coordinator kept its per-step log, named by its setting
+    grpc_runs = {(r["method"], r["batch_size"], r["k"]) for r in rows if r["method"] in GRPC_DRAFTS}
+    for method, batch_size, k in grpc_runs:
+        log = tmp_path / "steps" / f"{method}-b{batch_size}-k{k or 0}-r0.jsonl"  # K = 0: none
+        steps = [json.loads(line) for line in log.read_text().splitlines()]
+        assert steps and sum(s["committed"] for s in steps) > 0, log
 
 
 @pytest.mark.slow

@@ -82,7 +82,7 @@ class BenchConfig:
     # the prompt set to C clients that each send their next request when the last one ends
     # (instead of the batch sweep for those methods)
     concurrency: tuple[int, ...] = ()
-    step_logs: str | None = None  # a directory: each closed-loop coordinator logs its steps
+    step_logs: str | None = None  # a directory: each gRPC run's coordinator logs its steps
     dtype: str = "float32"  # of both models, in every method
     # where both models run, in every method (the services' --device; the n-gram draft has none)
     device: str = "cpu"
@@ -209,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "method over grpc_target_only (the same server without drafts), "
                              "and each process's CPU seconds")
     parser.add_argument("--step-logs", default=None,
-                        help="a directory where each closed-loop run's coordinator writes its "
-                             "--step-log (METHOD-cC-rROUND.jsonl)")
+                        help="a directory where each gRPC run's coordinator writes its "
+                             "--step-log (METHOD-cC-rROUND.jsonl for closed-loop clients, "
+                             "METHOD-bB-kK-rROUND.jsonl for batch runs)")
     parser.add_argument("--prompts", default=None,
                         help="JSONL file of {\"prompt\": ..., \"category\": ...} chat prompts "
                              "(default: the packaged benchmark prompts; the packaged "
@@ -647,9 +648,10 @@ def run(config: BenchConfig) -> dict:
                 # the reference alone (not a method asked for) runs once
                 rounds = [(i, s) for i in range(config.repeat) for s in plan
                           if i == 0 or s[0] in config.methods]
-                for _, (method, batch_size, k) in tqdm(
+                for i, (method, batch_size, k) in tqdm(
                         rounds, desc=f"bench {category or ''}".strip(), unit="run"):
-                    result = run_one(method, batch_size, k, hf, runners, part, stack)
+                    log = step_log(config, f"{method}-b{batch_size}-k{k}-r{i}", category)
+                    result = run_one(method, batch_size, k, hf, runners, part, stack, log)
                     reference = reference or result.outputs
                     results.setdefault((method, batch_size, k), []).append(result)
                 found = [summarise_runs(*setting, runs, reference)
@@ -714,12 +716,22 @@ def warm_up(hf, runners, workload: Workload) -> None:
     run_engine(runners, short, 2, 2, cohorts=True)
 
 
-def run_one(method, batch_size, k, hf, runners, workload, stack) -> Run:
+def step_log(config: BenchConfig, name: str, category: str | None) -> tuple[str, ...]:
+    """The coordinator flags that keep a gRPC run's per-step log under --step-logs (none
+    without it)."""
+    if not config.step_logs:
+        return ()
+    folder = pathlib.Path(config.step_logs)
+    folder.mkdir(parents=True, exist_ok=True)
+    return "--step-log", str(folder / f"{name}{'-' + category if category else ''}.jsonl")
+
+
+def run_one(method, batch_size, k, hf, runners, workload, stack, log=()) -> Run:
     if method.startswith("hf_"):
         return run_hf(hf, workload, method, batch_size, k)
     if method in GRPC_DRAFTS:
         return stack.run(workload, batch_size, k, GRPC_DRAFTS[method],
-                         GRPC_FLAGS.get(method, ()))
+                         GRPC_FLAGS.get(method, ()) + log)
     return run_engine(runners, workload, batch_size, k, cohorts=method == "engine_grouped")
 
 
