@@ -323,11 +323,12 @@ def test_a_client_gone_mid_stream_frees_every_cache(model_dirs, tokenizer_dir, d
         assert stack.router.num_running() == 0
         [line] = [m for m in caplog.messages if m.startswith("request gone ")]
         assert "edge=http ended=cancelled" in line, line
-        # cancelled, not run to its end: a step or two more before it is reaped, where
-        # finishing would take dozens
+        # cancelled, not run to its end: a few steps more before it is reaped (a tiny model's
+        # step takes milliseconds, and this thread polls the log every 20 ms while the suite's
+        # other worker loads the cores), where finishing would take dozens
         left = 240 - int(line.split("tokens=")[1].split()[0])
         assert left > 60, line
-        assert stack.router.stats.num_steps - steps <= 4
+        assert stack.router.stats.num_steps - steps <= 10
 
 
 def test_grpc_refuses_ambiguous_or_templateless_chats(stack, model_dirs):
