@@ -38,16 +38,22 @@ def sweep(stack, workload, config, reference, grpc_drafts: dict,
               for m in methods]
     runs: dict[tuple[str, int], list[dict]] = {}
     for round_, concurrency, method in tqdm(rounds, desc="closed-loop clients", unit="run"):
-        extra = grpc_flags.get(method, ())
-        if config.step_logs:
-            pathlib.Path(config.step_logs).mkdir(parents=True, exist_ok=True)
-            extra += ("--step-log", str(pathlib.Path(config.step_logs)
-                                       / f"{method}-c{concurrency}-r{round_}.jsonl"))
+        extra = grpc_flags.get(method, ()) + step_log(config, f"{method}-c{concurrency}-r{round_}")
         runs.setdefault((method, concurrency), []).append(one_run(
             stack, workload, config, method, concurrency, grpc_drafts[method], reference, extra))
     rows = [summarise(method, concurrency, found) for (method, concurrency), found in runs.items()]
     add_plain_ratios(rows, runs)
     return rows
+
+
+def step_log(config, name: str, category: str | None = None) -> tuple[str, ...]:
+    """The coordinator flags that keep a gRPC run's per-step log, NAME[-CATEGORY].jsonl under
+    --step-logs (none without it)."""
+    if not config.step_logs:
+        return ()
+    folder = pathlib.Path(config.step_logs)
+    folder.mkdir(parents=True, exist_ok=True)
+    return "--step-log", str(folder / f"{name}{'-' + category if category else ''}.jsonl")
 
 
 def one_run(stack, workload, config, method: str, concurrency: int, drafts, reference,

@@ -650,7 +650,8 @@ def run(config: BenchConfig) -> dict:
                           if i == 0 or s[0] in config.methods]
                 for i, (method, batch_size, k) in tqdm(
                         rounds, desc=f"bench {category or ''}".strip(), unit="run"):
-                    log = step_log(config, f"{method}-b{batch_size}-k{k}-r{i}", category)
+                    log = closed_loop.step_log(config, f"{method}-b{batch_size}-k{k}-r{i}",
+                                               category)
                     result = run_one(method, batch_size, k, hf, runners, part, stack, log)
                     reference = reference or result.outputs
                     results.setdefault((method, batch_size, k), []).append(result)
@@ -714,16 +715,6 @@ def warm_up(hf, runners, workload: Workload) -> None:
     if "stock" in hf:
         run_hf(hf, short, "hf_stock_batch1", 1, 0)
     run_engine(runners, short, 2, 2, cohorts=True)
-
-
-def step_log(config: BenchConfig, name: str, category: str | None) -> tuple[str, ...]:
-    """The coordinator flags that keep a gRPC run's per-step log under --step-logs (none
-    without it)."""
-    if not config.step_logs:
-        return ()
-    folder = pathlib.Path(config.step_logs)
-    folder.mkdir(parents=True, exist_ok=True)
-    return "--step-log", str(folder / f"{name}{'-' + category if category else ''}.jsonl")
 
 
 def run_one(method, batch_size, k, hf, runners, workload, stack, log=()) -> Run:
