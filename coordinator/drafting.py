@@ -100,8 +100,9 @@ class DraftedCohort:
         for row in self.rows:
             constraint = row.seq.constraint
             if constraint is not None and row.seq.sampling.greedy:
+                room = min(k, row.seq.draft_room)  # forced tokens past its end: for nothing
                 masks, allowed, forced = constraint.cut(row.draft_token_ids,
-                                                        k - min(row.num_drafts, k))
+                                                        max(0, room - row.num_drafts))
                 row = dataclasses.replace(row, num_drafts=min(row.num_drafts, allowed),
                                           forced=tuple(forced), token_masks=tuple(masks))
             elif constraint is not None:
@@ -385,15 +386,11 @@ class Drafter:
         offered = step.offered()
         rows = [self._row(step, i, up, offered[i]) for i in range(len(step.seqs))]
         plan = self.policy.plan(rows)
-        # a kind not offered for the row (not reachable, asked already) cannot draft for it,
-        # and no row drafts past what it may still commit: a step commits at most its drafts
-        # and one more token, so drafts beyond its remaining tokens but one would be for nothing
-        room = [s.max_new_tokens - s.num_generated - 1 for s in step.seqs]
+        # a kind not offered for the row (not reachable, asked already) cannot draft for it
         indices = [plan.kind(i) for i in range(len(rows))]
-        indices = [d if d is not None and rows[i].choices[d] is not None and room[i] > 0
-                   else None for i, d in enumerate(indices)]
-        return goodput.Plan([min(n, r) if d is not None else 0
-                             for n, r, d in zip(plan.k, room, indices)],
+        indices = [d if d is not None and rows[i].choices[d] is not None else None
+                   for i, d in enumerate(indices)]
+        return goodput.Plan([n if d is not None else 0 for n, d in zip(plan.k, indices)],
                             plan.tokens_per_s, indices)
 
     def _row(self, step: _Step, i: int, up: list[DraftKind],
@@ -415,7 +412,8 @@ class Drafter:
                                  up[0].index)
         if i in step.drafted:
             forced_kind, forced_k = step.drafted[i]
-        return goodput.Row(choices=tuple(choices), forced_k=forced_k, forced_kind=forced_kind)
+        return goodput.Row(choices=tuple(choices), forced_k=forced_k, forced_kind=forced_kind,
+                           room=s.draft_room)
 
     # ---- after the verify -----------------------------------------------------------------------
     def observe_verify(self, cohort: DraftedCohort, timing: Timing, seconds: float) -> None:

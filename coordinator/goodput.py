@@ -315,6 +315,14 @@ class Row:
     explore: bool = False
     choices: tuple[Choice | None, ...] = ()
     forced_kind: int = 0  # the kind a forced row drafts with
+    # the most drafts worth verifying: a step commits at most a row's drafts and one more
+    # token, so a row with n tokens left to commit gains nothing from drafts past n - 1 (and
+    # drafts nothing on its last token, forced or not); None: no end in sight
+    room: int | None = None
+
+    def drafts(self, k: int) -> int:
+        """What the row drafts in a plan of K = k (k itself short of its end)."""
+        return k if self.room is None else max(0, min(k, self.room))
 
     def options(self) -> tuple[Choice | None, ...]:
         return self.choices or (Choice(self.acceptance, self.catch_up, self.explore),)
@@ -419,6 +427,8 @@ class GoodputPolicy:
             self._plans_since[kind] = self._plans_since.get(kind, 0) + 1
         if not self.calibrated:
             return self._fixed(rows)
+        rows = [r if r.forced_k is None or r.drafts(r.forced_k) else
+                dataclasses.replace(r, forced_k=None) for r in rows]  # forced, at its end
         forced = {r.forced_k for r in rows if r.forced_k is not None}
         if not forced and self.target.stale(1, self.config.measure_plain_every):
             return self._best_for(rows, 0, ())  # the yardstick, measured
@@ -450,8 +460,8 @@ class GoodputPolicy:
         CPU, or a lookup with something to offer for few of many rows), no acceptance
         evidence would change a plan, so none is bought. "Beat" means by explore_margin."""
         batch = len(rows)
-        able = sum(1 for options in (r.options() for r in rows)
-                   if kind < len(options) and options[kind])
+        able = sum(1 for r in rows if r.drafts(1)
+                   and kind < len(r.options()) and r.options()[kind])
         plain = batch / self.target.predict([(batch, 1)]) * (1 + self.config.explore_margin)
         gain = self.delivered(kind)
         for k in range(1, self.config.max_k + 1):
@@ -483,10 +493,11 @@ class GoodputPolicy:
             options = row.options()
             for d in kinds:
                 c = options[d] if d < len(options) else None
-                if c is None or (row.forced_k is not None and d != row.forced_kind):
+                if c is None or (row.forced_k is not None and d != row.forced_kind) \
+                        or not row.drafts(k):
                     continue
                 required = row.forced_k is not None or c.explore
-                drafts = k if c.offered is None else min(k, c.offered)
+                drafts = row.drafts(k if c.offered is None else min(k, c.offered))
                 gain = (expected_tokens(c.acceptance, drafts) - 1.0) * self.delivered(d)
                 pairs.append((required, gain, i, d, c.catch_up, c.offered is not None,
                               c.prefill if c.cold else 0))
@@ -515,8 +526,8 @@ class GoodputPolicy:
         if best is None:  # no row can draft with these kinds
             return Plan([0] * batch, batch / self.target.predict([(batch, 1)]), [None] * batch)
         picked = dict(chosen[:best[0]])
-        return Plan([k if i in picked else 0 for i in range(batch)], best[1],
-                    [picked.get(i) for i in range(batch)])
+        return Plan([row.drafts(k) if i in picked else 0 for i, row in enumerate(rows)],
+                    best[1], [picked.get(i) for i in range(batch)])
 
     def _fixed(self, rows: list[Row]) -> Plan:
         """Every row drafts max_k (a forced row its own K and kind), with the kind it must
@@ -524,16 +535,13 @@ class GoodputPolicy:
         k, kinds = [], []
         for row in rows:
             options = [(d, c) for d, c in enumerate(row.options()) if c is not None]
-            if row.forced_k is not None:
-                k.append(row.forced_k)
-                kinds.append(row.forced_kind)
-            elif options:
-                kind = max(options, key=lambda o: (o[1].explore, o[1].acceptance))[0]
-                k.append(self.config.max_k)
-                kinds.append(kind)
-            else:
-                k.append(0)
-                kinds.append(None)
+            kind = row.forced_kind if row.forced_k is not None else \
+                max(options, key=lambda o: (o[1].explore, o[1].acceptance))[0] \
+                if options else None
+            n = row.drafts(self.config.max_k if row.forced_k is None else row.forced_k) \
+                if kind is not None else 0
+            k.append(n)
+            kinds.append(kind if n else None)
         return Plan(k, math.nan, kinds)
 
 

@@ -117,6 +117,13 @@ class Sequence:
     def generated_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
 
+    @property
+    def draft_room(self) -> int:
+        """The most drafts a step may usefully verify for it: a step commits at most its
+        drafts and one more token, so drafts past its remaining tokens but one are for
+        nothing (none on its last token)."""
+        return max(0, self.max_new_tokens - self.num_generated - 1)
+
     def commit(self, output_token_ids: list[int]) -> list[int]:
         """Append the step's output tokens, stopping at the first stop token (kept) and at
         max_new_tokens. Returns the tokens actually committed."""

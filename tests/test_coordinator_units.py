@@ -38,6 +38,28 @@ def test_commit_never_exceeds_the_requests_own_max_new_tokens():
     assert s.finish is Finish.LENGTH and s.num_generated == 3
 
 
+class ForcingGrammar:
+    """A constraint that allows every draft and forces as many tokens as it is let."""
+
+    def cut(self, draft_token_ids, extend):
+        forced = [9] * extend
+        return [b""] * (len(draft_token_ids) + extend + 1), len(draft_token_ids), forced
+
+    def advance(self, token_ids):
+        pass
+
+
+def test_forced_tokens_fill_a_constrained_row_up_to_k_but_never_past_its_end():
+    from coordinator.drafting import DraftedCohort, RowDraft
+    far, near, last = seq(1, 4, max_new=20), seq(2, 4, max_new=3), seq(3, 4, max_new=1)
+    for s in (far, near, last):
+        s.constraint = ForcingGrammar()
+    near.commit([5])  # 2 tokens left: at most 1 draft, forced ones included
+    cohort = DraftedCohort([RowDraft(far), RowDraft(near), RowDraft(last)]).constrained(4)
+    assert [len(row.forced) for row in cohort.rows] == [4, 1, 0]
+    assert [s.draft_room for s in (far, near, last)] == [19, 1, 0]
+
+
 def test_eos_equal_to_pad_like_ids_is_found_by_position_not_by_value():
     s = seq(1, 3, stop=())  # ignore_eos: token 3 is an ordinary token
     assert s.commit([3, 3]) == [3, 3] and s.finish is None

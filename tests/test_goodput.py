@@ -176,6 +176,23 @@ def test_a_packed_verify_lets_the_few_rows_that_pay_draft_in_a_large_batch():
     assert p.target.verify_calls(16, 16, 4) == [(16, 5)]  # everybody does: no padding
 
 
+def test_no_row_is_planned_past_its_end():
+    """A step commits at most a row's drafts and one more token: a row with n tokens left
+    drafts at most n - 1 (none on its last token, a sampled row forced to K included), and
+    the plan prices what it may commit, not K drafts it cannot use."""
+    p = policy(verify_per_token=0.002, verify_per_row_token=0.004)
+    plan = p.plan([goodput.Row(0.9), goodput.Row(0.9, room=2), goodput.Row(0.9, room=0),
+                   goodput.Row(0.9, forced_k=4, room=0), goodput.Row(0.9, forced_k=4, room=3)])
+    assert plan.k == [4, 2, 0, 0, 3]
+    assert [plan.kind(i) for i in range(5)] == [0, 0, None, None, 0]
+    unbounded = p.plan([goodput.Row(0.9)] * 2)
+    near_end = p.plan([goodput.Row(0.9, room=1)] * 2)
+    assert near_end.k == [1, 1] and min(unbounded.k) > 1
+    assert near_end.tokens_per_s < unbounded.tokens_per_s  # one draft a row priced, not K
+    uncalibrated = goodput.GoodputPolicy(goodput.GoodputConfig(max_k=3), [], None)
+    assert uncalibrated.plan([goodput.Row(0.1, room=r) for r in (None, 1, 0)]).k == [3, 1, 0]
+
+
 def test_rows_of_one_group_get_different_k():
     p = policy(verify_per_token=0.002, verify_per_row_token=0.001)
     plan = p.plan([goodput.Row(0.9), goodput.Row(0.02), goodput.Row(0.85), goodput.Row(0.03)])
