@@ -187,6 +187,23 @@ def test_closed_loop_clients_against_the_same_server_without_drafts(tmp_path):
     step = json.loads((tmp_path / "steps" / logs[0]).read_text().splitlines()[-1])
     assert step["rows"] >= 1 and step["committed"] >= 1 and step["step_s"] > 0
 
+    def started(name):  # when a run's first step ran
+        return json.loads((tmp_path / "steps" / name).read_text().splitlines()[0])["t"]
+
+    for clients in (1, 3):  # the default server first in the first round, second in the next
+        router = [started(f"grpc_router-c{clients}-r{r}.jsonl") for r in (0, 1)]
+        plain = [started(f"grpc_target_only-c{clients}-r{r}.jsonl") for r in (0, 1)]
+        assert router[0] < plain[0] and plain[1] < router[1]
+
+
+def test_closed_loop_rounds_take_the_methods_in_turn_their_order_reversed_every_other_round():
+    from batchspec_tools.bench import closed_loop
+
+    assert closed_loop.turns(3, [1, 8], ["a", "b"]) == [
+        (0, 1, "a"), (0, 1, "b"), (0, 8, "a"), (0, 8, "b"),
+        (1, 1, "b"), (1, 1, "a"), (1, 8, "b"), (1, 8, "a"),
+        (2, 1, "a"), (2, 1, "b"), (2, 8, "a"), (2, 8, "b")]
+
 
 def test_closed_loop_rows_take_the_median_run_and_the_ratio_per_round():
     from batchspec_tools.bench import closed_loop

@@ -3,11 +3,12 @@
 At each concurrency C, C clients share the prompt set, each sending its next request as soon as
 its last answer ended. Every method gets a fresh coordinator over the same running services
 (warmed with an untimed short request per client, so its first plans are not what is timed);
-the methods are taken in turn, and the whole sweep `repeat` times, so a machine whose speed
-drifts moves every method alike. Each row is a method at a concurrency: the median run's
-throughput with every run's figure, medians of TTFT and ITL p50/p99, exactness against the
-target alone, and its speed over `grpc_target_only` (the same server without drafts): the
-ratio of the medians, and the spread of the per-round ratios. Each run also records the CPU
+the methods are taken in turn, and the whole sweep `repeat` times, the methods' order reversed
+every other round, so a machine whose speed drifts moves every method alike. Each row is a
+method at a concurrency: the median run's throughput with every run's figure, medians of
+TTFT and ITL p50/p99, exactness against the target alone, and its speed over
+`grpc_target_only` (the same server without drafts): the ratio of the medians, and the spread
+of the per-round ratios. Each run also records the CPU
 seconds every process used while it was timed (target, drafts, its coordinator, the clients):
 the target's over the run's seconds is how many cores it kept busy, and what it left idle is
 time spent waiting on the coordinator, the drafts or the round trips.
@@ -33,9 +34,7 @@ def sweep(stack, workload, config, reference, grpc_drafts: dict,
 
     if not config.concurrency:
         return []
-    methods = methods_of(config, grpc_drafts)
-    rounds = [(r, c, m) for r in range(config.repeat) for c in config.concurrency
-              for m in methods]
+    rounds = turns(config.repeat, config.concurrency, methods_of(config, grpc_drafts))
     runs: dict[tuple[str, int], list[dict]] = {}
     for round_, concurrency, method in tqdm(rounds, desc="closed-loop clients", unit="run"):
         extra = grpc_flags.get(method, ()) + step_log(config, f"{method}-c{concurrency}-r{round_}")
@@ -44,6 +43,15 @@ def sweep(stack, workload, config, reference, grpc_drafts: dict,
     rows = [summarise(method, concurrency, found) for (method, concurrency), found in runs.items()]
     add_plain_ratios(rows, runs)
     return rows
+
+
+def turns(repeat: int, concurrency: list[int], methods: list[str]) -> list[tuple]:
+    """(round, clients, method) in the order they run: every method in turn at each client
+    count, the order reversed every other round (A B, B A, A B, ...), so neither server always
+    runs first after a change of setting, and a machine that speeds up or slows down through
+    a round moves the two alike over the rounds."""
+    return [(r, c, m) for r in range(repeat) for c in concurrency
+            for m in (methods if r % 2 == 0 else methods[::-1])]
 
 
 def step_log(config, name: str, category: str | None = None) -> tuple[str, ...]:
