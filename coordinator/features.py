@@ -35,9 +35,6 @@ class FeatureLog:
         self._rows += features.values_f16
         return True
 
-    def truncate(self, length: int) -> None:
-        del self._rows[length * self.row_bytes:]
-
     def fed_with(self, start: int, end: int) -> cache_pb2.Features:
         """What a feature draft is fed with tokens [start, end): the features of positions
         [start - 1, end - 1), a row of zeros standing for position -1."""

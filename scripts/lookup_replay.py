@@ -6,9 +6,13 @@ proposal is accepted up to its first token that differs from the answer.
     python3 scripts/lookup_replay.py --prompts docs/bench/heldout_prompts.jsonl --num-prompts 32
 
 Prints, per variant, target passes per token, the share of steps that verify a proposal, the
-share of proposed tokens accepted, and the speed-up over plain decoding under a batch-1 cost
-model (a verify of T tokens costs --step-ms + --token-ms x (T - 1); defaults from a 2-core
-CPU). --min-n 3 proposes only after a match of 3 tokens or more.
+share of proposed tokens accepted, and the speed-up over plain decoding under a cost model (a
+row's verify of T tokens costs --step-ms + --token-ms x (T - 1); defaults: batch 1 on a 2-core
+CPU; for a row of a batch, its share of a plain step and what a token more costs the step).
+The last variant, "oracle", verifies only the drafts that will be accepted: a ceiling for any
+policy drafting with this lookup. --prefill-share adds the whole run's speed-up where that
+share of a plain run goes to prefilling prompts. --min-n 3 proposes only after a match of 3
+tokens or more.
 """
 import argparse
 import sys
@@ -41,10 +45,12 @@ def answers(prompts_file: str, count: int, max_new_tokens: int):
 
 
 def replay(pairs, k: int, shared: str | None, shared_n=(3, 6), step_ms=32.0, token_ms=3.25,
-           min_n: int = NgramConfig.min_n):
+           min_n: int = NgramConfig.min_n, oracle: bool = False):
     """shared: None (own tokens only), "all" (earlier prompts and answers) or "answers".
-    Returns (passes per token, share of steps proposing, share of proposed tokens accepted,
-    modelled speed-up)."""
+    oracle: each proposal is verified only up to its last token that will be accepted (none
+    when its first is rejected): the most any choice of what to verify could earn from
+    these proposals. Returns (passes per token, share of steps proposing, share of proposed
+    tokens accepted, modelled speed-up)."""
     config = NgramConfig(min_n=min_n, max_n=max(min_n, NgramConfig.max_n))
     index: dict[tuple, tuple[list[int], int]] = {}  # n-gram -> (tokens, end), latest wins
     tokens = passes = proposing = drafted = taken = 0
@@ -65,6 +71,8 @@ def replay(pairs, k: int, shared: str | None, shared_n=(3, 6), step_ms=32.0, tok
             while (accepted < len(proposal) and t + accepted < len(answer)
                    and proposal[accepted] == answer[t + accepted]):
                 accepted += 1
+            if oracle:
+                proposal = proposal[:accepted]
             step = min(accepted + 1, len(answer) - t)
             own.extend(answer[t:t + step])
             t += step
@@ -87,21 +95,32 @@ def main() -> None:
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--min-n", type=int, default=NgramConfig.min_n,
                         help="the shortest suffix match that proposes")
-    parser.add_argument("--step-ms", type=float, default=32.0)
-    parser.add_argument("--token-ms", type=float, default=3.25)
+    parser.add_argument("--step-ms", type=float, default=32.0,
+                        help="a plain step's cost per row (a batch-1 step by default)")
+    parser.add_argument("--token-ms", type=float, default=3.25,
+                        help="what one more verified token adds to a step")
+    parser.add_argument("--prefill-share", type=float, default=0.0,
+                        help="the share of a plain run spent prefilling prompts, which no "
+                             "draft shortens: the whole run's speed-up is printed beside")
     args = parser.parse_args()
     if not Path(args.prompts).is_file():
         parser.error(f"--prompts {args.prompts}: no such file")
     if min(args.num_prompts, args.max_new_tokens, args.k, args.min_n) < 1:
         parser.error("--num-prompts, --max-new-tokens, -k and --min-n must be >= 1")
+    if not 0 <= args.prefill_share < 1:
+        parser.error("--prefill-share must be in [0, 1)")
     pairs = answers(args.prompts, args.num_prompts, args.max_new_tokens)
-    for shared in (None, "all", "answers"):
+    variants = [(shared, False) for shared in (None, "all", "answers")] + [(None, True)]
+    for shared, oracle in variants:
         per_token, share, accepted, speedup = replay(pairs, args.k, shared,
                                                      step_ms=args.step_ms,
-                                                     token_ms=args.token_ms, min_n=args.min_n)
-        print(f"shared index {shared or 'none':8s} passes/token {per_token:.3f}  "
-              f"steps verifying a proposal {share:.0%}  drafts accepted {accepted:.0%}  "
-              f"modelled speed-up {speedup:.2f}x")
+                                                     token_ms=args.token_ms, min_n=args.min_n,
+                                                     oracle=oracle)
+        whole = 1 / (args.prefill_share + (1 - args.prefill_share) / speedup)
+        print(f"{'oracle' if oracle else 'shared index ' + (shared or 'none'):21s} "
+              f"passes/token {per_token:.3f}  steps verifying a proposal {share:.0%}  "
+              f"drafts accepted {accepted:.0%}  modelled speed-up {speedup:.2f}x"
+              + (f", {whole:.2f}x with prefills" if args.prefill_share else ""))
 
 
 if __name__ == "__main__":
