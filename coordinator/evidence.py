@@ -10,14 +10,26 @@ server without drafts costs); where they measure faster again, the policy plans 
 Each side is kept measured: while one is chosen, the other is tried every few steps of its
 bucket.
 
-Invariants: a decision changes only when the measured rates differ by more than `margin`
-(hysteresis), and only once both sides have `min_steps` steps of evidence, so timing noise does
-not flip it step to step; probes of a settled decision grow rarer (backoff). A new bucket
-decodes plainly until its plain side has `min_steps` steps: the yardstick is measured before
-anything is weighed against it. Pure Python, no clock: callers pass the seconds they measured.
+The comparison is paired. Whenever a bucket's step is of the other side than its step before,
+the two adjacent steps' rates form a pair, and the decision follows the decayed mean of the
+pairs' log ratios (drafted over plain). Two adjacent steps ran on the machine as it was then,
+so a machine that slows down or speeds up (other processes, its host) moves both sides of a
+pair alike; sums of each side's own steps compared the plain yardstick measured at start-up
+with drafted steps measured later, and one round's yardstick, taken while the machine ran at
+half speed, made drafted steps that lost 30% look as fast: the server drafted on 150 of 160
+steps. Until a bucket has decided, its steps alternate after the yardstick, so the pairs come
+at once.
+
+Invariants: a decision changes only when the paired ratio differs from 1 by more than
+`margin` (hysteresis), and only once the bucket has `min_pairs` pairs (`min_clear_pairs`
+where the two sides differ by more than `clear_share`), so timing noise does not flip it step
+to step; probes of a settled decision grow rarer (backoff). A new bucket decodes plainly for
+its first `min_steps` steps: the yardstick is measured before anything is weighed against it.
+Pure Python, no clock: callers pass the seconds they measured.
 """
 import dataclasses
 import enum
+import math
 
 
 class Choice(enum.Enum):
@@ -27,11 +39,12 @@ class Choice(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class EvidenceConfig:
-    min_steps: int = 6  # steps of each side in a bucket before they are compared
-    # ... but drafted steps, which cost most exactly where drafting loses, count as enough
-    # after this many when the two sides differ by more than `clear_share`
-    min_clear_steps: int = 2
-    decay: float = 0.95  # weight kept by older steps, per step of that side and bucket
+    min_steps: int = 6  # plain steps of a new bucket before any drafting (the yardstick)
+    min_pairs: int = 6  # pairs of adjacent drafted and plain steps before a decision ...
+    # ... but where the two sides differ by more than `clear_share`, this many suffice:
+    # drafted steps cost most exactly where drafting loses (3 pairs: 2 drafted steps)
+    min_clear_pairs: int = 3
+    pair_decay: float = 0.9  # weight kept by older pairs, per pair
     margin: float = 0.05  # how much slower (faster) drafting must measure to step aside (back)
     probe_every: int = 12  # steps of a bucket between tries of the side not chosen
     # where the two sides differ by more than this share, the side not chosen is tried only
@@ -45,37 +58,39 @@ class EvidenceConfig:
     max_backoff: int = 4
 
     def __post_init__(self):
-        if not 1 <= self.min_clear_steps <= self.min_steps:
-            raise ValueError("min_clear_steps must be in [1, min_steps]")
+        if not 1 <= self.min_clear_pairs <= self.min_pairs or self.min_steps < 1:
+            raise ValueError("min_steps >= 1 and min_clear_pairs in [1, min_pairs]")
         if self.probe_every < 2 or self.clear_factor < 1 or self.max_backoff < 1:
             raise ValueError("probe_every must be >= 2, clear_factor and max_backoff >= 1")
-        if not 0 < self.decay < 1 or not 0 <= self.margin < 1:
-            raise ValueError("decay must be in (0, 1) and margin in [0, 1)")
+        if not 0 < self.pair_decay < 1 or not 0 <= self.margin < 1:
+            raise ValueError("pair_decay must be in (0, 1) and margin in [0, 1)")
 
 
 @dataclasses.dataclass
-class Rate:
-    """Tokens per second of one side in one bucket: decayed sums of tokens and of seconds
-    (a ratio of sums, so a few slow steps weigh by their time, not as outliers)."""
+class Pairs:
+    """Adjacent drafted and plain steps compared: a decayed mean of log(drafted rate / plain
+    rate), one term per pair."""
 
-    tokens: float = 0.0
-    seconds: float = 0.0
-    steps: int = 0
+    log_sum: float = 0.0
+    weight: float = 0.0
+    count: int = 0
 
-    def add(self, tokens: int, seconds: float, decay: float) -> None:
-        self.tokens = decay * self.tokens + tokens
-        self.seconds = decay * self.seconds + seconds
-        self.steps += 1
+    def add(self, drafted_rate: float, plain_rate: float, decay: float) -> None:
+        self.log_sum = decay * self.log_sum + math.log(drafted_rate / plain_rate)
+        self.weight = decay * self.weight + 1.0
+        self.count += 1
 
     @property
-    def per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+    def ratio(self) -> float | None:
+        return math.exp(self.log_sum / self.weight) if self.weight else None
 
 
 @dataclasses.dataclass
 class Bucket:
-    drafted: Rate = dataclasses.field(default_factory=Rate)
-    plain: Rate = dataclasses.field(default_factory=Rate)
+    plain_steps: int = 0  # plain steps so far (the yardstick comes first)
+    pairs: Pairs = dataclasses.field(default_factory=Pairs)
+    last: tuple[bool, float] | None = None  # its last step: (drafted, tokens per second)
+    decided: bool = False  # enough pairs have been weighed once
     aside: bool = False  # drafting measured slower: step aside
     since_probe: int = 0  # steps since the side not chosen was last tried
     backoff: int = 1  # the probe interval's factor (see EvidenceConfig.max_backoff)
@@ -94,11 +109,13 @@ class Evidence:
     def choose(self, rows: int) -> Choice:
         """For a greedy cohort of `rows`: plan, or step aside. Called once per such step."""
         bucket = self.buckets.setdefault(bucket_of(rows), Bucket())
-        if bucket.plain.steps < self.config.min_steps:
+        if bucket.plain_steps < self.config.min_steps:
             # the yardstick first: a plain step costs what the server without drafts pays,
             # so a bucket where drafting loses pays only for the few drafted steps that show
-            # it (min_clear_steps), never for a start-up stretch of the plan's guesses
+            # it, never for a start-up stretch of the plan's guesses
             return Choice.PLAIN
+        if not bucket.decided:  # alternate: every step after the first makes a pair
+            return Choice.PLAIN if bucket.last is not None and bucket.last[0] else Choice.PLAN
         bucket.since_probe += 1
         if bucket.since_probe >= self._probe_every(rows) * bucket.backoff:
             bucket.since_probe = 0
@@ -111,20 +128,27 @@ class Evidence:
         seconds it took."""
         config = self.config
         bucket = self.buckets.setdefault(bucket_of(rows), Bucket())
-        if drafted == bucket.aside and seconds > 0:  # a probe of the side not chosen ...
-            chosen = bucket.plain if drafted else bucket.drafted
-            if tokens / seconds > chosen.per_second * (1 + config.margin):
-                bucket.backoff = 1  # ... that disagrees with the decision: check again soon
-        (bucket.drafted if drafted else bucket.plain).add(tokens, seconds, config.decay)
-        if bucket.plain.steps < config.min_steps or not bucket.drafted.steps:
+        bucket.plain_steps += not drafted
+        if seconds <= 0 or tokens <= 0:
             return
-        ratio = bucket.drafted.per_second / max(bucket.plain.per_second, 1e-9)
-        clear = abs(ratio - 1) > config.clear_share
-        if bucket.drafted.steps < (config.min_clear_steps if clear else config.min_steps):
+        rate, last = tokens / seconds, bucket.last
+        bucket.last = (drafted, rate)
+        if last is None or last[0] == drafted:
             return
-        if not bucket.aside and ratio < 1 - config.margin:
+        if drafted == bucket.aside and rate > last[1] * (1 + config.margin):
+            bucket.backoff = 1  # a probe that disagrees with the decision: check again soon
+        bucket.pairs.add(*((rate, last[1]) if drafted else (last[1], rate)), config.pair_decay)
+        self._decide(bucket)
+
+    def _decide(self, bucket: Bucket) -> None:
+        ratio = bucket.pairs.ratio
+        clear = abs(ratio - 1) > self.config.clear_share
+        if bucket.pairs.count < (self.config.min_clear_pairs if clear else self.config.min_pairs):
+            return
+        bucket.decided = True
+        if not bucket.aside and ratio < 1 - self.config.margin:
             bucket.aside, bucket.backoff = True, 1
-        elif bucket.aside and ratio > 1 + config.margin:
+        elif bucket.aside and ratio > 1 + self.config.margin:
             bucket.aside, bucket.backoff = False, 1
 
     def _probe_every(self, rows: int) -> int:
@@ -133,8 +157,7 @@ class Evidence:
         return self.config.probe_every * (self.config.clear_factor if clear else 1)
 
     def ratio(self, rows: int) -> float | None:
-        """Drafted over plain tokens per second in the bucket of `rows` (None: unmeasured)."""
+        """Drafted over plain tokens per second in the bucket of `rows`, as its pairs of
+        adjacent steps measured them (None: no pair yet)."""
         bucket = self.buckets.get(bucket_of(rows))
-        if bucket is None or not (bucket.drafted.seconds and bucket.plain.seconds):
-            return None
-        return bucket.drafted.per_second / bucket.plain.per_second
+        return None if bucket is None else bucket.pairs.ratio

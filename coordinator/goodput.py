@@ -311,7 +311,7 @@ class Row:
 
     acceptance: float = 0.0
     catch_up: int = 1
-    forced_k: int | None = None  # must draft exactly this many (seeded sampling: repeatable)
+    forced_k: int | None = None  # must draft this many, room allowing (seeded sampling)
     explore: bool = False
     choices: tuple[Choice | None, ...] = ()
     forced_kind: int = 0  # the kind a forced row drafts with
