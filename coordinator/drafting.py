@@ -157,19 +157,24 @@ class _Step:
         return DraftedCohort(rows, timing, sum(s for _, s in self.spent))
 
 
-def turnover_seconds(cohort: DraftedCohort, verify_timing: Timing | None) -> float:
-    """The seconds the target spent re-stacking a cohort's rows because they are not the batch
-    they last ran in, in its order (requests joined or left it): turnover, which comes once
-    per arrival and departure whether or not the server drafts, so it says nothing about
-    drafting (one such copy of a newly formed batch took 241 ms, four plain steps' time, and
-    made a yardstick of plain steps measure a third too slow). Copies that compact the holes
-    rejected drafts leave in an unchanged batch stay drafting's cost. Records what each row
-    ran with."""
+def realign_shares(cohort: DraftedCohort, verify_timing: Timing | None) -> tuple[float, float]:
+    """The target's seconds of re-stacking a verified cohort's rows, as the evidence weighs
+    them: (turnover, carried). Turnover: the rows are not the batch they last ran in, in its
+    order (requests joined or left), a copy that comes once per arrival and departure
+    whether or not the server drafts, so it says nothing about drafting (one such copy of a
+    newly formed batch took 241 ms, four plain steps' time, and made a yardstick of plain
+    steps measure a third too slow). Carried: the same batch after a step that verified
+    drafts, compacting the holes its rejected drafts left: drafting's cost, charged to that
+    step (a plain step after a drafted one paid 23 ms of a 114 ms step for it). Records what
+    each row ran with."""
     ids = tuple(row.seq.seq_id for row in cohort.rows)
     changed = any(row.seq.ran_with != ids for row in cohort.rows)
+    after_drafts = not changed and any(row.seq.ran_drafted for row in cohort.rows)
+    drafted = any(row.draft_token_ids for row in cohort.rows)
     for row in cohort.rows:
-        row.seq.ran_with = ids
-    return verify_timing.realign_seconds if changed and verify_timing is not None else 0.0
+        row.seq.ran_with, row.seq.ran_drafted = ids, drafted
+    realign = verify_timing.realign_seconds if verify_timing is not None else 0.0
+    return (realign, 0.0) if changed else (0.0, realign if after_drafts else 0.0)
 
 
 class Drafter:
@@ -253,12 +258,13 @@ class Drafter:
         any draft counts as drafted even where nothing was verified (a lookup that found
         nothing, a plan that kept every row plain after asking): what drafting costs is
         weighed on its side, and the plain side is only steps that cost what decoding
-        without drafts does. Turnover (see turnover_seconds) is left out of both sides."""
-        turnover = turnover_seconds(cohort, verify_timing)
+        without drafts does. Turnover is left out of both sides, and compaction after a
+        drafted step charged to it (see realign_shares)."""
+        turnover, carried = realign_shares(cohort, verify_timing)
         if self.evidence is not None and all(s.sampling.greedy for s in cohort.seqs):
             drafted = cohort.timing is not None or any(row.num_drafts for row in cohort.rows)
             self.evidence.observe(len(cohort.rows), drafted, num_committed,
-                                  max(0.0, seconds - turnover))
+                                  max(0.0, seconds - turnover), carried)
 
     def _ask_first(self, step: _Step, timeout: float | None) -> list[int]:
         """Ask the kinds due before planning for every row; the kinds asked. One not due this

@@ -3,7 +3,7 @@
 The policy plans from predicted costs and acceptances; this keeps what steps actually
 delivered: committed tokens per second of the engine's own time (from choosing the cohort to
 streaming its tokens, draft prefills included; admissions and turnover copies, which the
-server pays whether it drafts or not, left out: drafting.turnover_seconds) of drafted steps
+server pays whether it drafts or not, left out: drafting.realign_shares) of drafted steps
 and of plain steps, per batch-size bucket. Where drafted steps measure slower than plain ones,
 greedy cohorts step aside (decode plainly, asking no draft at all, so they cost what the same
 server without drafts costs); where they measure faster again, the policy plans as before.
@@ -86,10 +86,24 @@ class Pairs:
 
 
 @dataclasses.dataclass
+class Step:
+    drafted: bool
+    tokens: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclasses.dataclass
 class Bucket:
     plain_steps: int = 0  # plain steps so far (the yardstick comes first)
     pairs: Pairs = dataclasses.field(default_factory=Pairs)
-    last: tuple[bool, float] | None = None  # its last step: (drafted, tokens per second)
+    # its last two steps: `last` may still be charged what the step after it pays for it
+    # (carried seconds), so it is weighed, and paired with `prev`, only once that step came
+    prev: "Step | None" = None
+    last: "Step | None" = None
     decided: bool = False  # enough pairs have been weighed once
     aside: bool = False  # drafting measured slower: step aside
     since_probe: int = 0  # steps since the side not chosen was last tried
@@ -115,7 +129,8 @@ class Evidence:
             # it, never for a start-up stretch of the plan's guesses
             return Choice.PLAIN
         if not bucket.decided:  # alternate: every step after the first makes a pair
-            return Choice.PLAIN if bucket.last is not None and bucket.last[0] else Choice.PLAN
+            return Choice.PLAIN if bucket.last is not None and bucket.last.drafted \
+                else Choice.PLAN
         bucket.since_probe += 1
         if bucket.since_probe >= self._probe_every(rows) * bucket.backoff:
             bucket.since_probe = 0
@@ -123,21 +138,32 @@ class Evidence:
             return Choice.PLAN if bucket.aside else Choice.PLAIN
         return Choice.PLAIN if bucket.aside else Choice.PLAN
 
-    def observe(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
+    def observe(self, rows: int, drafted: bool, tokens: int, seconds: float,
+                carried: float = 0.0) -> None:
         """A verified step: whether any row verified drafts, the tokens it committed and the
-        seconds it took."""
-        config = self.config
+        seconds it took; `carried` of them it paid for the bucket's step before (compacting
+        the holes that step's rejected drafts left), which are charged to that step."""
         bucket = self.buckets.setdefault(bucket_of(rows), Bucket())
         bucket.plain_steps += not drafted
         if seconds <= 0 or tokens <= 0:
             return
-        rate, last = tokens / seconds, bucket.last
-        bucket.last = (drafted, rate)
-        if last is None or last[0] == drafted:
+        last, carried = bucket.last, min(max(carried, 0.0), 0.9 * seconds)
+        bucket.last = Step(drafted, tokens, seconds - carried)
+        if last is None:
             return
-        if drafted == bucket.aside and rate > last[1] * (1 + config.margin):
+        last.seconds += carried
+        prev, bucket.prev = bucket.prev, last
+        if prev is not None and prev.drafted != last.drafted:
+            self._pair(bucket, prev, last)
+
+    def _pair(self, bucket: Bucket, before: Step, after: Step) -> None:
+        """Weigh two adjacent steps of different sides."""
+        config = self.config
+        probe, neighbour = (after, before) if after.drafted == bucket.aside else (before, after)
+        if probe.drafted == bucket.aside and probe.rate > neighbour.rate * (1 + config.margin):
             bucket.backoff = 1  # a probe that disagrees with the decision: check again soon
-        bucket.pairs.add(*((rate, last[1]) if drafted else (last[1], rate)), config.pair_decay)
+        drafted, plain = (before, after) if before.drafted else (after, before)
+        bucket.pairs.add(drafted.rate, plain.rate, config.pair_decay)
         self._decide(bucket)
 
     def _decide(self, bucket: Bucket) -> None:

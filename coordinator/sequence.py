@@ -79,6 +79,7 @@ class Sequence:
     cohort: int | None = None  # the cohort it is stepped with (scheduler); None: not yet placed
     # the seq_ids, in order, of the verify it last ran in (the target's batch it sits in)
     ran_with: tuple[int, ...] = ()
+    ran_drafted: bool = False  # whether that verify verified drafts (left holes to compact)
     created: float = dataclasses.field(default_factory=time.monotonic)
     # Optional coordinator.text.TextStream: the generated text and its stop strings.
     text: object = dataclasses.field(default=None, repr=False, compare=False)

@@ -110,24 +110,35 @@ def test_probes_of_a_settled_decision_grow_rarer_until_it_flips():
 
 def test_a_clearly_losing_draft_is_stepped_around_after_few_drafted_steps():
     """Drafted steps cost most where drafting loses: a clear loss needs only a few pairs
-    of adjacent steps, a close one the full count."""
-    def alternate(evidence, drafted_seconds, pairs):
-        for _ in range(6):
-            evidence.observe(8, False, tokens=8, seconds=0.05)
-        for i in range(pairs):
-            drafted = i % 2 == 0
+    of adjacent steps, a close one the full count. A step is weighed once the step after it
+    came (which may carry seconds paid for it)."""
+    def steps(evidence, drafted_seconds, sides):
+        for drafted in sides:
             evidence.observe(8, drafted, tokens=8, seconds=drafted_seconds if drafted else 0.05)
+        return evidence.buckets[bucket_of(8)]
 
+    yardstick = [False] * 6
     clear = Evidence()
-    alternate(clear, 0.1, 2)
-    assert not clear.buckets[bucket_of(8)].aside  # two pairs are not evidence
-    alternate(clear, 0.1, 1)
-    assert clear.buckets[bucket_of(8)].aside  # half the plain rate, three times
+    assert not steps(clear, 0.1, yardstick + [True, False, True]).aside  # two pairs weighed
+    assert steps(clear, 0.1, [False]).aside  # half the plain rate, three pairs
     close = Evidence()
-    alternate(close, 0.058, 5)
-    assert not close.buckets[bucket_of(8)].aside  # 14% slower: wait for the full count
-    close.observe(8, False, tokens=8, seconds=0.05)
-    assert close.buckets[bucket_of(8)].aside
+    assert not steps(close, 0.058, yardstick + [True, False] * 3).aside  # 14% slower: 5 pairs
+    assert steps(close, 0.058, [True]).aside  # the full count: six
+
+
+def test_what_a_step_pays_for_the_drafted_step_before_it_is_charged_to_that_one():
+    """After a drafted step the next one compacts the holes its rejected drafts left: those
+    seconds are drafting's. Charged to the plain step that paid them, they made drafting
+    look faster than plain decoding; carried back, they count against it."""
+    charged, carried = Evidence(), Evidence()
+    for evidence, carry in ((charged, 0.0), (carried, 0.04)):
+        for _ in range(6):
+            evidence.observe(8, False, tokens=8, seconds=0.08)
+        for i in range(12):  # a drafted step: 12 tokens in 0.1 s; the plain one after it
+            evidence.observe(8, True, tokens=12, seconds=0.1)  # pays 0.04 s of compaction
+            evidence.observe(8, False, tokens=8, seconds=0.12, carried=carry)
+    assert not charged.buckets[bucket_of(8)].aside and charged.ratio(8) > 1.3
+    assert carried.buckets[bucket_of(8)].aside and carried.ratio(8) < 0.95
 
 
 def test_a_machine_that_slows_down_during_the_yardstick_does_not_make_drafting_look_good():
@@ -166,7 +177,7 @@ def test_a_step_that_asked_a_draft_counts_as_drafted_even_with_nothing_verified(
     seen = []
 
     class Recording:
-        def observe(self, rows, drafted, tokens, seconds):
+        def observe(self, rows, drafted, tokens, seconds, carried=0.0):
             seen.append(drafted)
 
     drafter = Drafter(peers=None, config=None, recorder=None, evidence=Recording())
@@ -197,11 +208,12 @@ def test_rows_of_a_cohort_aside_are_not_idle_for_the_plan():
     assert policy.choice(aside.drafts[0].spec, 1, 0).acceptance < policy.config.optimism
 
 
-def test_turnover_copies_are_left_out_of_both_sides():
+def test_turnover_copies_are_left_out_and_compaction_is_charged_to_the_drafted_step():
     """A verify whose rows are not the batch they last ran in (a request joined or left)
     pays for re-stacking them whatever the server drafts: those seconds are left out of the
-    evidence. In an unchanged batch, the target's realignment (compacting the holes rejected
-    drafts leave) stays in: that is drafting's cost."""
+    evidence. In an unchanged batch after a step that verified drafts, the target's
+    realignment compacts the holes the rejected drafts left: that is drafting's cost, carried
+    back to the drafted step; after a plain step it is the step's own."""
     from coordinator.clients import Timing
     from coordinator.drafting import DraftedCohort, Drafter, RowDraft
     from coordinator.sequence import Sequence
@@ -209,16 +221,21 @@ def test_turnover_copies_are_left_out_of_both_sides():
     seen = []
 
     class Recording:
-        def observe(self, rows, drafted, tokens, seconds):
-            seen.append(round(seconds, 3))
+        def observe(self, rows, drafted, tokens, seconds, carried=0.0):
+            seen.append((round(seconds, 3), round(carried, 3)))
 
     drafter = Drafter(peers=None, config=None, recorder=None, evidence=Recording())
     seqs = [Sequence(i, [1, 2, 3], 8, frozenset()) for i in range(3)]
     verify = Timing(compute_seconds=0.3, realign_seconds=0.24)
     step = [RowDraft(s) for s in seqs[:2]]
     drafter.observe_step(DraftedCohort(step), 2, 0.32, verify)  # a new batch: copied
-    drafter.observe_step(DraftedCohort(step), 2, 0.32, verify)  # the same batch: compacted
+    drafter.observe_step(DraftedCohort(step), 2, 0.32, verify)  # the same batch, after plain
     drafter.observe_step(DraftedCohort([RowDraft(s) for s in seqs]), 3, 0.32, verify)  # joined
     drafter.observe_step(DraftedCohort(step[::-1]), 2, 0.32, verify)  # reordered: a copy
     drafter.observe_step(DraftedCohort(step[::-1]), 2, 0.32)  # no timing: nothing to take off
-    assert seen == [0.08, 0.32, 0.08, 0.08, 0.32]
+    drafted = [RowDraft(seqs[1], forced=(7,)), RowDraft(seqs[0])]  # verifies a draft
+    drafter.observe_step(DraftedCohort(drafted), 2, 0.32, verify)
+    drafter.observe_step(DraftedCohort(step[::-1]), 2, 0.32, verify)  # compacts its holes
+    drafter.observe_step(DraftedCohort(step[::-1]), 2, 0.32, verify)  # after plain again
+    assert seen == [(0.08, 0.0), (0.32, 0.0), (0.08, 0.0), (0.08, 0.0), (0.32, 0.0),
+                    (0.32, 0.0), (0.32, 0.24), (0.32, 0.0)]
