@@ -16,8 +16,8 @@ pairs' log ratios (drafted over plain). Two adjacent steps ran on the machine as
 so a machine that slows down or speeds up (other processes, its host) moves both sides of a
 pair alike; sums of each side's own steps compared the plain yardstick measured at start-up
 with drafted steps measured later, and one round's yardstick, taken while the machine ran at
-half speed, made drafted steps that lost 30% look as fast: the server drafted on 150 of 160
-steps. Until a bucket has decided, its steps alternate after the yardstick, so the pairs come
+half speed, made drafted steps that lost 30% look as fast: the server drafted on 147 of 157
+8-row steps. Until a bucket has decided, its steps alternate after the yardstick, so the pairs come
 at once.
 
 Invariants: a decision changes only when the paired ratio differs from 1 by more than
