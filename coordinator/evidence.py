@@ -159,8 +159,9 @@ class Evidence:
     def _pair(self, bucket: Bucket, before: Step, after: Step) -> None:
         """Weigh two adjacent steps of different sides."""
         config = self.config
+        # of the two, the step of the side not chosen (a probe, once decided)
         probe, neighbour = (after, before) if after.drafted == bucket.aside else (before, after)
-        if probe.drafted == bucket.aside and probe.rate > neighbour.rate * (1 + config.margin):
+        if probe.rate > neighbour.rate * (1 + config.margin):
             bucket.backoff = 1  # a probe that disagrees with the decision: check again soon
         drafted, plain = (before, after) if before.drafted else (after, before)
         bucket.pairs.add(drafted.rate, plain.rate, config.pair_decay)
