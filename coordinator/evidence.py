@@ -102,8 +102,8 @@ class Bucket:
     pairs: Pairs = dataclasses.field(default_factory=Pairs)
     # its last two steps: `last` may still be charged what the step after it pays for it
     # (carried seconds), so it is weighed, and paired with `prev`, only once that step came
-    prev: "Step | None" = None
-    last: "Step | None" = None
+    prev: Step | None = None
+    last: Step | None = None
     decided: bool = False  # enough pairs have been weighed once
     aside: bool = False  # drafting measured slower: step aside
     since_probe: int = 0  # steps since the side not chosen was last tried

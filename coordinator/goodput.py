@@ -425,10 +425,10 @@ class GoodputPolicy:
         rows = _few_explorers(_one_cold_explorer(rows), self.config.explorers)
         for kind in range(len(self.drafts)):
             self._plans_since[kind] = self._plans_since.get(kind, 0) + 1
-        if not self.calibrated:
-            return self._fixed(rows)
         rows = [r if r.forced_k is None or r.drafts(r.forced_k) else
                 dataclasses.replace(r, forced_k=None) for r in rows]  # forced, at its end
+        if not self.calibrated:
+            return self._fixed(rows)
         forced = {r.forced_k for r in rows if r.forced_k is not None}
         if not forced and self.target.stale(1, self.config.measure_plain_every):
             return self._best_for(rows, 0, ())  # the yardstick, measured
@@ -535,11 +535,13 @@ class GoodputPolicy:
         k, kinds = [], []
         for row in rows:
             options = [(d, c) for d, c in enumerate(row.options()) if c is not None]
-            kind = row.forced_kind if row.forced_k is not None else \
-                max(options, key=lambda o: (o[1].explore, o[1].acceptance))[0] \
-                if options else None
-            n = row.drafts(self.config.max_k if row.forced_k is None else row.forced_k) \
-                if kind is not None else 0
+            if row.forced_k is not None:
+                kind, n = row.forced_kind, row.drafts(row.forced_k)
+            elif options:
+                kind = max(options, key=lambda o: (o[1].explore, o[1].acceptance))[0]
+                n = row.drafts(self.config.max_k)
+            else:
+                kind, n = None, 0
             k.append(n)
             kinds.append(kind if n else None)
         return Plan(k, math.nan, kinds)

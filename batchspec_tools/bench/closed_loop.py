@@ -8,10 +8,10 @@ every other round, so a machine whose speed drifts moves every method alike. Eac
 method at a concurrency: the median run's throughput with every run's figure, medians of
 TTFT and ITL p50/p99, exactness against the target alone, and its speed over
 `grpc_target_only` (the same server without drafts): the ratio of the medians, and the spread
-of the per-round ratios. Each run also records the CPU
-seconds every process used while it was timed (target, drafts, its coordinator, the clients):
-the target's over the run's seconds is how many cores it kept busy, and what it left idle is
-time spent waiting on the coordinator, the drafts or the round trips.
+of the per-round ratios. Each run also records the CPU seconds every process used while it was
+timed (target, drafts, its coordinator, the clients): the target's over the run's seconds is
+how many cores it kept busy, and what it left idle is time spent waiting on the coordinator,
+the drafts or the round trips.
 """
 import pathlib
 import statistics
