@@ -67,7 +67,8 @@ def test_a_feature_log_feeds_each_token_the_features_of_the_position_before_it()
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_the_targets_features_agree_across_prefill_verify_and_recomputation(model_dirs, arch):
     """What a prefill and a verify return for the positions they cache is what the target
-    computes for the same committed prefix on request, which touches no cache."""
+    computes for the same committed prefix on request, which touches no cache, and what a
+    head is trained on: the last of the hidden states a stock forward returns."""
     target = runner(model_dirs[arch][0])
     prompt = [5, 6, 7, 8, 9]
     _, kept = target.prefill_features([(1, prompt[:-1])], keep=True)
@@ -82,6 +83,10 @@ def test_the_targets_features_agree_across_prefill_verify_and_recomputation(mode
     assert {s: c.length for s, c in target.caches.items()} == before
     assert torch.allclose(recomputed[:4], kept[1], atol=1e-4)
     assert torch.allclose(recomputed[4:], outcome.features, atol=1e-4)
+    with torch.inference_mode():
+        trained_on = target.model(input_ids=torch.tensor([committed[:-1]]),
+                                  output_hidden_states=True).hidden_states[-1][0]
+    assert torch.allclose(recomputed, trained_on, atol=1e-4)
 
 
 def test_services_refuse_features_where_they_do_not_belong(model_dirs, heads):

@@ -10,6 +10,7 @@ sequences, and rolls caches back. Invariants:
   cache makes new tensors), so a failed command leaves every sequence as it was until `store`.
 - Position ids are always explicit (real-token counts), so left padding never shifts them.
 """
+import contextlib
 import dataclasses
 import time
 
@@ -352,12 +353,28 @@ class GroupForward:
             if features is None:
                 raise ValueError("a feature head's forward needs features")
             kwargs["features"] = features.to(self.runner.device)
-        elif keep_hidden:
-            kwargs["output_hidden_states"] = True
-        if valid is not None and self.runner.packs_positions and not bool(valid.all()):
-            with fastlinear.only_positions(valid):
-                return self._step(input_ids, num_logits, started, kwargs)
-        return self._step(input_ids, num_logits, started, kwargs)
+        packed = valid is not None and self.runner.packs_positions and not bool(valid.all())
+        with (fastlinear.only_positions(valid) if packed else contextlib.nullcontext(),
+              self._hidden_kept(keep_hidden)):
+            return self._step(input_ids, num_logits, started, kwargs)
+
+    @contextlib.contextmanager
+    def _hidden_kept(self, keep: bool):
+        """Keep the final hidden states of the forward inside in `self.hidden`: the output of
+        the model's base (after its final norm: what `output_hidden_states` returns last),
+        caught by a hook, so no other layer's hidden states are kept alive."""
+        if not keep or self.runner.reads_features:
+            yield
+            return
+
+        def catch(module, args, out):
+            self.hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+
+        hook = self.runner.model.base_model.register_forward_hook(catch)
+        try:
+            yield
+        finally:
+            hook.remove()
 
     def _step(self, input_ids: torch.Tensor, num_logits: int, started: float,
               kwargs: dict) -> torch.Tensor:
@@ -369,12 +386,12 @@ class GroupForward:
             self.mask = torch.cat([self.mask, self.mask.new_ones(batch, num_new)], dim=1)
             kwargs["attention_mask"] = self.mask
         kwargs[self.runner.cache_keyword] = self.cache
+        self.hidden = None  # set by the forward below where kept
         out = self.runner.model(input_ids=input_ids.to(device), position_ids=position_ids,
                                 use_cache=True, logits_to_keep=num_logits, **kwargs)
         self.cache = kvcache.returned_cache(out)
-        self.hidden = getattr(out, "hidden", None)
-        if self.hidden is None and kwargs.get("output_hidden_states"):
-            self.hidden = out.hidden_states[-1]
+        if self.runner.reads_features:
+            self.hidden = out.hidden
         self.lengths = [n + num_new for n in self.lengths]
         self.spans = [kvcache.append_span(s, self.width, self.width + num_new)
                       for s in self.spans]
