@@ -35,6 +35,14 @@ class FeatureLog:
         self._rows += features.values_f16
         return True
 
+    def head(self, length: int) -> "FeatureLog":
+        """A log of this one's first `length` positions (a copy)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"{length} positions asked of a log of {self.length}")
+        first = FeatureLog(self.width)
+        first._rows = self._rows[:length * self.row_bytes]
+        return first
+
     def fed_with(self, start: int, end: int) -> cache_pb2.Features:
         """What a feature draft is fed with tokens [start, end): the features of positions
         [start - 1, end - 1), a row of zeros standing for position -1."""
@@ -70,11 +78,41 @@ def note_readers(client, target, kinds, infos) -> None:
             kind.up = False
 
 
-def prefill_target(target, seqs) -> None:
-    """Prefill the sequences in the target, keeping the features of their positions."""
-    _, answers = target.prefill([s.prefill_entry() for s in seqs], return_features=True)
-    for seq, answer in zip(seqs, answers):
-        seq.features = from_message(answer)
+def prefill_target(target, seqs, copies: dict[int, int], active=()) -> None:
+    """Prefill the sequences in the target, keeping the features of their positions. Those
+    in `copies` (seq_id: source, one of `seqs` or `active`) start from their source's
+    cache and take the features of its first positions: a causal model's features of a
+    prefix depend on that prefix alone. A prefill that returns features copies nothing, so
+    the copies go in a second command, after the sources are computed; all or nothing, as
+    one command is: where it fails, the sequences computed are released again."""
+    computed = [s for s in seqs if s.seq_id not in copies]
+    copied = [s for s in seqs if s.seq_id in copies]
+    if computed:
+        _, answers = target.prefill([s.prefill_entry() for s in computed], return_features=True)
+        for seq, answer in zip(computed, answers):
+            seq.features = from_message(answer)
+    if not copied:
+        return
+    try:
+        target.prefill([s.prefill_entry() for s in copied], copies)
+    except errors.BatchspecError:
+        _release_quietly(target, [s.seq_id for s in computed])
+        raise
+    known = {s.seq_id: s for s in [*active, *computed]}
+    for seq in copied:
+        source = known[copies[seq.seq_id]].features
+        needed = seq.committed_len - 1
+        seq.features = (source.head(needed) if source is not None and source.length >= needed
+                        else None)
+
+
+def _release_quietly(target, seq_ids: list[int]) -> None:
+    if not seq_ids:
+        return
+    try:
+        target.release(seq_ids)
+    except errors.BatchspecError as error:  # a target lost holds nothing to release
+        log.info("could not release %d sequences in the target (%s)", len(seq_ids), error)
 
 
 def ensure(target, seqs) -> bool:

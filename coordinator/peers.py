@@ -93,11 +93,13 @@ class Peers:
                 scored = self.target.prefill_scored([s.prefill_entry() for s in seqs], scoring)
                 for s in seqs:
                     s.prompt_logprobs = scored.get(s.seq_id, s.prompt_logprobs)
-            elif self.target.features_for_drafts:  # no copies: every prompt's features
-                features_lib.prefill_target(self.target, seqs)
             else:
-                self.target.prefill([s.prefill_entry() for s in seqs],
-                                    shared_prompts(seqs, self.pool.active_sequences()))
+                active = self.pool.active_sequences()
+                copies = shared_prompts(seqs, active)
+                if self.target.features_for_drafts:
+                    features_lib.prefill_target(self.target, seqs, copies, active)
+                else:
+                    self.target.prefill([s.prefill_entry() for s in seqs], copies)
         for s in seqs:
             s.target.cache_len = s.committed_len - 1
             s.drafts = [DraftState() for _ in self.kinds]

@@ -8,6 +8,8 @@ import time
 import pytest
 
 from batchspec import errors
+from batchspec.v1 import cache_pb2
+from coordinator import features as features_lib
 from coordinator import peers as peers_module
 from coordinator import scheduler
 from coordinator.clients import ModelInfo
@@ -293,3 +295,36 @@ def test_coordinator_does_not_import_torch():
             "coordinator.http; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+class CopyingTarget:
+    """A target answering prefills with features (two float16 zeros per position); the
+    command with copies fails when told to."""
+
+    def __init__(self, refuse_copies=False):
+        self.refuse_copies = refuse_copies
+        self.commands, self.released = [], []
+
+    def prefill(self, entries, copies=None, return_features=False):
+        self.commands.append(([s for s, _ in entries], dict(copies or {}), return_features))
+        if copies and self.refuse_copies:
+            raise errors.ResourceExhausted("full")
+        if not return_features:
+            return [len(t) for _, t in entries]
+        return [len(t) for _, t in entries], [cache_pb2.Features(
+            num_positions=len(t), width=1, values_f16=bytes(2 * len(t))) for _, t in entries]
+
+    def release(self, seq_ids):
+        self.released.append(list(seq_ids))
+
+
+def test_copies_of_a_prompt_follow_the_prefill_that_returns_features_all_or_nothing():
+    first, again, other = seq(1, 6), seq(2, 6), seq(3, 4)
+    target = CopyingTarget()
+    features_lib.prefill_target(target, [first, again, other], {2: 1})
+    assert target.commands == [([1, 3], {}, True), ([2], {2: 1}, False)]
+    assert again.features.length == first.features.length == 5 and other.features.length == 3
+    target = CopyingTarget(refuse_copies=True)
+    with pytest.raises(errors.ResourceExhausted):
+        features_lib.prefill_target(target, [seq(4, 6), seq(5, 6)], {5: 4})
+    assert target.released == [[4]]  # computed, then released: admitted again later

@@ -147,12 +147,9 @@ def generate(stack, prompt, max_new_tokens):
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33, 34, 35]]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_greedy_output_through_a_feature_draft_is_the_targets_and_it_is_fed_the_right_rows(
-        heads, arch, monkeypatch):
-    """Rows of different lengths in one batch; every proposal's features are compared with
-    the target's own features of the positions before its tokens, recomputed."""
-    target_dir, head_dir = heads[arch]
+def spy_on_proposals(monkeypatch) -> list:
+    """(seq_id, keep_len, append_token_ids, features) of every row a draft is asked to
+    propose for."""
     fed = []
     real_propose = proposer.propose
 
@@ -161,33 +158,76 @@ def test_greedy_output_through_a_feature_draft_is_the_targets_and_it_is_fed_the_
         return real_propose(runner_, rows, *args, **kwargs)
 
     monkeypatch.setattr(proposer, "propose", spy)
+    return fed
+
+
+def generate_together(stack, prompts, max_new_tokens):
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: generate(stack, p, max_new_tokens), prompts))
+
+
+def assert_fed_the_targets_features(target, answered, fed):
+    """Every proposal's features are the target's own features of the positions before its
+    tokens, recomputed for the answers ((prompt, tokens) each)."""
+    assert fed
+    by_prefix = {}
+    for prompt, tokens in answered:
+        full = prompt + tokens
+        by_prefix[tuple(full)] = target.features([full])[0]
+    for _, keep, append, features in fed:
+        end = keep + len(append)  # tokens [keep, end) fed; positions [keep-1, end-1)
+        candidates = []
+        for full, truth in by_prefix.items():
+            if list(full[keep:end]) != append:
+                continue
+            expected = truth[max(keep - 1, 0):end - 1]
+            if keep == 0:
+                expected = torch.cat([torch.zeros(1, truth.shape[1]), expected])
+            candidates.append(expected)
+        # the sequence it belongs to (tokens alone may not tell which)
+        assert any(torch.allclose(features, e, atol=2e-2) for e in candidates), (keep, append)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_greedy_output_through_a_feature_draft_is_the_targets_and_it_is_fed_the_right_rows(
+        heads, arch, monkeypatch):
+    """Rows of different lengths in one batch; every proposal's features are compared with
+    the target's own features of the positions before its tokens, recomputed."""
+    target_dir, head_dir = heads[arch]
+    fed = spy_on_proposals(monkeypatch)
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     with running_stack(target_dir, head_dir, batch_size=4, num_draft_tokens=3) as stack:
-        import concurrent.futures
-
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda p: generate(stack, p, 16), PROMPTS))
-        target = stack.target_runner
+        results = generate_together(stack, PROMPTS, 16)
         for prompt, (tokens, stats) in zip(PROMPTS, results):
             assert tokens == tiny.greedy_ignoring_eos(model, prompt, 16)
         assert sum(stats.num_drafted_tokens for _, stats in results) > 0
-        assert fed
-        by_prefix = {}
-        for prompt, (tokens, _) in zip(PROMPTS, results):
-            full = prompt + tokens
-            by_prefix[tuple(full)] = target.features([full])[0]
-        for _, keep, append, features in fed:
-            end = keep + len(append)  # tokens [keep, end) fed; positions [keep-1, end-1)
-            candidates = []
-            for full, truth in by_prefix.items():
-                if list(full[keep:end]) != append:
-                    continue
-                expected = truth[max(keep - 1, 0):end - 1]
-                if keep == 0:
-                    expected = torch.cat([torch.zeros(1, truth.shape[1]), expected])
-                candidates.append(expected)
-            # the sequence it belongs to (tokens alone may not tell which)
-            assert any(torch.allclose(features, e, atol=2e-2) for e in candidates), (keep, append)
+        assert_fed_the_targets_features(stack.target_runner, [
+            (prompt, tokens) for prompt, (tokens, _) in zip(PROMPTS, results)], fed)
+
+
+def test_a_repeated_prompt_is_copied_in_the_target_with_its_features(heads, monkeypatch):
+    """A prompt asked again while the first asking runs starts from the first one's cache,
+    with a feature draft in use as without one, and its drafts are fed the features of the
+    positions it copied."""
+    target_dir, head_dir = heads["llama"]
+    fed = spy_on_proposals(monkeypatch)
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    prompts = [PROMPTS[1], PROMPTS[1], PROMPTS[0]]
+    with running_stack(target_dir, head_dir, batch_size=4, num_draft_tokens=3) as stack:
+        copies = []
+        real_copies = stack.target_runner.prefill_copies
+        monkeypatch.setattr(stack.target_runner, "prefill_copies", lambda entries, c: (
+            copies.append(dict(c)), real_copies(entries, c))[1])
+        results = generate_together(stack, prompts, 24)
+        for prompt, (tokens, _) in zip(prompts, results):
+            assert tokens == tiny.greedy_ignoring_eos(model, prompt, 24)
+        assert [len(c) for c in copies if c] == [1]  # the second asking, copied
+        assert_fed_the_targets_features(stack.target_runner, [
+            (prompt, tokens) for prompt, (tokens, _) in zip(prompts, results)], fed)
+        copied = next(iter(next(c for c in copies if c)))
+        assert any(seq_id == copied for seq_id, *_ in fed)  # and it drafted
 
 
 def test_a_head_that_computes_what_the_target_computes_has_every_draft_accepted(heads):
