@@ -10,8 +10,9 @@
 4. the reference: `batchspec serve` on this machine, asked a few chat questions (greedy);
 5. `docker compose -f compose.yaml -f compose.cpu.yaml up`, every healthcheck waited for; the
    same questions through the published ports, with the `openai` client and over gRPC, must
-   give the reference's text; the `draft` container stopped, the questions again, the same
-   text; `down`, and no container of the project left;
+   give the reference's text, every target replica must have taken requests and the `draft`
+   container must have proposed drafts; the `draft` container stopped, the questions again,
+   the same text; `down`, and no container of the project left;
 6. the same with two targets and two drafts (compose.scale.yaml, compose.cpu.scale.yaml).
 
 Build times, image sizes and start-up times are printed and written as JSON (--report).
@@ -185,15 +186,15 @@ def ask(http_port: int, grpc_port: int) -> dict[str, dict[str, str]]:
                 for q, edges in futures.items()}
 
 
-def prefills(run, service: str) -> float:
-    """Prefill commands a model service has run, from its own /metrics (inside its
-    container: metrics ports are not published)."""
+def commands_run(run, service: str, command: str) -> float:
+    """Commands of a kind (prefill, propose, ...) a model service has run, from its own
+    /metrics (inside its container: metrics ports are not published)."""
     text = run("exec", "-T", service, "python3", "-c",
                "import urllib.request; print(urllib.request.urlopen("
                "'http://127.0.0.1:9100/metrics').read().decode())").stdout
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("batchspec:command_seconds_count")
-               and 'command="prefill"' in line)
+               and f'command="{command}"' in line)
 
 
 def check_answers(where: str, answers: dict, reference: dict[str, str]) -> None:
@@ -266,10 +267,14 @@ def run_stack(name: str, files: tuple[str, ...], reference: dict[str, str]) -> d
                  report["healthy_after_seconds"])
         check_answers(name, ask(http_port, grpc_port), reference)
         targets = [s for s in services if s.startswith("target")]
-        report["target_prefills"] = {t: prefills(run, t) for t in targets}
+        report["target_prefills"] = {t: commands_run(run, t, "prefill") for t in targets}
         if not all(report["target_prefills"].values()):
             raise SystemExit(f"deploy_check: {name}: a target replica took no request: "
                              f"{report['target_prefills']}")
+        # the model draft took part: exact answers could otherwise be plain decoding's
+        report["draft_proposals"] = commands_run(run, "draft", "propose")
+        if not report["draft_proposals"]:
+            raise SystemExit(f"deploy_check: {name}: the draft container proposed nothing")
         run("stop", "draft")
         check_answers(f"{name} without the draft container", ask(http_port, grpc_port),
                       reference)
