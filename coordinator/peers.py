@@ -94,12 +94,7 @@ class Peers:
                 for s in seqs:
                     s.prompt_logprobs = scored.get(s.seq_id, s.prompt_logprobs)
             else:
-                active = self.pool.active_sequences()
-                copies = shared_prompts(seqs, active)
-                if self.target.features_for_drafts:
-                    features_lib.prefill_target(self.target, seqs, copies, active)
-                else:
-                    self.target.prefill([s.prefill_entry() for s in seqs], copies)
+                prefill_fresh(self.target, seqs, self.pool.active_sequences())
         for s in seqs:
             s.target.cache_len = s.committed_len - 1
             s.drafts = [DraftState() for _ in self.kinds]
@@ -367,6 +362,17 @@ def forget_stale(client, seq_ids: set[int]) -> None:
             client.release([seq_id])
         except errors.NotFound:
             pass
+
+
+def prefill_fresh(target, seqs: list[Sequence], active: list[Sequence]) -> None:
+    """Prefill fresh sequences in the target; those whose prompt another sequence caches or
+    computes start from its cache (`shared_prompts`), and where a draft reads features every
+    sequence keeps those of its positions."""
+    copies = shared_prompts(seqs, active)
+    if target.features_for_drafts:
+        features_lib.prefill_target(target, seqs, copies, active)
+    else:
+        target.prefill([s.prefill_entry() for s in seqs], copies)
 
 
 def shared_prompts(new: list[Sequence], active: list[Sequence]) -> dict[int, int]:
