@@ -84,17 +84,8 @@ class Peers:
     def prefill_target(self, seqs: list[Sequence]) -> None:
         """Prefill newly admitted rows in the target (one command) and give each a fresh
         record of every draft: drafts are prefilled only when a step first uses them."""
-        # the prompt is scored as it is cached, once: before the sequence's first step
-        scoring = {s.seq_id: (s.prompt_logprobs_top, s.token_ids[-1]) for s in seqs
-                   if s.prompt_logprobs_top is not None and s.prompt_logprobs is None
-                   and s.stats.num_target_forward_passes == 0}
         with self.recorder.prefill("target"):
-            if scoring:
-                scored = self.target.prefill_scored([s.prefill_entry() for s in seqs], scoring)
-                for s in seqs:
-                    s.prompt_logprobs = scored.get(s.seq_id, s.prompt_logprobs)
-            else:
-                prefill_fresh(self.target, seqs, self.pool.active_sequences())
+            prefill_fresh(self.target, seqs, self.pool.active_sequences())
         for s in seqs:
             s.target.cache_len = s.committed_len - 1
             s.drafts = [DraftState() for _ in self.kinds]
@@ -245,6 +236,11 @@ class Peers:
         self._next_retry = time.monotonic() + self._retry_delay
         self._retry_delay = min(self._retry_delay * 2, self.config.reconnect_backoff_s[1])
 
+    def retry_now(self) -> None:
+        """Make the next `ensure` (on the engine thread) probe lost services at once."""
+        self._next_retry = 0.0
+        self.pool.wake()
+
     def ensure(self) -> bool:
         """Reconnect lost services when their retry is due; True when the target is usable."""
         if self.all_up() or time.monotonic() < self._next_retry:
@@ -367,7 +363,16 @@ def forget_stale(client, seq_ids: set[int]) -> None:
 def prefill_fresh(target, seqs: list[Sequence], active: list[Sequence]) -> None:
     """Prefill fresh sequences in the target; those whose prompt another sequence caches or
     computes start from its cache (`shared_prompts`), and where a draft reads features every
-    sequence keeps those of its positions."""
+    sequence keeps those of its positions. Prompts to score are scored as they are cached,
+    once: before the sequence's first step (one command, copying nothing)."""
+    scoring = {s.seq_id: (s.prompt_logprobs_top, s.token_ids[-1]) for s in seqs
+               if s.prompt_logprobs_top is not None and s.prompt_logprobs is None
+               and s.stats.num_target_forward_passes == 0}
+    if scoring:
+        scored = target.prefill_scored([s.prefill_entry() for s in seqs], scoring)
+        for s in seqs:
+            s.prompt_logprobs = scored.get(s.seq_id, s.prompt_logprobs)
+        return
     copies = shared_prompts(seqs, active)
     if target.features_for_drafts:
         features_lib.prefill_target(target, seqs, copies, active)

@@ -8,6 +8,7 @@ The router is built first and each engine receives it when built (`add` register
 import functools
 import operator
 import threading
+import time
 
 from batchspec import errors
 from coordinator.engine import Engine
@@ -17,9 +18,13 @@ from coordinator.telemetry import Telemetry
 
 
 class Router:
-    def __init__(self, max_queue: int, telemetry: Telemetry | None = None):
+    def __init__(self, max_queue: int, telemetry: Telemetry | None = None,
+                 revive_s: float = 2.0):
+        """revive_s: how long a request that finds no engine accepting waits while every lost
+        target is probed at once (see _revive)."""
         self.engines: list[Engine] = []
         self.max_queue = max_queue
+        self.revive_s = revive_s
         self._lock = threading.Lock()
         self._ended = EngineStats()  # the counters of engines that left the membership
         # told SERVING while some target is reachable, from start() on. A lost draft only
@@ -61,6 +66,8 @@ class Router:
         submitted with the same `together` (n choices of one prompt) go to the same engine
         while the live engines stay the same, so its target caches their prompt once;
         others go to the least loaded."""
+        if not self.accepting():
+            self._revive()
         with self._lock:
             if self.num_waiting() >= self.max_queue:
                 raise errors.ResourceExhausted("too many requests wait already; retry later")
@@ -72,6 +79,20 @@ class Router:
             engine = (min(live, key=lambda e: e.pool.load()) if together is None
                       else live[hash(together) % len(live)])
         return engine.submit(*args, **kwargs)
+
+    def _revive(self) -> None:
+        """No engine accepts: have every engine whose target is down probe it now, and wait
+        up to revive_s for one to answer. A lost target's retries back off (to seconds), so a
+        target back from a restart may not be probed again for a while; in a rolling restart
+        the next target drains meanwhile, and requests would be refused although one is up."""
+        deadline = time.monotonic() + self.revive_s
+        while time.monotonic() < deadline:
+            for engine in list(self.engines):
+                if not engine.target_up:
+                    engine.peers.retry_now()
+            time.sleep(0.02)
+            if self.accepting():
+                return
 
     def cancel(self, handle: RequestHandle) -> None:
         for engine in list(self.engines):

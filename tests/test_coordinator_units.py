@@ -216,6 +216,30 @@ def test_a_hung_service_is_probed_off_the_engine_thread():
         router.stop()
 
 
+def test_a_request_finding_no_target_has_the_lost_ones_probed_at_once():
+    """A target lost long enough to be retried only every few seconds answers again: a
+    request that finds no engine accepting makes the engine probe it now and is taken, not
+    refused; where no target answers, it is refused once the router's wait is over."""
+    target, draft = FakeService("target"), FakeService("draft")
+    draft.answering.set()
+    router = Router(max_queue=4, revive_s=0.5)
+    engine = router.add(Engine(target, [[draft]], EngineConfig(reconnect_backoff_s=(30.0, 30.0)),
+                               [3], router=router))
+    router.start()
+    try:
+        engine.peers.target_lost("the target went away")
+        assert engine.peers._next_retry > time.monotonic() + 10  # its retry backed off
+        started = time.monotonic()
+        with pytest.raises(errors.Unavailable, match="no target service is reachable"):
+            router.submit([5, 6, 7], 4)
+        assert 0.5 <= time.monotonic() - started < 5  # it waited, then refused
+        target.answering.set()  # back, but not due for a retry for half a minute
+        handle = router.submit([5, 6, 7], 4)
+        assert engine.accepting and handle is not None
+    finally:
+        router.stop()
+
+
 class HoldingService(FakeService):
     """Holds some sequence ids; a release is all-or-nothing, as the runner's is."""
 
