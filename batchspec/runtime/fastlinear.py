@@ -12,7 +12,8 @@ more than the next larger one. So `tune(model)` (run by each service and by the
 benchmark at start-up) times, for every weight shape and 1 to MAX_ROWS rows, the usual product
 and the weight-major one with the rows padded to a few sizes (padding rows are copies, their
 outputs dropped), on enough copies of the weight that it comes from memory as in a real
-forward, and keeps the fastest for the rest of the process (and, given a store file, for every
+forward, in turns and by the least of TIMING_TURNS (other work on the machine only adds
+time), and keeps the fastest for the rest of the process (and, given a store file, for every
 later process on the same machine). A model whose linear weights fit
 in the CPU cache (the tests' tiny ones) is not worth timing and takes DEFAULT_PLAN. `python -m
 batchspec.runtime.fastlinear` prints the timings and the choices for the machine it runs on.
@@ -39,13 +40,13 @@ query, key and value projections) gather its real positions once, and a feed-for
 the padding, so it is gathered and scattered once, not at each of its linear layers.
 """
 import contextlib
+import fcntl
 import functools
 import json
 import math
 import os
 import pathlib
 import platform
-import statistics
 import threading
 import time
 import types
@@ -114,17 +115,35 @@ def packing_works(dtype: torch.dtype) -> bool:
 COLD_BYTES = 64 << 20
 
 
-def _median_seconds(fn, weights: list[torch.Tensor], repeats: int = 3) -> float:
-    """Median over `repeats` of the mean time of fn(weight) across `weights`."""
+# Turns of a timing: each turn times every candidate once, in a rotated order.
+TIMING_TURNS = 5
+
+
+def _pass_seconds(flat: torch.Tensor, weights: list[torch.Tensor], method: int) -> float:
+    """The mean time of one product by `method` across `weights` (one pass over all)."""
+    started = time.perf_counter()
+    for weight in weights:
+        _product(flat, weight, method)
+    return (time.perf_counter() - started) / len(weights)
+
+
+def _least_seconds(flat: torch.Tensor, weights: list[torch.Tensor],
+                   methods: list[int]) -> dict[int, float]:
+    """Each method's least pass time over TIMING_TURNS turns taken in turn. Other work on the
+    machine (another service loading or timing, the host) only ever adds time: the least of
+    several turns is the kernel's own time, and taking the methods in turns never judges one
+    on a slower stretch than the others (timed one after another, a candidate timed while
+    another process loaded its model lost to a slower one: single-token decoding ran a
+    fifth slower for as long as that plan was kept)."""
     for weight in weights[:2]:
-        fn(weight)  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        for weight in weights:
-            fn(weight)
-        times.append((time.perf_counter() - started) / len(weights))
-    return statistics.median(times)
+        for method in methods:
+            _product(flat, weight, method)  # warm-up
+    least = {method: math.inf for method in methods}
+    for turn in range(TIMING_TURNS):
+        shift = turn % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            least[method] = min(least[method], _pass_seconds(flat, weights, method))
+    return least
 
 
 def _cold_weights(out_features: int, in_features: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -134,8 +153,7 @@ def _cold_weights(out_features: int, in_features: int, dtype: torch.dtype) -> li
 
 
 def _fastest(flat: torch.Tensor, weights: list[torch.Tensor]) -> int:
-    timed = {c: _median_seconds(lambda w, c=c: _product(flat, w, c), weights)
-             for c in candidates(flat.shape[0], flat.dtype)}
+    timed = _least_seconds(flat, weights, candidates(flat.shape[0], flat.dtype))
     return min(timed, key=timed.get)
 
 
@@ -188,22 +206,45 @@ def tune(model: torch.nn.Module, store: pathlib.Path | None = None) -> int:
         for key in shapes:
             _PLANS.setdefault(key, DEFAULT_PLAN)
         return 0
-    stored = _read_plans(store) if store else {}
-    machine = _machine()
-    timed = 0
-    for key in shapes:
-        if key in _PLANS:
-            continue
-        name = f"{machine} | {key[0]}x{key[1]} {key[2]}"
-        if len(stored.get(name, ())) == len(DEFAULT_PLAN):  # else another format: time again
-            _PLANS[key] = tuple(stored[name])
-            continue
-        _PLANS[key] = _timed_plan(*key)
-        stored[name] = list(_PLANS[key])
-        timed += 1
-    if store and timed:
-        _write_plans(store, stored)
+    if all(key in _PLANS for key in shapes):
+        return 0
+    with _timing_alone(store) if store else contextlib.nullcontext():
+        stored = _read_plans(store) if store else {}  # read after any other process timed
+        machine = _machine()
+        timed = 0
+        for key in shapes:
+            if key in _PLANS:
+                continue
+            name = f"{machine} | {key[0]}x{key[1]} {key[2]}"
+            if len(stored.get(name, ())) == len(DEFAULT_PLAN):  # else another format: time
+                _PLANS[key] = tuple(stored[name])
+                continue
+            _PLANS[key] = _timed_plan(*key)
+            stored[name] = list(_PLANS[key])
+            timed += 1
+        if store and timed:
+            _write_plans(store, stored)
     return timed
+
+
+@contextlib.contextmanager
+def _timing_alone(store: pathlib.Path):
+    """Hold the store's lock file (exclusive), so processes that start together (a target and
+    its drafts) time one after another: neither times its kernels while the other loads the
+    cores with its own timing, and the later one reads what the first stored. Without a lock
+    file that can be made, go on unlocked."""
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(store.with_name(store.name + ".lock"), "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _machine() -> str:
@@ -215,7 +256,8 @@ def _machine() -> str:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    return (f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+            f" | {TIMING_TURNS} turns")  # plans timed another way are timed again
 
 
 def _read_plans(store: pathlib.Path) -> dict:
@@ -379,10 +421,9 @@ def main() -> None:
             weights = _cold_weights(out_features, in_features, torch.float32)
             for rows in [*range(1, MAX_ROWS + 1), LARGE_ROWS]:
                 flat = torch.randn(rows, in_features)
-                usual = _median_seconds(lambda w: _product(flat, w, USUAL), weights) * 1e6
-                major = _median_seconds(lambda w: _product(flat, w, rows), weights) * 1e6
-                fast = (_median_seconds(lambda w: _product(flat, w, PACKED), weights) * 1e6
-                        if packing_works(torch.float32) else float("nan"))
+                methods = [USUAL, rows] + ([PACKED] if packing_works(torch.float32) else [])
+                timed = {m: t * 1e6 for m, t in _least_seconds(flat, weights, methods).items()}
+                usual, major, fast = timed[USUAL], timed[rows], timed.get(PACKED, math.nan)
                 chosen = plan(out_features, in_features, torch.float32, rows)
                 label = names.get(chosen, f"weight-major, {chosen} rows")
                 shape = f"{out_features:>5} x {in_features:<5}"
