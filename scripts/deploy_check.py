@@ -10,8 +10,8 @@
 4. the reference: `batchspec serve` on this machine, asked a few chat questions (greedy);
 5. `docker compose -f compose.yaml -f compose.cpu.yaml up`, every healthcheck waited for; the
    same questions through the published ports, with the `openai` client and over gRPC, must
-   give the reference's text, every target replica must have taken requests and the `draft`
-   container must have proposed drafts; the `draft` container stopped, the questions again,
+   give the reference's text, every target replica must have taken requests and every model
+   draft replica must have proposed drafts; the `draft` container stopped, the questions again,
    the same text; `down`, and no container of the project left;
 6. the same with two targets and two drafts (compose.scale.yaml, compose.cpu.scale.yaml).
 
@@ -271,10 +271,13 @@ def run_stack(name: str, files: tuple[str, ...], reference: dict[str, str]) -> d
         if not all(report["target_prefills"].values()):
             raise SystemExit(f"deploy_check: {name}: a target replica took no request: "
                              f"{report['target_prefills']}")
-        # the model draft took part: exact answers could otherwise be plain decoding's
-        report["draft_proposals"] = commands_run(run, "draft", "propose")
-        if not report["draft_proposals"]:
-            raise SystemExit(f"deploy_check: {name}: the draft container proposed nothing")
+        # every model draft replica took part (each target drafts with its own first):
+        # exact answers could otherwise be plain decoding's
+        drafts = [s for s in services if s.startswith("draft") and s != "draft-ngram"]
+        report["draft_proposals"] = {d: commands_run(run, d, "propose") for d in drafts}
+        if not all(report["draft_proposals"].values()):
+            raise SystemExit(f"deploy_check: {name}: a draft replica proposed nothing: "
+                             f"{report['draft_proposals']}")
         run("stop", "draft")
         check_answers(f"{name} without the draft container", ask(http_port, grpc_port),
                       reference)
