@@ -84,12 +84,15 @@ class Router:
         """No engine accepts: have every engine whose target is down probe it now, and wait
         up to revive_s for one to answer. A lost target's retries back off (to seconds), so a
         target back from a restart may not be probed again for a while; in a rolling restart
-        the next target drains meanwhile, and requests would be refused although one is up."""
+        the next target drains meanwhile, and requests would be refused although one is up.
+        Where no target is lost (every one drains, or none is configured) it returns at once."""
         deadline = time.monotonic() + self.revive_s
         while time.monotonic() < deadline:
-            for engine in list(self.engines):
-                if not engine.target_up:
-                    engine.peers.retry_now()
+            lost = [engine for engine in list(self.engines) if not engine.target_up]
+            if not lost:
+                return
+            for engine in lost:
+                engine.peers.retry_now()
             time.sleep(0.02)
             if self.accepting():
                 return

@@ -219,7 +219,8 @@ def test_a_hung_service_is_probed_off_the_engine_thread():
 def test_a_request_finding_no_target_has_the_lost_ones_probed_at_once():
     """A target lost long enough to be retried only every few seconds answers again: a
     request that finds no engine accepting makes the engine probe it now and is taken, not
-    refused; where no target answers, it is refused once the router's wait is over."""
+    refused; where no target answers, it is refused once the router's wait is over, and at
+    once where no target is lost (the only one drains)."""
     target, draft = FakeService("target"), FakeService("draft")
     draft.answering.set()
     router = Router(max_queue=4, revive_s=0.5)
@@ -236,6 +237,11 @@ def test_a_request_finding_no_target_has_the_lost_ones_probed_at_once():
         target.answering.set()  # back, but not due for a retry for half a minute
         handle = router.submit([5, 6, 7], 4)
         assert engine.accepting and handle is not None
+        engine.peers.target_draining = True  # up but leaving: nothing to probe, no wait
+        started = time.monotonic()
+        with pytest.raises(errors.Unavailable, match="no target service is reachable"):
+            router.submit([5, 6, 7], 4)
+        assert time.monotonic() - started < 0.4
     finally:
         router.stop()
 
