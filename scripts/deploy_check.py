@@ -9,10 +9,11 @@
    wheel passed as build arguments when pip is configured with them);
 4. the reference: `batchspec serve` on this machine, asked a few chat questions (greedy);
 5. `docker compose -f compose.yaml -f compose.cpu.yaml up`, every healthcheck waited for; the
-   same questions through the published ports, with the `openai` client and over gRPC, must
-   give the reference's text, every target replica must have taken requests and the model
-   drafts must have proposed (each replica's count reported); the `draft` container stopped,
-   the questions again, the same text; `down`, and no container of the project left;
+   same questions through the published ports, with the `openai` client and over gRPC (three
+   at once, then a longer one alone), must give the reference's text, every target replica
+   must have taken requests and the model drafts must have proposed (each replica's count
+   reported); the `draft` container stopped, the questions again, the same text; `down`, and
+   no container of the project left;
 6. the same with two targets and two drafts (compose.scale.yaml, compose.cpu.scale.yaml).
 
 Build times, image sizes and start-up times are printed and written as JSON (--report).
@@ -49,6 +50,11 @@ QUESTIONS = ("What is the capital of France? Answer in one sentence.",
              "Write a haiku about the sea.",
              "List three uses of a paperclip.")
 MAX_TOKENS = 48
+# asked alone after the others, through each edge in turn, for longer: at one row drafting
+# pays, so the model draft proposes however the questions asked together fell into batch
+# sizes (each new batch size decodes plainly for its first steps)
+ALONE = "Tell a short story about a lighthouse keeper."
+ALONE_MAX_TOKENS = 96
 STACKS = {"1+1": ("compose.yaml", "compose.cpu.yaml"),
           "2+2": ("compose.yaml", "compose.scale.yaml", "compose.cpu.yaml",
                   "compose.cpu.scale.yaml")}
@@ -155,7 +161,8 @@ def build(args: dict[str, str]) -> dict:
 # ---- asking ---------------------------------------------------------------------------------
 def ask(http_port: int, grpc_port: int) -> dict[str, dict[str, str]]:
     """{question: {"openai": text, "grpc": text}}, greedy, every question through both edges
-    at once (so that the router spreads them over the target replicas)."""
+    at once (so that the router spreads them over the target replicas), then ALONE through
+    each edge in turn."""
     import grpc
     import openai
 
@@ -165,16 +172,16 @@ def ask(http_port: int, grpc_port: int) -> dict[str, dict[str, str]]:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused",
                            max_retries=0, timeout=300)
 
-    def by_openai(question: str) -> str:
+    def by_openai(question: str, max_tokens: int = MAX_TOKENS) -> str:
         reply = client.chat.completions.create(
             model="batchspec", messages=[{"role": "user", "content": question}],
-            max_tokens=MAX_TOKENS, temperature=0)
+            max_tokens=max_tokens, temperature=0)
         return reply.choices[0].message.content
 
-    def by_grpc(question: str) -> str:
+    def by_grpc(question: str, max_tokens: int = MAX_TOKENS) -> str:
         streamed = stub.Generate(generate_pb2.GenerateRequest(
             messages=[generate_pb2.ChatMessage(role="user", content=question)],
-            max_new_tokens=MAX_TOKENS), timeout=300)
+            max_new_tokens=max_tokens), timeout=300)
         return "".join(r.text for r in streamed)
 
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel, \
@@ -182,8 +189,11 @@ def ask(http_port: int, grpc_port: int) -> dict[str, dict[str, str]]:
         stub = generate_pb2_grpc.CoordinatorStub(channel)
         futures = {q: {"openai": pool.submit(by_openai, q), "grpc": pool.submit(by_grpc, q)}
                    for q in QUESTIONS}
-        return {q: {edge: f.result() for edge, f in edges.items()}
-                for q, edges in futures.items()}
+        answers = {q: {edge: f.result() for edge, f in edges.items()}
+                   for q, edges in futures.items()}
+        answers[ALONE] = {"openai": by_openai(ALONE, ALONE_MAX_TOKENS),
+                          "grpc": by_grpc(ALONE, ALONE_MAX_TOKENS)}
+        return answers
 
 
 def commands_run(run, service: str, command: str) -> float:
@@ -205,7 +215,7 @@ def check_answers(where: str, answers: dict, reference: dict[str, str]) -> None:
                                  f"{text!r}, `batchspec serve` answered "
                                  f"{reference[question]!r}")
     log.info("%s: %d answers over both edges equal `batchspec serve`'s", where,
-             2 * len(answers))
+             sum(len(texts) for texts in answers.values()))
 
 
 def reference_answers() -> dict[str, str]:
@@ -271,10 +281,10 @@ def run_stack(name: str, files: tuple[str, ...], reference: dict[str, str]) -> d
         if not all(report["target_prefills"].values()):
             raise SystemExit(f"deploy_check: {name}: a target replica took no request: "
                              f"{report['target_prefills']}")
-        # the model draft took part: exact answers could otherwise be plain decoding's. Each
-        # replica's proposals are reported; a second replica serves the target that drafts
-        # with it first, and a few questions give that target only a few drafted steps (each
-        # new batch size decodes plainly first), so only the sum is required
+        # the model draft took part: exact answers could otherwise be plain decoding's (the
+        # question asked alone sees to that). Each replica's proposals are reported; a second
+        # replica serves the target that drafts with it first, which may get few drafted
+        # steps of the questions asked together, so only the sum is required
         drafts = [s for s in services if s.startswith("draft") and s != "draft-ngram"]
         report["draft_proposals"] = {d: commands_run(run, d, "propose") for d in drafts}
         if not any(report["draft_proposals"].values()):
