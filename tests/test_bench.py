@@ -183,7 +183,7 @@ def test_closed_loop_clients_against_the_same_server_without_drafts(tmp_path):
         assert {"model", "ngram"} <= set(spent)
     assert "target cores busy" in (out / "results.md").read_text()
     logs = sorted(p.name for p in (tmp_path / "steps").iterdir())
-    assert logs[0] == "grpc_router-c1-r0.jsonl" and len(logs) == 8
+    assert logs[0] == "grpc_router-c1-r0.jsonl" and len(logs) == 10
     step = json.loads((tmp_path / "steps" / logs[0]).read_text().splitlines()[-1])
     assert step["rows"] >= 1 and step["committed"] >= 1 and step["step_s"] > 0
 
@@ -194,6 +194,9 @@ def test_closed_loop_clients_against_the_same_server_without_drafts(tmp_path):
         router = [started(f"grpc_router-c{clients}-r{r}.jsonl") for r in (0, 1)]
         plain = [started(f"grpc_target_only-c{clients}-r{r}.jsonl") for r in (0, 1)]
         assert router[0] < plain[0] and plain[1] < router[1]
+    # before any timed run, each server answered a request per client at the most clients
+    warm = [started(f"{m}-c3-warm.jsonl") for m in ("grpc_router", "grpc_target_only")]
+    assert warm[0] < warm[1] < started("grpc_router-c1-r0.jsonl")
 
 
 def test_closed_loop_rounds_take_the_methods_in_turn_their_order_reversed_every_other_round():

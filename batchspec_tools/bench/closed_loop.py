@@ -3,19 +3,26 @@
 At each concurrency C, C clients share the prompt set, each sending its next request as soon as
 its last answer ended. Every method gets a fresh coordinator over the same running services
 (warmed with an untimed short request per client, so its first plans are not what is timed);
-the methods are taken in turn, and the whole sweep `repeat` times, the methods' order reversed
-every other round, so a machine whose speed drifts moves every method alike. Each row is a
-method at a concurrency: the median run's throughput with every run's figure, medians of
-TTFT and ITL p50/p99, exactness against the target alone, and its speed over
+before the first round every method serves one untimed run at the largest concurrency (a
+request per client, answered in full), so no timed run pays for what a fresh service does
+once: the first batches of a size, whose memory the process has not held before, took a
+target two to four times as long to copy (a first run at 32 clients spent 10.9 s realigning
+where later ones spent 4.5). The methods are taken in turn, and the whole sweep `repeat`
+times, the methods' order reversed every other round, so a machine whose speed drifts moves
+every method alike. Each row is a method at a concurrency: the median run's throughput with
+every run's figure, medians of TTFT and ITL p50/p99, exactness against the target alone, and its speed over
 `grpc_target_only` (the same server without drafts): the ratio of the medians, and the spread
 of the per-round ratios. Each run also records the CPU seconds every process used while it was
 timed (target, drafts, its coordinator, the clients): the target's over the run's seconds is
 how many cores it kept busy, and what it left idle is time spent waiting on the coordinator,
 the drafts or the round trips.
 """
+import contextlib
 import pathlib
 import statistics
 import time
+
+from batchspec_tools.bench import arrivals
 
 WARM_UP_TOKENS = 8
 PLAIN = "grpc_target_only"
@@ -34,7 +41,9 @@ def sweep(stack, workload, config, reference, grpc_drafts: dict,
 
     if not config.concurrency:
         return []
-    rounds = turns(config.repeat, config.concurrency, methods_of(config, grpc_drafts))
+    methods = methods_of(config, grpc_drafts)
+    warm_up(stack, workload, config, methods, grpc_drafts, grpc_flags)
+    rounds = turns(config.repeat, config.concurrency, methods)
     runs: dict[tuple[str, int], list[dict]] = {}
     for round_, concurrency, method in tqdm(rounds, desc="closed-loop clients", unit="run"):
         extra = grpc_flags.get(method, ()) + step_log(config, f"{method}-c{concurrency}-r{round_}")
@@ -54,6 +63,32 @@ def turns(repeat: int, concurrency: list[int], methods: list[str]) -> list[tuple
             for m in (methods if r % 2 == 0 else methods[::-1])]
 
 
+def warm_up(stack, workload, config, methods: list[str], grpc_drafts: dict,
+            grpc_flags: dict) -> None:
+    """One untimed run of each method, in the first round's order, at the largest
+    concurrency: a request per client, each answered in full (its step log, where kept,
+    is METHOD-cC-warm.jsonl)."""
+    clients = max(config.concurrency)
+    prompts = workload.prompts[:clients]
+    for method in methods:
+        extra = grpc_flags.get(method, ()) + step_log(config, f"{method}-c{clients}-warm")
+        with served(stack, workload, config, grpc_drafts[method], extra) as stub:
+            arrivals.run_closed_loop(stub, prompts, workload.max_new_tokens, clients)
+
+
+@contextlib.contextmanager
+def served(stack, workload, config, drafts, extra=()):
+    """A stub of a fresh coordinator over the stack's services (`drafts` its draft kinds)."""
+    import grpc
+
+    from batchspec.v1 import generate_pb2_grpc
+
+    with stack.coordinator(workload, config.load_batch_size, config.ks[-1], drafts,
+                           extra) as (port, _):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield generate_pb2_grpc.CoordinatorStub(channel)
+
+
 def step_log(config, name: str, category: str | None = None) -> tuple[str, ...]:
     """The coordinator flags that keep a gRPC run's per-step log, NAME[-CATEGORY].jsonl under
     --step-logs (none without it)."""
@@ -66,21 +101,14 @@ def step_log(config, name: str, category: str | None = None) -> tuple[str, ...]:
 
 def one_run(stack, workload, config, method: str, concurrency: int, drafts, reference,
             extra=()) -> dict:
-    import grpc
-
-    from batchspec.v1 import generate_pb2_grpc
-    from batchspec_tools.bench import arrivals
-
     k = config.ks[-1]
-    with stack.coordinator(workload, config.load_batch_size, k, drafts, extra) as (port, _):
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = generate_pb2_grpc.CoordinatorStub(channel)
-            arrivals.run_closed_loop(stub, workload.prompts[:concurrency], WARM_UP_TOKENS,
-                                     concurrency)
-            before = cpu_now(stack)
-            traces, seconds = arrivals.run_closed_loop(stub, workload.prompts,
-                                                       workload.max_new_tokens, concurrency)
-            spent = cpu_spent(before, cpu_now(stack))
+    with served(stack, workload, config, drafts, extra) as stub:
+        arrivals.run_closed_loop(stub, workload.prompts[:concurrency], WARM_UP_TOKENS,
+                                 concurrency)
+        before = cpu_now(stack)
+        traces, seconds = arrivals.run_closed_loop(stub, workload.prompts,
+                                                   workload.max_new_tokens, concurrency)
+        spent = cpu_spent(before, cpu_now(stack))
     row = {"method": method, "concurrency": concurrency, "batch_size": config.load_batch_size,
            "k": k if drafts else None, **arrivals.summarise(traces, seconds),
            "steady_tokens_per_s": arrivals.steady_tokens_per_s(traces), "cpu_s": spent}
