@@ -3,19 +3,18 @@
 At each concurrency C, C clients share the prompt set, each sending its next request as soon as
 its last answer ended. Every method gets a fresh coordinator over the same running services
 (warmed with an untimed short request per client, so its first plans are not what is timed);
-before the first round every method serves one untimed run at the largest concurrency (a
-request per client, answered in full), so no timed run pays for what a fresh service does
-once: the first batches of a size, whose memory the process has not held before, took a
-target two to four times as long to copy (a first run at 32 clients spent 10.9 s realigning
-where later ones spent 4.5). The methods are taken in turn, and the whole sweep `repeat`
-times, the methods' order reversed every other round, so a machine whose speed drifts moves
-every method alike. Each row is a method at a concurrency: the median run's throughput with
-every run's figure, medians of TTFT and ITL p50/p99, exactness against the target alone, and its speed over
-`grpc_target_only` (the same server without drafts): the ratio of the medians, and the spread
-of the per-round ratios. Each run also records the CPU seconds every process used while it was
-timed (target, drafts, its coordinator, the clients): the target's over the run's seconds is
-how many cores it kept busy, and what it left idle is time spent waiting on the coordinator,
-the drafts or the round trips.
+before the first round every method serves one untimed run at the largest concurrency (a request
+per client, answered in full), so no timed run pays for what fresh services do once (a first
+timed run at 32 clients spent 10.9 s of its target's time realigning where later ones spent 4.1
+to 4.6: its first copies of a full batch took over a second each). The methods are taken in
+turn, and the whole sweep `repeat` times, the methods' order reversed every other round, so a
+machine whose speed drifts moves every method alike. Each row is a method at a concurrency: the
+median run's throughput with every run's figure, medians of TTFT and ITL p50/p99, exactness
+against the target alone, and its speed over `grpc_target_only` (the same server without
+drafts): the ratio of the medians, and the spread of the per-round ratios. Each run also records
+the CPU seconds every process used while it was timed (target, drafts, its coordinator, the
+clients): the target's over the run's seconds is how many cores it kept busy, and what it left
+idle is time spent waiting on the coordinator, the drafts or the round trips.
 """
 import contextlib
 import pathlib
