@@ -246,6 +246,25 @@ def compose_command() -> list[str]:
     return ["docker", "compose"]
 
 
+def bring_up(name: str, run) -> list[str]:
+    """Start the stack and wait until every service it defines runs (healthy, where it has a
+    health check); the services running. `up --wait` has returned with a service that
+    depends on slow-starting ones (the coordinator, on two targets) not even created, the
+    others healthy: then `up` runs once more, which starts what is missing, and a service
+    still not running fails the check."""
+    expected = set(run("config", "--services").stdout.split())
+    for _ in range(2):
+        run("up", "-d", "--no-build", "--wait", "--wait-timeout", "900", timeout=1000)
+        services = run("ps", "--format", "{{.Service}}").stdout.split()
+        missing = sorted(expected - set(services))
+        if not missing:
+            return services
+        log.warning("%s: compose up returned with %s not running", name, ", ".join(missing))
+    logs = run("logs", "--tail", "40").stdout
+    print(logs[-8000:], file=sys.stderr)
+    raise SystemExit(f"deploy_check: {name}: {', '.join(missing)} not running after up")
+
+
 def run_stack(name: str, files: tuple[str, ...], reference: dict[str, str]) -> dict:
     project = "batchspec-check-" + name.replace("+", "-")
     grpc_port, http_port = free_port(), free_port()
@@ -269,9 +288,8 @@ def run_stack(name: str, files: tuple[str, ...], reference: dict[str, str]) -> d
     report = {"files": list(files)}
     try:
         started = time.monotonic()
-        run("up", "-d", "--no-build", "--wait", "--wait-timeout", "900", timeout=1000)
+        services = bring_up(name, run)
         report["healthy_after_seconds"] = round(time.monotonic() - started, 1)
-        services = run("ps", "--format", "{{.Service}}").stdout.split()
         report["services"] = sorted(services)
         log.info("%s: %s healthy in %.0f s", name, ", ".join(sorted(services)),
                  report["healthy_after_seconds"])

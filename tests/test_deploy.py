@@ -2,6 +2,7 @@
 processes on loopback: 1 coordinator, 2 targets, 2 drafts (no Docker engine on this machine)."""
 import concurrent.futures
 import functools
+import importlib.util
 import json
 import os
 import pathlib
@@ -278,3 +279,39 @@ def test_compose_command_lines_scale_out_exactly_on_loopback(model_dirs):
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def _deploy_check():
+    spec = importlib.util.spec_from_file_location(
+        "deploy_check", pathlib.Path(__file__).resolve().parent.parent / "scripts" /
+        "deploy_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Compose:
+    """`compose` as the deploy check calls it, scripted: what `ps` lists after each `up`."""
+
+    def __init__(self, running_after_each_up: list[list[str]]):
+        self.after_up, self.running, self.calls = list(running_after_each_up), [], []
+
+    def __call__(self, *args, timeout=600):
+        self.calls.append(args[0])
+        if args[0] == "up":
+            self.running = self.after_up.pop(0)
+        out = {"config": "coordinator\ntarget\ndraft\n", "ps": "\n".join(self.running),
+               "logs": "coordinator | (its log)"}.get(args[0], "")
+        return subprocess.CompletedProcess(args, 0, stdout=out, stderr="")
+
+
+def test_the_deploy_check_starts_a_service_compose_up_left_out_and_fails_if_it_stays_out():
+    bring_up = _deploy_check().bring_up
+    compose = _Compose([["target", "draft"], ["coordinator", "target", "draft"]])
+    assert sorted(bring_up("2+2", compose)) == ["coordinator", "draft", "target"]
+    assert compose.calls.count("up") == 2
+    compose = _Compose([["coordinator", "target", "draft"]])
+    assert sorted(bring_up("1+1", compose)) == ["coordinator", "draft", "target"]
+    assert compose.calls.count("up") == 1
+    with pytest.raises(SystemExit, match="coordinator not running after up"):
+        bring_up("2+2", _Compose([["target", "draft"], ["target", "draft"]]))
