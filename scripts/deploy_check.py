@@ -249,7 +249,7 @@ def compose_command() -> list[str]:
 def bring_up(name: str, run) -> list[str]:
     """Start the stack and wait until every service it defines runs (healthy, where it has a
     health check); the services running. `up --wait` has returned with a service that
-    depends on slow-starting ones (the coordinator, on two targets) not even created, the
+    depends on slow-starting ones (the coordinator, on two targets) never started, the
     others healthy: then `up` runs once more, which starts what is missing, and a service
     still not running fails the check."""
     expected = set(run("config", "--services").stdout.split())
