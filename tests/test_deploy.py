@@ -283,35 +283,33 @@ def test_compose_command_lines_scale_out_exactly_on_loopback(model_dirs):
 
 
 def _deploy_check():
-    spec = importlib.util.spec_from_file_location(
-        "deploy_check", pathlib.Path(__file__).resolve().parent.parent / "scripts" /
-        "deploy_check.py")
+    spec = importlib.util.spec_from_file_location("deploy_check",
+                                                  ROOT / "scripts" / "deploy_check.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 class _Compose:
-    """`compose` as the deploy check calls it, scripted: what `ps` lists after each `up`."""
+    """`compose` as the deploy check calls it, scripted: `ps` lists `running` after `up`."""
 
-    def __init__(self, running_after_each_up: list[list[str]]):
-        self.after_up, self.running, self.calls = list(running_after_each_up), [], []
+    def __init__(self, running: list[str]):
+        self.running, self.up = running, False
 
     def __call__(self, *args, timeout=600):
-        self.calls.append(args[0])
-        if args[0] == "up":
-            self.running = self.after_up.pop(0)
-        out = {"config": "coordinator\ntarget\ndraft\n", "ps": "\n".join(self.running),
+        self.up = self.up or args[0] == "up"
+        out = {"config": "coordinator\ntarget\ndraft\n",
+               "ps": "\n".join(self.running) if self.up else "",
                "logs": "coordinator | (its log)"}.get(args[0], "")
         return subprocess.CompletedProcess(args, 0, stdout=out, stderr="")
 
 
 def test_the_deploy_check_fails_where_compose_up_left_a_service_not_running():
     bring_up = _deploy_check().bring_up
-    compose = _Compose([["coordinator", "target", "draft"]])
+    compose = _Compose(["coordinator", "target", "draft"])
     assert sorted(bring_up("1+1", compose)) == ["coordinator", "draft", "target"]
     with pytest.raises(SystemExit, match="2\\+2: coordinator not running after up"):
-        bring_up("2+2", _Compose([["target", "draft"]]))
+        bring_up("2+2", _Compose(["target", "draft"]))
 
 
 def test_model_services_have_minutes_to_start_before_their_health_counts():
