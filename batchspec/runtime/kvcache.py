@@ -260,6 +260,28 @@ def _left_padded(out, rows, row_spans, indices, lengths, layer_index, which):
             out[i, :, width - n:].copy_(source.index_select(1, index))
 
 
+@torch.inference_mode()  # buffers a forward made are inference tensors
+def place_row(buffers: list[Buffer], slot: int, width: int, row: list[LayerKV] | None,
+              spans: Spans) -> None:
+    """Write one sequence's real positions (its spans in `row`, its own layers) into row
+    `slot` of a batch's buffers as the last columns of [0, width), zeros before them: the
+    row a left-padded stacking would have given it, written in place. The caller makes sure
+    no stored sequence holds that row."""
+    n = span_length(spans)
+    index = _column_index(spans, ref=buffers[0].keys)
+    for layer_index, buffer in enumerate(buffers):
+        for which, out in enumerate((buffer.keys, buffer.values)):
+            out[slot, :, :width - n].zero_()
+            if not n:
+                continue
+            source = row[layer_index][which][0]
+            if index is None:
+                start, end = spans[0]
+                out[slot, :, width - n:width].copy_(source[:, start:end])
+            else:
+                out[slot, :, width - n:width].copy_(source.index_select(1, index))
+
+
 def take_row(layers: list[LayerKV], row: int, columns: int) -> list[LayerKV] | None:
     """Row `row`'s first `columns` columns of a batched cache (views, no copy)."""
     if columns == 0:

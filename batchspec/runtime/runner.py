@@ -10,6 +10,7 @@ sequences, and rolls caches back. Invariants:
   cache makes new tensors), so a failed command leaves every sequence as it was until `store`.
 - Position ids are always explicit (real-token counts), so left padding never shifts them.
 """
+import collections
 import contextlib
 import dataclasses
 import time
@@ -72,6 +73,10 @@ class ModelRunner(CacheBook):
         self.caches: dict[int, SeqCache] = {}
         # False: every group forward copies its rows into a new batch (the benchmark's EQSPEC).
         self.reuse_batches = True
+        # A batch whose membership changed keeps its rows where they are: newcomers are copied
+        # into rows no sequence holds, and rows that left stay vacant for a while
+        # (seat_in_place). False: such a batch is copied whole (realigned).
+        self.seats_in_place = True
         # Linear layers compute only the positions a step marks valid (fastlinear): a verify
         # pays for each row's real tokens, not for padding to its widest row.
         self.packs_positions = device.type == "cpu" and fastlinear.patched(model)
@@ -300,12 +305,37 @@ class GroupForward:
     def __init__(self, runner: ModelRunner, caches: list[SeqCache], reserve: int = 0):
         self.runner = runner
         started = time.perf_counter()
-        self.lengths = [c.length for c in caches]
-        self.spans = [c.spans for c in caches]
-        longest = max(self.lengths)
+        lengths = [c.length for c in caches]
+        longest = max(lengths)
         # aligned: every row holds the same positions in columns [0, longest), nothing to hide
-        aligned = all(n == longest and kvcache.is_plain(s)
-                      for n, s in zip(self.lengths, self.spans))
+        aligned = all(n == longest and kvcache.is_plain(c.spans)
+                      for n, c in zip(lengths, caches))
+        # the batch row of each of the group's rows (None: row i is batch row i); the batch's
+        # other rows are vacant (no row of the group), fed a token that nothing keeps
+        self.slots: list[int] | None = None
+        self.copied = False
+        seated = seat_in_place(runner, caches, reserve) \
+            if runner.reuse_batches and runner.seats_in_place else None
+        if seated is not None:
+            layers, self.width, self.slots, self.lengths, self.spans = seated
+        else:
+            self.lengths, self.spans = lengths, [c.spans for c in caches]
+            layers = self._resident(caches, longest, reserve)
+        self.cache = kvcache.to_model_cache(layers or None)
+        self.realigned = not aligned or self.slots is not None
+        self.mask = None
+        if self.width and any(s != ((0, self.width),) for s in self.spans):  # pads or holes
+            self.mask = kvcache.column_mask(self.spans, self.width).to(runner.device)
+        self.stack_seconds = time.perf_counter() - started
+        self.forward_seconds = 0.0
+        # [batch, T, hidden] the last step's final hidden states (a feature head's predicted
+        # features), when the step kept them; rows in the group's order
+        self.hidden = None
+
+    def _resident(self, caches: list[SeqCache], longest: int, reserve: int):
+        """The group's layers: the batch its rows are, in order, all the rows of (appended
+        in place), or else a left-padded copy of every row's real positions."""
+        runner = self.runner
         reuse = runner.reuse_batches or len(caches) == 1
         layers = resident_batch(caches) if reuse else None
         self.width = max(c.columns for c in caches)
@@ -315,21 +345,11 @@ class GroupForward:
         self.copied = layers is None or (self.width - longest > hole_budget(longest)
                                          or self.width + reserve > runner.max_context_len)
         if self.copied:
-            layers = kvcache.stack_rows([c.layers for c in caches], self.spans, reserve)
             self.width = longest
             self.spans = [((longest - n, longest),) if n else () for n in self.lengths]
-        elif layers:
-            layers = kvcache.columns_of(layers, self.width)
-        self.cache = kvcache.to_model_cache(layers or None)
-        self.realigned = not aligned
-        self.mask = None
-        if self.width and any(s != ((0, self.width),) for s in self.spans):  # pads or holes
-            self.mask = kvcache.column_mask(self.spans, self.width).to(runner.device)
-        self.stack_seconds = time.perf_counter() - started
-        self.forward_seconds = 0.0
-        # [batch, T, hidden] the last step's final hidden states (a feature head's predicted
-        # features), when the step kept them
-        self.hidden = None
+            return kvcache.stack_rows([c.layers for c in caches], [c.spans for c in caches],
+                                      reserve)
+        return kvcache.columns_of(layers, self.width) if layers else layers
 
     @property
     def realign_seconds(self) -> float:
@@ -352,11 +372,27 @@ class GroupForward:
         if self.runner.reads_features:
             if features is None:
                 raise ValueError("a feature head's forward needs features")
-            kwargs["features"] = features.to(self.runner.device)
+            kwargs["features"] = self._seated(features.to(self.runner.device))
+        input_ids = self._seated(input_ids)
+        valid = None if valid is None else self._seated(valid)
         packed = valid is not None and self.runner.packs_positions and not bool(valid.all())
         with (fastlinear.only_positions(valid) if packed else contextlib.nullcontext(),
               self._hidden_kept(keep_hidden)):
-            return self._step(input_ids, num_logits, started, kwargs)
+            logits = self._step(input_ids, num_logits, started, kwargs)
+        if self.slots is None:
+            return logits
+        if self.hidden is not None:
+            self.hidden = self.hidden[self.slots]
+        return logits[self.slots]
+
+    def _seated(self, rows: torch.Tensor) -> torch.Tensor:
+        """A tensor of the group's rows [rows, ...] as the batch's rows: vacant rows zeros
+        (False: a vacant row feeds no real position)."""
+        if self.slots is None:
+            return rows
+        batch = rows.new_zeros((len(self.lengths), *rows.shape[1:]))
+        batch[self.slots] = rows
+        return batch
 
     @contextlib.contextmanager
     def _hidden_kept(self, keep: bool):
@@ -406,13 +442,70 @@ class GroupForward:
         layers = kvcache.from_model_cache(self.cache)
         rows = []
         for i, keep in enumerate(keep_lens):
-            if keep > self.lengths[i]:
-                raise ValueError(f"row {i}: cannot keep {keep} of {self.lengths[i]} positions")
+            slot = i if self.slots is None else self.slots[i]
+            if keep > self.lengths[slot]:
+                raise ValueError(f"row {i}: cannot keep {keep} of {self.lengths[slot]} "
+                                 "positions")
             if keep == 0:
                 rows.append(SeqCache(None, 0))
                 continue
-            rows.append(SeqCache(layers, keep, kvcache.keep_first(self.spans[i], keep), row=i))
+            rows.append(SeqCache(layers, keep, kvcache.keep_first(self.spans[slot], keep),
+                                 row=slot))
         return rows
+
+
+# Vacant rows a batch may keep (run, fed a token nothing keeps) rather than be copied into a
+# smaller one: a row that leaves costs its share of each forward until a newcomer takes its
+# place, where a copy of the batch costs about a step's attention at once.
+def vacancy_budget(batch_rows: int) -> int:
+    return batch_rows // 8
+
+
+def seat_in_place(runner: ModelRunner, caches: list[SeqCache], reserve: int):
+    """Keep a batch whose membership changed: the group's rows that are rows of one batch stay
+    where they are, the others (newcomers, such as freshly prefilled sequences) are copied
+    into rows of it that no stored sequence holds, right-aligned at the batch's width, and rows
+    left over stay vacant. Only the newcomers' positions are copied, where a realignment copies
+    every row's. Returns (layers, width, the group's rows' batch rows, each batch row's length,
+    its spans), or None where the batch cannot be kept: no batch, rows of it shared or out of
+    order already matched as a whole (resident_batch), too many vacant rows, no room, a
+    newcomer longer than the batch is wide, or holes past the budget."""
+    homes = collections.Counter(id(c.home) for c in caches if c.home is not None)
+    if not homes:
+        return None
+    home_id = homes.most_common(1)[0][0]
+    home = next(c.home for c in caches if id(c.home) == home_id)
+    buffers = getattr(home, "buffers", None)
+    batch_rows = home[0][0].shape[0]
+    slots = [c.row if id(c.home) == home_id else None for c in caches]
+    taken = [r for r in slots if r is not None]
+    if not buffers or len(set(taken)) != len(taken) or len(caches) > batch_rows \
+            or batch_rows - len(caches) > vacancy_budget(batch_rows) \
+            or resident_batch(caches) is not None:
+        return None
+    held = {c.row for c in runner.caches.values()
+            if getattr(c.home, "buffers", (None,))[0] is buffers[0]}
+    free = [r for r in range(batch_rows) if r not in held and r not in taken]
+    newcomers = [i for i, r in enumerate(slots) if r is None]
+    if len(free) < len(newcomers):
+        return None
+    width = kvcache.next_column(home, max(caches[i].columns for i, r in enumerate(slots)
+                                          if r is not None),
+                                lambda: runner.held_columns(home))
+    longest = max(c.length for c in caches)
+    if any(caches[i].length > width for i in newcomers) or \
+            width - longest > hole_budget(longest) or width + reserve > runner.max_context_len:
+        return None
+    lengths, spans = [0] * batch_rows, [()] * batch_rows
+    for i, slot in zip(newcomers, free):
+        kvcache.place_row(buffers, slot, width, caches[i].layers, caches[i].spans)
+        slots[i] = slot
+        spans[slot] = ((width - caches[i].length, width),) if caches[i].length else ()
+    for cache, slot in zip(caches, slots):
+        lengths[slot] = cache.length
+        if cache.home is home:
+            spans[slot] = cache.spans
+    return kvcache.columns_of(home, width), width, slots, lengths, spans
 
 
 def resident_batch(caches: list[SeqCache]) -> list[kvcache.LayerKV] | None:
