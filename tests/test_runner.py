@@ -228,16 +228,17 @@ def test_forwards_pass_the_cache_by_the_keyword_the_installed_transformers_takes
 def test_rows_that_leave_and_join_keep_the_batch_and_every_rows_logits(model_dirs, arch):
     """Sequences finish and new ones arrive as clients come and go. The batch is kept: a
     newcomer is copied into a row no stored sequence holds (right-aligned at the batch's
-    width), a row that left stays vacant (fed a token nothing keeps), and a sequence that sits
-    a step out keeps its row. Rows come in any order. Every row's logits and final hidden
-    states are what the model gives that sequence alone, with no cache."""
+    width, which a longer newcomer widens), a row that left stays vacant (fed a token nothing
+    keeps), and a sequence that sits a step out keeps its row. Rows come in any order. Every
+    row's logits and final hidden states are what the model gives that sequence alone, with
+    no cache."""
     model = models.load_causal_lm(model_dirs[arch][0])
     runner = runner_lib.ModelRunner(model, name=arch, device=torch.device("cpu"),
                                     eos_token_ids=[], max_context_len=256)
     rng = random.Random(7)
     tokens = {i: [rng.randrange(4, 90) for _ in range(rng.randint(10, 20))] for i in range(16)}
     runner.prefill(list(tokens.items()))
-    next_id, seated, vacant, resting = 16, 0, 0, None
+    next_id, seated, vacant, widened, resting, width_before = 16, 0, 0, 0, None, 0
     for step in range(21):
         if step % 3 == 1:  # one or two sequences finish
             leaving = rng.sample(sorted(set(tokens) - {resting}), rng.randint(1, 2))
@@ -245,7 +246,7 @@ def test_rows_that_leave_and_join_keep_the_batch_and_every_rows_logits(model_dir
             for i in leaving:
                 del tokens[i]
         elif step % 3 == 2:  # as many arrive, prefilled alone, shorter than the batch is wide
-            new = {next_id + j: [rng.randrange(4, 90) for _ in range(rng.randint(3, 9))]
+            new = {next_id + j: [rng.randrange(4, 90) for _ in range(rng.randint(3, 40))]
                    for j in range(16 - len(tokens))}
             runner.prefill(list(new.items()))
             tokens.update(new)
@@ -259,8 +260,9 @@ def test_rows_that_leave_and_join_keep_the_batch_and_every_rows_logits(model_dir
         group = runner.open_group([runner_lib.RowSpec(i, len(tokens[i]), len(tokens[i]),
                                                       fed[i]) for i in order], realign=True)
         placed = group.slots is not None
-        seated += placed and any(len(tokens[i]) < 10 for i in order)
+        seated += placed and step % 3 == 2
         vacant += placed and len(group.lengths) > len(order)
+        widened += placed and step % 3 == 2 and group.width > width_before
         logits = group.step(torch.tensor([fed[i] for i in order]), num_logits=width,
                             valid=valid if width > 1 else None, keep_hidden=True)
         for row, i in enumerate(order):
@@ -276,5 +278,7 @@ def test_rows_that_leave_and_join_keep_the_batch_and_every_rows_logits(model_dir
         runner.store(order, group.rows_after([len(tokens[i]) + kept[i] for i in order]))
         for i in order:
             tokens[i] += fed[i][:kept[i]]
+        width_before = group.width
+    assert widened > 0  # a newcomer longer than the batch widened it
     assert seated > 3  # newcomers took rows of the running batch
     assert vacant > 3  # rows that left stayed vacant instead of a copy of the batch

@@ -261,6 +261,20 @@ def _left_padded(out, rows, row_spans, indices, lengths, layer_index, which):
 
 
 @torch.inference_mode()  # buffers a forward made are inference tensors
+def widen(buffers: list[Buffer], width: int, new_width: int, room: int) -> bool:
+    """Make a batch written up to `width` (every column after it free) `new_width` wide, the
+    new columns zeros in every row, with `room` free columns still after them; False (nothing
+    changed) where its buffers are not written up to `width` or have no such room."""
+    if any(b.written != width or new_width + room > b.keys.shape[2] for b in buffers):
+        return False
+    for buffer in buffers:
+        buffer.keys[:, :, width:new_width].zero_()
+        buffer.values[:, :, width:new_width].zero_()
+        buffer.written = new_width
+    return True
+
+
+@torch.inference_mode()  # buffers a forward made are inference tensors
 def place_row(buffers: list[Buffer], slot: int, width: int, row: list[LayerKV] | None,
               spans: Spans) -> None:
     """Write one sequence's real positions (its spans in `row`, its own layers) into row

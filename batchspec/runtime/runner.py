@@ -468,8 +468,10 @@ def seat_in_place(runner: ModelRunner, caches: list[SeqCache], reserve: int):
     left over stay vacant. Only the newcomers' positions are copied, where a realignment copies
     every row's. Returns (layers, width, the group's rows' batch rows, each batch row's length,
     its spans), or None where the batch cannot be kept: no batch, rows of it shared or out of
-    order already matched as a whole (resident_batch), too many vacant rows, no room, a
-    newcomer longer than the batch is wide, or holes past the budget."""
+    order already matched as a whole (resident_batch), too many vacant rows, no free row or
+    column for a newcomer, or holes past the budget. A newcomer longer than the batch is wide
+    widens it (zeros in the columns the other rows gain, holes to them), as wide as a copy
+    of every row would make it."""
     homes = collections.Counter(id(c.home) for c in caches if c.home is not None)
     if not homes:
         return None
@@ -493,9 +495,13 @@ def seat_in_place(runner: ModelRunner, caches: list[SeqCache], reserve: int):
                                           if r is not None),
                                 lambda: runner.held_columns(home))
     longest = max(c.length for c in caches)
-    if any(caches[i].length > width for i in newcomers) or \
-            width - longest > hole_budget(longest) or width + reserve > runner.max_context_len:
+    if longest + reserve > runner.max_context_len or width - longest > hole_budget(longest):
         return None
+    if longest > width:  # a newcomer longer than the batch is wide: the batch is widened
+        # (the columns its other rows gain are holes, masked), as wide as a copy would be
+        if not kvcache.widen(buffers, width, longest, reserve):
+            return None
+        width = longest
     lengths, spans = [0] * batch_rows, [()] * batch_rows
     for i, slot in zip(newcomers, free):
         kvcache.place_row(buffers, slot, width, caches[i].layers, caches[i].spans)
