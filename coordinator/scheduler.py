@@ -4,7 +4,8 @@ Sequences are stepped in cohorts of at most batch_size that stay together from s
 always in the same row order. Invariants:
 - A cohort's rows are, in both services, exactly the rows of the batch it last ran as, so the
   services reuse that batch as it is: no copy, whatever each row accepted (the rows' rejected
-  positions are masked). Only a change of membership makes the services copy (realign) it.
+  positions are masked). A change of membership makes the services copy only the newcomers,
+  into the rows that left (past the rows a batch keeps vacant, they realign it whole).
 - New cohorts are cut from equal committed lengths first (EXSPEC), then from neighbouring
   lengths: a cohort of one length starts with no padding at all.
 - Membership changes only when it must: a sequence arrives, or finishing sequences leave two

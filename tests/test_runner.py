@@ -224,37 +224,55 @@ def test_forwards_pass_the_cache_by_the_keyword_the_installed_transformers_takes
                                                         SamplingParams())], realign=False)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_rows_that_leave_and_join_keep_the_batch_and_every_rows_logits(model_dirs, arch):
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "head"])
+def test_rows_that_leave_and_join_keep_the_batch_and_every_rows_logits(model_dirs, arch,
+                                                                       tmp_path):
     """Sequences finish and new ones arrive as clients come and go. The batch is kept: a
     newcomer is copied into a row no stored sequence holds (right-aligned at the batch's
     width, which a longer newcomer widens), a row that left stays vacant (fed a token nothing
     keeps), and a sequence that sits a step out keeps its row. Rows come in any order. Every
     row's logits and final hidden states are what the model gives that sequence alone, with
-    no cache."""
-    model = models.load_causal_lm(model_dirs[arch][0])
+    no cache (a feature head: given the same features)."""
+    from batchspec.runtime import tiny
+
+    path = tiny.save_feature_head(model_dirs["llama"][0], tmp_path / "head") \
+        if arch == "head" else model_dirs[arch][0]
+    model = models.load_causal_lm(path)
     runner = runner_lib.ModelRunner(model, name=arch, device=torch.device("cpu"),
                                     eos_token_ids=[], max_context_len=256)
+    width_of_features = runner.reads_features
     rng = random.Random(7)
-    tokens = {i: [rng.randrange(4, 90) for _ in range(rng.randint(10, 20))] for i in range(16)}
-    runner.prefill(list(tokens.items()))
+    generator = torch.Generator().manual_seed(7)
+
+    def features_of(count):  # what a feature head is fed with `count` tokens (else nothing)
+        return torch.randn(count, width_of_features, generator=generator) \
+            if width_of_features else torch.zeros(count, 0)
+
+    def admit(prompts):
+        fed = {i: features_of(len(t)) for i, t in prompts.items()}
+        runner.prefill(list(prompts.items()), fed if width_of_features else None)
+        tokens.update(prompts)
+        features.update(fed)
+
+    tokens, features = {}, {}
+    admit({i: [rng.randrange(4, 90) for _ in range(rng.randint(10, 20))] for i in range(16)})
     next_id, seated, vacant, widened, resting, width_before = 16, 0, 0, 0, None, 0
     for step in range(21):
         if step % 3 == 1:  # one or two sequences finish
             leaving = rng.sample(sorted(set(tokens) - {resting}), rng.randint(1, 2))
             runner.release(leaving)
             for i in leaving:
-                del tokens[i]
-        elif step % 3 == 2:  # as many arrive, prefilled alone, shorter than the batch is wide
-            new = {next_id + j: [rng.randrange(4, 90) for _ in range(rng.randint(3, 40))]
-                   for j in range(16 - len(tokens))}
-            runner.prefill(list(new.items()))
-            tokens.update(new)
-            next_id += len(new)
+                del tokens[i], features[i]
+        elif step % 3 == 2:  # as many arrive, prefilled alone, some longer than the batch
+            count = 16 - len(tokens)
+            admit({next_id + j: [rng.randrange(4, 90) for _ in range(rng.randint(3, 40))]
+                   for j in range(count)})
+            next_id += count
         resting = rng.choice(sorted(tokens)) if step % 7 == 3 else None  # stored, sits out
         order = [i for i in rng.sample(sorted(tokens), len(tokens)) if i != resting]
         width = 1 if step % 2 else 3
         fed = {i: [rng.randrange(4, 90) for _ in range(width)] for i in order}
+        fed_features = {i: features_of(width) for i in order}
         real = {i: rng.randint(1, width) for i in order}
         valid = torch.tensor([[j < real[i] for j in range(width)] for i in order])
         group = runner.open_group([runner_lib.RowSpec(i, len(tokens[i]), len(tokens[i]),
@@ -264,20 +282,29 @@ def test_rows_that_leave_and_join_keep_the_batch_and_every_rows_logits(model_dir
         vacant += placed and len(group.lengths) > len(order)
         widened += placed and step % 3 == 2 and group.width > width_before
         logits = group.step(torch.tensor([fed[i] for i in order]), num_logits=width,
-                            valid=valid if width > 1 else None, keep_hidden=True)
+                            valid=valid if width > 1 else None, keep_hidden=True,
+                            features=torch.stack([fed_features[i] for i in order])
+                            if width_of_features else None)
         for row, i in enumerate(order):
+            ids = torch.tensor([tokens[i] + fed[i][:real[i]]])
             with torch.inference_mode():
-                alone = model(input_ids=torch.tensor([tokens[i] + fed[i][:real[i]]]),
-                              output_hidden_states=True)
+                if width_of_features:
+                    alone = model(input_ids=ids, features=torch.cat(
+                        [features[i], fed_features[i][:real[i]]])[None],
+                        logits_to_keep=ids.shape[1])
+                    hidden = alone.hidden[0]
+                else:
+                    alone = model(input_ids=ids, output_hidden_states=True)
+                    hidden = alone.hidden_states[-1][0]
             torch.testing.assert_close(logits[row, :real[i]], alone.logits[0, -real[i]:].float(),
                                        rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(group.hidden[row, :real[i]],
-                                       alone.hidden_states[-1][0, -real[i]:],
+            torch.testing.assert_close(group.hidden[row, :real[i]], hidden[-real[i]:],
                                        rtol=1e-4, atol=1e-4)
         kept = {i: rng.randint(1, real[i]) for i in order}
         runner.store(order, group.rows_after([len(tokens[i]) + kept[i] for i in order]))
         for i in order:
             tokens[i] += fed[i][:kept[i]]
+            features[i] = torch.cat([features[i], fed_features[i][:kept[i]]])
         width_before = group.width
     assert widened > 0  # a newcomer longer than the batch widened it
     assert seated > 3  # newcomers took rows of the running batch
