@@ -7,6 +7,7 @@ The two ways run the same sequences in turn, round after round; prints the media
 (prefills left out) and the ms a step spent building its batch.
 
     python3 scripts/turnover_steps.py --rows 32 --steps 60 --rounds 3
+    python3 scripts/turnover_steps.py --rows 8 --vacant-share 0.25   # another vacancy budget
 """
 import argparse
 import random
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batchspec import cliargs  # noqa: E402
 from batchspec.params import SamplingParams  # noqa: E402
 from batchspec.runtime import fastlinear, models, service  # noqa: E402
+from batchspec.runtime import runner as runner_lib  # noqa: E402
 from target_service import verifier  # noqa: E402
 
 
@@ -89,7 +91,12 @@ def main() -> int:
                         help="steps between a sequence's end and its successor's arrival")
     parser.add_argument("--steps", type=cliargs.positive_int, default=60)
     parser.add_argument("--rounds", type=cliargs.positive_int, default=3)
+    parser.add_argument("--vacant-share", type=float, default=None,
+                        help="the share of a batch's rows it may keep vacant (default: the "
+                             "runner's budget)")
     args = parser.parse_args()
+    if args.vacant_share is not None:
+        runner_lib.vacancy_budget = lambda rows: int(rows * args.vacant_share)
     runner = service.build_runner(service.ServiceConfig(model=args.model))
     fastlinear.tune(runner.model, models.kernel_plans_file())
     results = {True: [], False: []}

@@ -159,3 +159,46 @@ def test_bad_input_is_refused_clearly_while_others_go_on(model_dirs, references)
             results = good.result(timeout=120)
     expected = references("llama", [7, 8, 9], 30)
     assert all(tokens == expected for tokens, _ in results)
+
+
+def test_clients_coming_and_going_are_seated_in_place_and_stay_exact(model_dirs, references,
+                                                                      monkeypatch):
+    """Closed-loop clients: each sends its next request as soon as its last one ends, so
+    sequences leave the running batch and newcomers join it all along. Both services keep
+    their batch (the newcomers copied into the rows that left) and every output stays the
+    target's own."""
+    from batchspec.runtime import runner as runner_lib
+
+    seated = {}
+    real_seat = runner_lib.seat_in_place
+
+    def counting(runner, caches, reserve):
+        placed = real_seat(runner, caches, reserve)
+        if placed is not None and any(c.home is None or c.home is not caches[0].home
+                                      for c in caches):  # someone new took a row
+            seated[runner.name] = seated.get(runner.name, 0) + 1
+        return placed
+
+    monkeypatch.setattr(runner_lib, "seat_in_place", counting)
+    target_dir, draft_dir = model_dirs["llama"]
+    clients = [random_requests(seed=300 + c, count=4) for c in range(6)]
+    with running_stack(target_dir, draft_dir, batch_size=8, num_draft_tokens=3) as stack:
+        stub = stack.stub()
+        with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
+            results = list(pool.map(lambda requests: generate_all_in_turn(stub, requests),
+                                    clients))
+        names = stack.target_runner.name, stack.draft_runner.name
+    for requests, answers in zip(clients, results):
+        for (prompt, max_new), tokens in zip(requests, answers):
+            assert tokens == references("llama", prompt, max_new)
+    assert all(seated.get(name, 0) > 0 for name in names), seated
+
+
+def generate_all_in_turn(stub, requests) -> list[list[int]]:
+    """One client: each request sent once the one before it has ended."""
+    answers = []
+    for prompt, max_new in requests:
+        responses = stub.Generate(generate_pb2.GenerateRequest(
+            prompt_token_ids=prompt, max_new_tokens=max_new), timeout=120)
+        answers.append([t for r in responses for t in r.token_ids])
+    return answers

@@ -246,18 +246,25 @@ def _column_index(spans: Spans, ref: torch.Tensor) -> torch.Tensor | None:
 def _left_padded(out, rows, row_spans, indices, lengths, layer_index, which):
     """Copy one layer's keys (which=0) or values (1) of every row into `out`
     [batch, heads, width, head_dim], its pad columns zeroed."""
-    width = out.shape[2]
     for i, (row, spans, index, n) in enumerate(zip(rows, row_spans, indices, lengths)):
-        if n < width:
-            out[i, :, :width - n].zero_()
-        if not n:
-            continue
-        source = row[layer_index][which][0]
-        if index is None:
-            start, end = spans[0]
-            out[i, :, width - n:].copy_(source[:, start:end])
-        else:
-            out[i, :, width - n:].copy_(source.index_select(1, index))
+        _right_aligned(out[i], row[layer_index][which][0] if n else None, spans, index, n)
+
+
+def _right_aligned(out: torch.Tensor, source: torch.Tensor | None, spans: Spans,
+                   index: torch.Tensor | None, n: int) -> None:
+    """Write a row's n real positions (its spans in `source`, [heads, columns, head_dim]; or
+    `index`, their columns where there are several spans) as the last n columns of `out`
+    [heads, width, head_dim], zeros before them."""
+    width = out.shape[1]
+    if n < width:
+        out[:, :width - n].zero_()
+    if not n:
+        return
+    if index is None:
+        start, end = spans[0]
+        out[:, width - n:].copy_(source[:, start:end])
+    else:
+        out[:, width - n:].copy_(source.index_select(1, index))
 
 
 @torch.inference_mode()  # buffers a forward made are inference tensors
@@ -285,15 +292,8 @@ def place_row(buffers: list[Buffer], slot: int, width: int, row: list[LayerKV] |
     index = _column_index(spans, ref=buffers[0].keys)
     for layer_index, buffer in enumerate(buffers):
         for which, out in enumerate((buffer.keys, buffer.values)):
-            out[slot, :, :width - n].zero_()
-            if not n:
-                continue
-            source = row[layer_index][which][0]
-            if index is None:
-                start, end = spans[0]
-                out[slot, :, width - n:width].copy_(source[:, start:end])
-            else:
-                out[slot, :, width - n:width].copy_(source.index_select(1, index))
+            _right_aligned(out[slot, :, :width], row[layer_index][which][0] if n else None,
+                           spans, index, n)
 
 
 def take_row(layers: list[LayerKV], row: int, columns: int) -> list[LayerKV] | None:
