@@ -297,8 +297,10 @@ class GroupForward:
 
     When the group is exactly the rows, in order, of the batch its sequences last ran in, that
     batch is used as it is: rows may differ in padding and holes, which the attention mask
-    hides. Otherwise, or when holes grow past `hole_budget`, each row's real positions are
-    copied into a new left-padded batch (a realignment; zeros in the pad columns).
+    hides. When its membership changed (rows left, newcomers joined), the batch is kept and
+    only the newcomers are copied into it (`seat_in_place`). Otherwise, or when holes grow
+    past `hole_budget`, each row's real positions are copied into a new left-padded batch (a
+    realignment; zeros in the pad columns).
     Position ids are each row's count of real positions, so padding never shifts them.
     """
 
