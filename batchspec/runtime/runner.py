@@ -248,8 +248,12 @@ class ModelRunner(CacheBook):
         buffers = getattr(layers, "buffers", None)
         if not buffers:
             return 0
-        return max((c.columns for c in self.caches.values()
-                    if getattr(c.home, "buffers", (None,))[0] is buffers[0]), default=0)
+        return max((c.columns for c in self.stored_in(buffers)), default=0)
+
+    def stored_in(self, buffers: list[kvcache.Buffer]):
+        """The stored sequences' caches that are rows of the batch of `buffers`."""
+        return (c for c in self.caches.values()
+                if getattr(c.home, "buffers", (None,))[0] is buffers[0])
 
     def store(self, seq_ids: list[int], rows: list[SeqCache]) -> None:
         self.caches.update(zip(seq_ids, rows))
@@ -316,13 +320,14 @@ class GroupForward:
         # other rows are vacant (no row of the group), fed a token that nothing keeps
         self.slots: list[int] | None = None
         self.copied = False
-        seated = seat_in_place(runner, caches, reserve) \
-            if runner.reuse_batches and runner.seats_in_place else None
+        resident = resident_batch(caches) if runner.reuse_batches or len(caches) == 1 else None
+        seated = seat_in_place(runner, caches, reserve) if resident is None \
+            and runner.reuse_batches and runner.seats_in_place else None
         if seated is not None:
             layers, self.width, self.slots, self.lengths, self.spans = seated
         else:
             self.lengths, self.spans = lengths, [c.spans for c in caches]
-            layers = self._resident(caches, longest, reserve)
+            layers = self._resident(caches, resident, longest, reserve)
         self.cache = kvcache.to_model_cache(layers or None)
         self.realigned = not aligned or self.slots is not None
         self.mask = None
@@ -334,12 +339,10 @@ class GroupForward:
         # features), when the step kept them; rows in the group's order
         self.hidden = None
 
-    def _resident(self, caches: list[SeqCache], longest: int, reserve: int):
-        """The group's layers: the batch its rows are, in order, all the rows of (appended
-        in place), or else a left-padded copy of every row's real positions."""
+    def _resident(self, caches: list[SeqCache], layers, longest: int, reserve: int):
+        """The group's layers: `layers`, the batch its rows are, in order, all the rows of
+        (appended in place), or else a left-padded copy of every row's real positions."""
         runner = self.runner
-        reuse = runner.reuse_batches or len(caches) == 1
-        layers = resident_batch(caches) if reuse else None
         self.width = max(c.columns for c in caches)
         if layers:  # append where its buffers can be written in place
             self.width = kvcache.next_column(layers, self.width,
@@ -469,11 +472,11 @@ def seat_in_place(runner: ModelRunner, caches: list[SeqCache], reserve: int):
     into rows of it that no stored sequence holds, right-aligned at the batch's width, and rows
     left over stay vacant. Only the newcomers' positions are copied, where a realignment copies
     every row's. Returns (layers, width, the group's rows' batch rows, each batch row's length,
-    its spans), or None where the batch cannot be kept: no batch, rows of it shared or out of
-    order already matched as a whole (resident_batch), too many vacant rows, no free row or
-    column for a newcomer, or holes past the budget. A newcomer longer than the batch is wide
-    widens it (zeros in the columns the other rows gain, holes to them), as wide as a copy
-    of every row would make it."""
+    its spans), or None where the batch cannot be kept: no batch, rows of it shared, too many
+    vacant rows, no free row or column for a newcomer, or holes past the budget (callers ask
+    only where the group is not the batch as a whole, resident_batch). A newcomer longer
+    than the batch is wide widens it (zeros in the columns the other rows gain, holes to
+    them), as wide as a copy of every row would make it."""
     homes = collections.Counter(id(c.home) for c in caches if c.home is not None)
     if not homes:
         return None
@@ -484,11 +487,9 @@ def seat_in_place(runner: ModelRunner, caches: list[SeqCache], reserve: int):
     slots = [c.row if id(c.home) == home_id else None for c in caches]
     taken = [r for r in slots if r is not None]
     if not buffers or len(set(taken)) != len(taken) or len(caches) > batch_rows \
-            or batch_rows - len(caches) > vacancy_budget(batch_rows) \
-            or resident_batch(caches) is not None:
+            or batch_rows - len(caches) > vacancy_budget(batch_rows):
         return None
-    held = {c.row for c in runner.caches.values()
-            if getattr(c.home, "buffers", (None,))[0] is buffers[0]}
+    held = {c.row for c in runner.stored_in(buffers)}
     free = [r for r in range(batch_rows) if r not in held and r not in taken]
     newcomers = [i for i, r in enumerate(slots) if r is None]
     if len(free) < len(newcomers):
