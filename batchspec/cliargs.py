@@ -52,3 +52,25 @@ def positive_int(value: str) -> int:
 def port(value: str) -> int:
     """An argparse type: a TCP port, 1..65535."""
     return _number(value, int, "a port", lambda n: 1 <= n <= 65535, "a port is in 1..65535")
+
+
+def non_negative_int(value: str) -> int:
+    """An argparse type: a whole number >= 0."""
+    return _number(value, int, "a whole number", lambda n: n >= 0, "must be >= 0")
+
+
+def share(value: str) -> float:
+    """An argparse type: a fraction in [0, 1]."""
+    return _number(value, float, "a number", lambda x: 0 <= x <= 1, "must be in [0, 1]")
+
+
+def int_span(value: str) -> tuple[int, int]:
+    """An argparse type: MIN,MAX, whole numbers with 0 < MIN <= MAX."""
+    low, sep, high = value.partition(",")
+    try:
+        values = int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX, not {value!r}") from None
+    if not sep or not 0 < values[0] <= values[1]:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX with 0 < MIN <= MAX, not {value!r}")
+    return values

@@ -52,11 +52,11 @@ def run(runner, args, seed: int) -> tuple[list[float], list[float]]:
         specs = [verifier.VerifyRow(i, len(t), [rng.randrange(vocab)], [], None, greedy)
                  for i, t in rows.items()]
         started = time.perf_counter()
-        outcomes, group = verifier.verify(runner, specs, realign=True)
+        _, group = verifier.verify(runner, specs, realign=True)
         times.append(time.perf_counter() - started)
         builds.append(group.stack_seconds)
         finished = []
-        for spec, outcome in zip(specs, outcomes):
+        for spec in specs:
             rows[spec.seq_id] += spec.append_token_ids
             left[spec.seq_id] -= 1
             if left[spec.seq_id] == 0:
@@ -69,29 +69,18 @@ def run(runner, args, seed: int) -> tuple[list[float], list[float]]:
     return times, builds
 
 
-def span(text: str) -> tuple[int, int]:
-    low, _, high = text.partition(",")
-    try:
-        values = int(low), int(high or low)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN,MAX: {text!r}")
-    if not 0 < values[0] <= values[1]:
-        raise argparse.ArgumentTypeError(f"expected 0 < MIN <= MAX: {text!r}")
-    return values
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--rows", type=cliargs.positive_int, default=32)
-    parser.add_argument("--prompt", type=span, default=(60, 200),
+    parser.add_argument("--prompt", type=cliargs.int_span, default=(60, 200),
                         help="prompt lengths drawn from MIN,MAX")
     parser.add_argument("--new-tokens", type=cliargs.positive_int, default=64)
-    parser.add_argument("--lag", type=int, default=1,
+    parser.add_argument("--lag", type=cliargs.non_negative_int, default=1,
                         help="steps between a sequence's end and its successor's arrival")
     parser.add_argument("--steps", type=cliargs.positive_int, default=60)
     parser.add_argument("--rounds", type=cliargs.positive_int, default=3)
-    parser.add_argument("--vacant-share", type=float, default=None,
+    parser.add_argument("--vacant-share", type=cliargs.share, default=None,
                         help="the share of a batch's rows it may keep vacant (default: the "
                              "runner's budget)")
     args = parser.parse_args()

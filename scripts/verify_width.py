@@ -37,20 +37,13 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def span(text: str) -> tuple[int, int]:
-    values = int_list(text)
-    if len(values) != 2 or not 0 < values[0] <= values[1]:
-        raise argparse.ArgumentTypeError(f"expected MIN,MAX with 0 < MIN <= MAX: {text!r}")
-    return values[0], values[1]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--rows", type=cliargs.positive_int, default=16)
     parser.add_argument("--k", type=cliargs.positive_int, default=4)
     parser.add_argument("--drafting", type=int_list, default=[0, 1, 4, 8, 16])
-    parser.add_argument("--context", type=span, default=(100, 250),
+    parser.add_argument("--context", type=cliargs.int_span, default=(100, 250),
                         help="cached lengths drawn from MIN,MAX")
     parser.add_argument("--steps", type=cliargs.positive_int, default=20,
                         help="verifies per count and round")
