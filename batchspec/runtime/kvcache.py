@@ -197,6 +197,11 @@ def append_span(spans: Spans, start: int, end: int) -> Spans:
     return spans + ((start, end),)
 
 
+def right_aligned(length: int, width: int) -> Spans:
+    """The spans of `length` positions that end a row `width` columns wide (left padding)."""
+    return ((width - length, width),) if length else ()
+
+
 def is_plain(spans: Spans) -> bool:
     """True when the real positions are columns 0.. with no padding or hole among them."""
     return len(spans) <= 1 and (not spans or spans[0][0] == 0)

@@ -351,7 +351,7 @@ class GroupForward:
                                          or self.width + reserve > runner.max_context_len)
         if self.copied:
             self.width = longest
-            self.spans = [((longest - n, longest),) if n else () for n in self.lengths]
+            self.spans = [kvcache.right_aligned(n, longest) for n in self.lengths]
             return kvcache.stack_rows([c.layers for c in caches], [c.spans for c in caches],
                                       reserve)
         return kvcache.columns_of(layers, self.width) if layers else layers
@@ -509,7 +509,7 @@ def seat_in_place(runner: ModelRunner, caches: list[SeqCache], reserve: int):
     for i, slot in zip(newcomers, free):
         kvcache.place_row(buffers, slot, width, caches[i].layers, caches[i].spans)
         slots[i] = slot
-        spans[slot] = ((width - caches[i].length, width),) if caches[i].length else ()
+        spans[slot] = kvcache.right_aligned(caches[i].length, width)
     for cache, slot in zip(caches, slots):
         lengths[slot] = cache.length
         if cache.home is home:
