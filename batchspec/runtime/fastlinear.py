@@ -8,15 +8,16 @@ costs about what decoding one does (`python3 scripts/step_times.py` measures it 
 at hand; docs/benchmarks.md has figures).
 
 The kernel's speed also jumps with the row count, and not monotonically: some row counts cost
-more than the next larger one. So `tune(model)` (run by each service and by the
-benchmark at start-up) times, for every weight shape and 1 to MAX_ROWS rows, the usual product
-and the weight-major one with the rows padded to a few sizes (padding rows are copies, their
-outputs dropped), on enough copies of the weight that it comes from memory as in a real
-forward, in turns and by the least of TIMING_TURNS (other work on the machine only adds
-time), and keeps the fastest for the rest of the process (and, given a store file, for every
-later process on the same machine). A model whose linear weights fit
-in the CPU cache (the tests' tiny ones) is not worth timing and takes DEFAULT_PLAN. `python -m
-batchspec.runtime.fastlinear` prints the timings and the choices for the machine it runs on.
+more than the next larger one. So `tune(model)` (run by each service and by the benchmark at
+start-up) times, for every weight shape and 1 to MAX_ROWS rows, the usual product and the
+weight-major one with the rows padded to a few sizes (padding rows are zeros, their outputs
+dropped: each output row of a product depends on its own input row alone), on enough copies
+of the weight that it comes from memory as in a real forward, in turns and by the least of
+TIMING_TURNS (other work on the machine only adds time), and keeps the fastest for the rest of
+the process (and, given a store file, for every later process on the same machine). A model
+whose linear weights fit in the CPU cache (the tests' tiny ones) is not worth timing and
+takes DEFAULT_PLAN. `python -m batchspec.runtime.fastlinear` prints the timings and the
+choices for the machine it runs on.
 
 A third way, where torch is built with oneDNN (mkldnn): multiply by a copy of the weight
 reordered once into oneDNN's blocked layout (`PACKED`). On CPUs with AVX-512 it costs about
@@ -77,8 +78,8 @@ def _product(flat: torch.Tensor, weight: torch.Tensor, method: int) -> torch.Ten
         return flat @ weight.T
     if method == PACKED:
         return torch.ops.mkldnn._linear_pointwise(flat, packed(weight), None, "none", [None], "")
-    if method > rows:
-        flat = flat.repeat(-(-method // rows), 1)[:method]
+    if method > rows:  # one padding op: a repeat of the rows cost a decode step 6% (1 row)
+        flat = torch.nn.functional.pad(flat, (0, 0, 0, method - rows))
     return (weight @ flat.T).T[:rows].contiguous()
 
 
@@ -257,7 +258,7 @@ def _machine() -> str:
     except (OSError, StopIteration):
         pass
     return (f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads"
-            f" | {TIMING_TURNS} turns")  # plans timed another way are timed again
+            f" | {TIMING_TURNS} turns | zero-padded")  # plans timed another way are timed again
 
 
 def _read_plans(store: pathlib.Path) -> dict:
