@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from batchspec import cliargs
 from batchspec.params import SamplingParams
 from batchspec.runtime import fastlinear, models
 from batchspec.runtime.service import ServiceConfig, build_runner, warm_up
@@ -57,8 +58,11 @@ def alternate(runner, rows: int, k: int, steps: int) -> dict[str, list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--steps", type=cliargs.positive_int, default=160,
+                        help="steps per setting, both ways together (at least 8)")
     args = parser.parse_args()
+    if args.steps < 8:
+        parser.error("--steps must be at least 8: each way needs four steps for its quartiles")
     runner = build_runner(ServiceConfig(model=models.model_path("smollm2")))
     warm_up(runner)
     for rows, k in ((1, 0), (1, 4), (2, 0)):
