@@ -36,14 +36,14 @@ def commit(handle: RequestHandle, outcome: VerifyOutcome, num_drafts: int, step:
     draft_text = text_of(seq, committed[:accepted], last=False) if accepted else ""
     text = draft_text + text_of(seq, committed[accepted:])
     telemetry.committed(handle, len(committed), num_drafts, outcome.num_accepted)
+    if seq.finish is not None:  # recorded before the client can see its last event
+        telemetry.finished(handle)
     prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # the first event's
     handle.events.put(Event(committed, finish=seq.finish, text=text, num_drafted=num_drafts,
                             num_accepted=accepted, draft_text=draft_text,
                             logprobs=None if outcome.logprobs is None
                             else outcome.logprobs[:len(committed)],
                             prompt_logprobs=prompt_logprobs))
-    if seq.finish is not None:
-        telemetry.finished(handle)
     return seq.finish is not None
 
 
