@@ -101,6 +101,11 @@ def serve_parser() -> argparse.ArgumentParser:
                         help="overrides --device for the draft models")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="parameter dtype of the models")
+    parser.add_argument("--draft-dtype", default=None,
+                        choices=("auto", "float32", "bfloat16", "float16"),
+                        help="overrides --dtype for the draft models (default: auto where "
+                             "--dtype is float32: bfloat16 for a feature head on a CPU that "
+                             "multiplies bfloat16 natively, float32 otherwise)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds to wait for each service to become healthy")
     coordinator = parser.add_argument_group("coordinator (as `batchspec coordinator`)")
@@ -222,7 +227,10 @@ def draft_command(args, name: str, port: int) -> list[str]:
         return cmd + ["--model", "ngram"]
     model, layers = pick_draft(args.target_model, None if name == "auto" else name,
                                args.draft_layers)
-    cmd += ["--model", model, "--device", args.draft_device or args.device, "--dtype", args.dtype]
+    from batchspec.runtime import models
+
+    cmd += ["--model", model, "--device", args.draft_device or args.device,
+            "--dtype", models.draft_service_dtype(args.dtype, args.draft_dtype)]
     return cmd + (["--num-layers", str(layers)] if layers else [])
 
 

@@ -21,7 +21,7 @@ import time
 import torch
 
 from batchspec.params import SamplingParams
-from batchspec.runtime import features_wire, models
+from batchspec.runtime import fastlinear, features_wire, models
 from batchspec.runtime import runner as runner_lib
 from batchspec_tools.data import bench_prompts
 from draft_service import proposer
@@ -100,13 +100,17 @@ def main(argv=None):
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("-k", type=int, default=4)
+    parser.add_argument("--head-dtype", default="float32", choices=models.DTYPES,
+                        help="the head's parameter dtype (the target's is float32)")
     parser.add_argument("--min-confidence", type=float, default=0.0,
                         help="cut each draft where its probability falls below this")
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     tokenizer = models.load_tokenizer(args.target)
     target = runner_of(models.load_causal_lm(args.target), "target")
-    head = runner_of(models.load_causal_lm(args.head), "head")
+    head_model = models.load_causal_lm(args.head, dtype=args.head_dtype)
+    fastlinear.tune(head_model, models.kernel_plans_file())
+    head = runner_of(head_model, "head")
     rows = bench_prompts(args.num_prompts, args.prompts)
     stats = {"head_s": [], "verify_s": [], "tried": [0] * args.k, "accepted": [0] * args.k,
              "drafted": 0, "accepted_total": 0, "spent_s": 0.0, "wire_bytes": 0, "wire_rows": 0,

@@ -77,8 +77,9 @@ def flag(command, name):
 
 
 def parse_service_command(command):
+    """`batchspec target ...` or `batchspec draft ...`, parsed as that service parses it."""
     parser = __import__("argparse").ArgumentParser()
-    service.add_service_arguments(parser, 0)
+    service.add_service_arguments(parser, 0, command[1])
     return parser.parse_args(command[2:])
 
 

@@ -239,3 +239,47 @@ def test_turnover_copies_are_left_out_and_compaction_is_charged_to_the_drafted_s
     drafter.observe_step(DraftedCohort(step[::-1]), 2, 0.32, verify)  # after plain again
     assert seen == [(0.08, 0.0), (0.32, 0.0), (0.08, 0.0), (0.08, 0.0), (0.32, 0.0),
                     (0.32, 0.0), (0.32, 0.24), (0.32, 0.0)]
+
+
+
+def run_lone_row(evidence: Evidence, steps: int, tokens: list[int],
+                 drafted_seconds: float) -> list[Choice]:
+    """A lone row: a plain step commits one token in 40 ms; drafted steps take
+    drafted_seconds and commit `tokens` in turn, over and over."""
+    choices, drafted_steps = [], 0
+    for _ in range(steps):
+        choice = evidence.choose(1)
+        choices.append(choice)
+        drafted = choice is Choice.PLAN
+        committed = tokens[drafted_steps % len(tokens)] if drafted else 1
+        drafted_steps += drafted
+        evidence.observe(1, drafted, tokens=committed,
+                         seconds=drafted_seconds if drafted else 0.04)
+    return choices
+
+
+def test_a_lone_rows_uneven_drafted_steps_are_judged_by_the_tokens_they_deliver():
+    """One row's drafted steps commit one token most of the time and several now and then:
+    here 1, 1, 1, 1, 3 tokens in turn, each step in 1.2x a plain step's time: 1.17x the plain
+    steps' tokens per second. A mean of each pair's ratio of rates (geometric) puts that at
+    1.04x, since the one-token steps outnumber the tokens they bring: once aside after a hard
+    stretch, the bucket stayed aside (coming back takes 1 + margin). Judged by the tokens
+    they deliver, it comes back and drafts on most steps."""
+    evidence = Evidence()
+    run_lone_row(evidence, 60, [1, 1, 1, 2], drafted_seconds=0.066)  # 1.25 tokens in 1.65x
+    assert evidence.buckets[bucket_of(1)].aside
+    choices = run_lone_row(evidence, 900, [1, 1, 1, 1, 3], drafted_seconds=0.048)
+    assert not evidence.buckets[bucket_of(1)].aside
+    assert choices[100:].count(Choice.PLAN) > 0.85 * 800  # back within 100 steps: probes of
+    # a one-row bucket aside are cheap, so they come every 12 steps
+    assert evidence.ratio(1) > 1.05  # 1.17x, as the last pairs sample the turns
+
+
+def test_a_lone_row_steps_aside_where_more_tokens_come_too_slowly():
+    """The other way round: 1.5 tokens a drafted step, in 1.7x a plain step's time (0.88x
+    the plain steps' tokens per second), steps aside."""
+    evidence = Evidence()
+    choices = run_lone_row(evidence, 300, [1, 2], drafted_seconds=0.068)
+    assert evidence.buckets[bucket_of(1)].aside
+    assert evidence.ratio(1) == pytest.approx(1.5 / 1.7, rel=0.05)
+    assert choices[-200:].count(Choice.PLAIN) > 0.85 * 200

@@ -1,6 +1,7 @@
 """The feature-level (EAGLE-style) draft: the target's features on the wire, the head as a
 draft service obeying the same cache commands, and greedy output through the services equal
 to the target's own, on a Llama-style and a GPT-2-style target."""
+import argparse
 import json
 import shutil
 
@@ -249,6 +250,51 @@ def test_a_head_that_computes_what_the_target_computes_has_every_draft_accepted(
             model, PROMPTS[3], 13)
         stats = responses[-1].stats
         assert stats.num_accepted_tokens == stats.num_drafted_tokens == 9
+
+
+def test_a_head_served_in_bfloat16_keeps_the_output_the_targets(heads):
+    """`--dtype auto` serves a feature head in bfloat16 on CPUs that multiply it natively:
+    its drafts may differ from float32 ones, the output may not. The head that computes
+    what the target computes still has nearly all its drafts accepted, so the drafts are
+    the head's, not noise from a misread dtype."""
+    target_dir, head_dir = heads["exact"]
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    with running_stack(target_dir, head_dir, batch_size=4, num_draft_tokens=3,
+                       draft_dtype="bfloat16") as stack:
+        assert stack.draft_runner.model.fuse.weight.dtype == torch.bfloat16
+        drafted = accepted = 0
+        for prompt in PROMPTS[:3]:
+            tokens, stats = generate(stack, prompt, 13)
+            assert tokens == tiny.greedy_ignoring_eos(model, prompt, 13)
+            drafted += stats.num_drafted_tokens
+            accepted += stats.num_accepted_tokens
+        assert drafted == 27 and accepted >= 0.8 * drafted
+
+
+def test_auto_picks_bfloat16_for_a_feature_head_on_a_cpu_that_multiplies_it(
+        heads, model_dirs, monkeypatch):
+    from batchspec.runtime import fastlinear
+    from batchspec.runtime.service import add_service_arguments, config_from_args
+
+    _, head_dir = heads["llama"]
+    _, layer_draft = model_dirs["llama"]
+    for native, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(fastlinear, "native_bfloat16", lambda native=native: native)
+        assert models.draft_dtype(head_dir, "cpu") == expected
+        parser = argparse.ArgumentParser()
+        add_service_arguments(parser, 0, "draft")
+        assert config_from_args(parser.parse_args(["--model", head_dir])).dtype == expected
+    assert models.draft_dtype(head_dir, "cuda:0") == "float32"  # a GPU: as --dtype says
+    assert models.draft_dtype(layer_draft, "cpu") == "float32"  # not measured: as before
+    assert models.draft_dtype("ngram", "cpu") == "float32"
+    # what serve gives its draft services
+    assert models.draft_service_dtype("float32") == "auto"
+    assert models.draft_service_dtype("bfloat16") == "bfloat16"
+    assert models.draft_service_dtype("float32", "float32") == "float32"
+    target = argparse.ArgumentParser()
+    add_service_arguments(target, 0)
+    with pytest.raises(SystemExit):  # a target has no auto
+        target.parse_args(["--dtype", "auto"])
 
 
 def test_a_restarted_feature_draft_is_refilled_from_the_targets_features(heads, monkeypatch):

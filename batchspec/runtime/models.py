@@ -25,6 +25,9 @@ PACKAGED_DRAFT = DRAFTS_DIR / SMOLLM2_DRAFT
 # served benchmarks against `--draft-model none` measured, docs/benchmarks.md).
 BEST_SHIPPED = {SMOLLM2: (SMOLLM2_EAGLE, SMOLLM2_DRAFT)}
 DTYPES = ("float32", "bfloat16", "float16")
+# a draft service's --dtype may also be AUTO (see draft_dtype)
+AUTO = "auto"
+DRAFT_DTYPES = (AUTO,) + DTYPES
 # a hub id: NAME or OWNER/NAME
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 # a torch device a service may be pinned to
@@ -92,6 +95,40 @@ def best_shipped_draft(target: str) -> str | None:
     """The best draft shipped for `target` (BEST_SHIPPED), or None if none is."""
     return next((name for name in BEST_SHIPPED.get(target, ())
                  if (DRAFTS_DIR / name).is_dir()), None)
+
+
+def draft_service_dtype(dtype: str, draft_dtype: str | None = None) -> str:
+    """The --dtype `batchspec serve` (and the benchmark's servers) give a draft service:
+    --draft-dtype where given; else AUTO where the models run in float32, --dtype otherwise."""
+    if draft_dtype is not None:
+        return draft_dtype
+    return AUTO if dtype == "float32" else dtype
+
+
+def draft_dtype(spec: str, device: str) -> str:
+    """What a draft service's --dtype auto means for draft `spec` on `device`: bfloat16 for a
+    feature head on a CPU that multiplies bfloat16 natively, float32 otherwise. A draft's
+    numbers never reach the output (the target verifies every token), and the shipped head
+    drafts the same tokens in bfloat16 at about two thirds of the time on one thread
+    (docs/benchmarks.md, "The head in bfloat16")."""
+    if device != "cpu" or not is_feature_head(spec):
+        return "float32"
+    from batchspec.runtime import fastlinear
+
+    return "bfloat16" if fastlinear.native_bfloat16() else "float32"
+
+
+def is_feature_head(spec: str) -> bool:
+    """Whether `spec` names a feature-head directory (a shipped one or a path)."""
+    path = model_path(spec)
+    if not pathlib.Path(path).is_dir():
+        return False  # not a draft directory (and no torch imported for the n-gram draft)
+    from batchspec.runtime import draft_model, feature_head
+
+    try:
+        return feature_head.is_head_manifest(draft_model.read_manifest(path))
+    except (OSError, ValueError):  # a model directory of another kind
+        return False
 
 
 def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",

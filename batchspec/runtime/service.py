@@ -297,7 +297,8 @@ def build_runner(config: ServiceConfig) -> runner_lib.ModelRunner:
                                   max_context_len=models.max_context_len(model))
 
 
-def add_service_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+def add_service_arguments(parser: argparse.ArgumentParser, default_port: int,
+                          role: str = "target") -> None:
     parser.add_argument("--model", default=models.SMOLLM2,
                         help="local Hugging Face model dir, .gguf file, hub id, or 'smollm2' "
                              "(the packaged SmolLM2-135M-Instruct; default); for the draft "
@@ -305,8 +306,14 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int) ->
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=default_port, help="port; 0 picks a free one")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    parser.add_argument("--dtype", default="float32", choices=models.DTYPES,
-                        help="parameter dtype")
+    if role == "draft":
+        parser.add_argument("--dtype", default=models.AUTO, choices=models.DRAFT_DTYPES,
+                            help="parameter dtype (default auto: bfloat16 for a feature head "
+                                 "on a CPU that multiplies bfloat16 natively, else float32; "
+                                 "drafts never change the output)")
+    else:
+        parser.add_argument("--dtype", default="float32", choices=models.DTYPES,
+                            help="parameter dtype")
     parser.add_argument("--num-layers", type=int, default=None,
                         help="keep only the model's first N layers (a cheap draft)")
     parser.add_argument("--grace", type=float, default=30.0,
@@ -330,8 +337,10 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int) ->
 
 
 def config_from_args(args) -> ServiceConfig:
+    dtype = models.draft_dtype(args.model, args.device) if args.dtype == models.AUTO \
+        else args.dtype
     return ServiceConfig(model=args.model, host=args.host, port=args.port, device=args.device,
-                         dtype=args.dtype, num_layers=args.num_layers, grace_s=args.grace,
+                         dtype=dtype, num_layers=args.num_layers, grace_s=args.grace,
                          metrics_port=args.metrics_port, max_sequences=args.max_sequences,
                          max_cached_tokens=args.max_cached_tokens, threads=args.threads,
                          tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_ca))
@@ -411,7 +420,7 @@ def model_hosting(make_servicer):
 def main(role: str, default_port: int, hosting, add_to_server, service_name, argv=None):
     """hosting(config) -> (make_servicer, build, warm): what serves the configured model."""
     parser = cliargs.parser(f"batchspec {role}", f"Serve the {role} over gRPC.")
-    add_service_arguments(parser, default_port)
+    add_service_arguments(parser, default_port, role)
     config = server_lib.parse_config(parser, argv, config_from_args)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
     make_servicer, build, warm = hosting(config)

@@ -84,6 +84,9 @@ class BenchConfig:
     concurrency: tuple[int, ...] = ()
     step_logs: str | None = None  # a directory: each gRPC run's coordinator logs its steps
     dtype: str = "float32"  # of both models, in every method
+    # the served model draft's --dtype (None: as `batchspec serve` gives it, see
+    # models.draft_service_dtype); the in-process methods keep `dtype`
+    draft_dtype: str | None = None
     # where both models run, in every method (the services' --device; the n-gram draft has none)
     device: str = "cpu"
     prompts: str | None = None  # a JSONL file of {"prompt": ...}; default: the packaged set
@@ -129,6 +132,7 @@ class Workload:
     dtype: str = "float32"
     categories: list[str] = dataclasses.field(default_factory=list)  # one per prompt
     device: str = "cpu"  # of both models, in every method
+    draft_dtype: str | None = None  # the served model draft's (BenchConfig.draft_dtype)
 
     def split(self) -> dict[str, "Workload"]:
         """{category: the workload of its prompts}, in first-seen order."""
@@ -225,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="dtype of both models in every method; `exact` then compares with "
                              "the target alone at batch 1 in the same dtype")
+    parser.add_argument("--draft-dtype", default=None,
+                        choices=("auto", "float32", "bfloat16", "float16"),
+                        help="the served model draft's dtype, as `batchspec serve "
+                             "--draft-dtype` (default: what serve gives it)")
     parser.add_argument("--device", default="cpu",
                         help="where both models run in every method, the services included "
                              "(cpu, cuda, cuda:N, xpu[:N], mps); the n-gram draft needs none")
@@ -268,7 +276,8 @@ def config_from_args(args) -> BenchConfig:
                        load_batch_size=args.load_batch_size, dtype=args.dtype,
                        prompts=args.prompts, by_category=args.by_category,
                        repeat=args.repeat, concurrency=ints(args.concurrency),
-                       step_logs=args.step_logs, device=args.device)
+                       step_logs=args.step_logs, device=args.device,
+                       draft_dtype=args.draft_dtype)
 
 
 # ---- the workload ------------------------------------------------------------------------------
@@ -302,7 +311,7 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
     return Workload(config.target, draft, config.draft_layers, prompts, config.max_new_tokens,
                     models.eos_token_ids(target_model), config.min_draft_confidence,
                     config.draft_policy, config.dtype, [r["category"] for r in rows],
-                    config.device)
+                    config.device, config.draft_dtype)
 
 
 def truncate_at_eos(tokens: list[int], eos: set[int], limit: int) -> list[int]:
@@ -431,10 +440,15 @@ def service_commands(workload: Workload) -> list[tuple[str, str, list[str]]]:
     """(role, module, its flags) of each service a GrpcStack starts, in GrpcStack.SERVICES
     order: the target and the model draft on the workload's device, the n-gram draft (no
     model, no device) beside them."""
-    placed = ["--dtype", workload.dtype, "--device", workload.device]
+    from batchspec.runtime import models
+
+    device = ["--device", workload.device]
+    draft_dtype = models.draft_service_dtype(workload.dtype, workload.draft_dtype)
     layers = ["--num-layers", str(workload.draft_layers)] if workload.draft_layers else []
-    return [("target", "target_service", ["--model", workload.target, *placed]),
-            ("model", "draft_service", ["--model", workload.draft, *placed, *layers]),
+    return [("target", "target_service",
+             ["--model", workload.target, "--dtype", workload.dtype, *device]),
+            ("model", "draft_service",
+             ["--model", workload.draft, "--dtype", draft_dtype, *device, *layers]),
             ("ngram", "draft_service", ["--model", "ngram"])]
 
 
@@ -668,8 +682,12 @@ def run(config: BenchConfig) -> dict:
         finally:
             if stack:
                 stack.close()
+    served_draft = models.draft_service_dtype(workload.dtype, workload.draft_dtype)
+    if served_draft == models.AUTO:
+        served_draft = models.draft_dtype(workload.draft, workload.device)
     return {"config": dataclasses.asdict(config),
-            "machine": machine(config.dtype, config.device),
+            "machine": {**machine(config.dtype, config.device),
+                        "served_draft_dtype": served_draft},
             "num_prompts": len(workload.prompts), "target": workload.target,
             "draft": workload.draft, "rows": rows, "load": load, "serving": serving,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
@@ -814,6 +832,12 @@ def write_report(report: dict, out: pathlib.Path) -> list[pathlib.Path]:
     return paths
 
 
+def served_draft_note(found: dict) -> str:
+    """' (served draft bfloat16)' where the served model draft's dtype is not the models'."""
+    served = found.get("served_draft_dtype")
+    return f" (served draft {served})" if served not in (None, found["dtype"]) else ""
+
+
 def markdown(report: dict) -> str:
     cut = report["config"]["min_draft_confidence"]
     cut = "at break-even" if cut is None else cut
@@ -821,7 +845,9 @@ def markdown(report: dict) -> str:
              f"target `{report['target']}`, draft `{report['draft']}`, "
              f"{report['num_prompts']} prompts, max_new_tokens "
              f"{report['config']['max_new_tokens']}, {report['machine']['device']} "
-             f"{report['machine']['dtype']}, {report['machine']['threads']} threads, "
+             f"{report['machine']['dtype']}"
+             + served_draft_note(report["machine"])
+             + f", {report['machine']['threads']} threads, "
              f"draft policy {report['config'].get('draft_policy', 'fixed')}, "
              f"min_draft_confidence {cut} "
              "(K is the most drafted per step)"
