@@ -139,6 +139,14 @@ def test_cpu_pools_and_the_service_monitor():
     main = container(deployments["bs-target"])
     assert main["args"][main["args"].index("--device") + 1] == "cpu"
     assert "nvidia.com/gpu" not in str(main.get("resources"))
+    # the dtypes `batchspec serve` gives: the target --dtype, a draft auto where that is float32
+    for values, target, draft in (({}, "float32", "auto"),
+                                  ({"dtype": "bfloat16"}, "bfloat16", "bfloat16")):
+        pools = by_kind(render({"draft": {"gpus": 0}, "target": {"gpus": 0}, **values}),
+                        "Deployment")
+        for pool, expected in (("bs-target", target), ("bs-draft", draft)):
+            args = container(pools[pool])["args"]
+            assert args[args.index("--dtype") + 1] == expected
     args = container(deployments["bs-coordinator"])["args"]
     assert [args[i + 1] for i, a in enumerate(args) if a == "--draft"] == [
         "k8s:serving/bs-ngram:50054"]
