@@ -76,6 +76,7 @@ def _service(module: str):
 
 # ---- serve --------------------------------------------------------------------------------------
 def serve_parser() -> argparse.ArgumentParser:
+    from batchspec.runtime import models
     from coordinator import config
 
     parser = cliargs.parser("batchspec serve", (
@@ -101,8 +102,7 @@ def serve_parser() -> argparse.ArgumentParser:
                         help="overrides --device for the draft models")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="parameter dtype of the models")
-    parser.add_argument("--draft-dtype", default=None,
-                        choices=("auto", "float32", "bfloat16", "float16"),
+    parser.add_argument("--draft-dtype", default=None, choices=models.DRAFT_DTYPES,
                         help="overrides --dtype for the draft models (default: auto where "
                              "--dtype is float32: bfloat16 for a feature head on a CPU that "
                              "multiplies bfloat16 natively, float32 otherwise)")

@@ -107,10 +107,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     tokenizer = models.load_tokenizer(args.target)
-    target = runner_of(models.load_causal_lm(args.target), "target")
+    target_model = models.load_causal_lm(args.target)
     head_model = models.load_causal_lm(args.head, dtype=args.head_dtype)
-    fastlinear.tune(head_model, models.kernel_plans_file())
-    head = runner_of(head_model, "head")
+    for model in (target_model, head_model):  # the kernels the services use
+        fastlinear.tune(model, models.kernel_plans_file())
+    target, head = runner_of(target_model, "target"), runner_of(head_model, "head")
     rows = bench_prompts(args.num_prompts, args.prompts)
     stats = {"head_s": [], "verify_s": [], "tried": [0] * args.k, "accepted": [0] * args.k,
              "drafted": 0, "accepted_total": 0, "spent_s": 0.0, "wire_bytes": 0, "wire_rows": 0,

@@ -105,6 +105,11 @@ def draft_service_dtype(dtype: str, draft_dtype: str | None = None) -> str:
     return AUTO if dtype == "float32" else dtype
 
 
+def served_draft_dtype(flag: str, spec: str, device: str) -> str:
+    """The dtype a draft service given --dtype `flag` loads draft `spec` in on `device`."""
+    return draft_dtype(spec, device) if flag == AUTO else flag
+
+
 def draft_dtype(spec: str, device: str) -> str:
     """What a draft service's --dtype auto means for draft `spec` on `device`: bfloat16 for a
     feature head on a CPU that multiplies bfloat16 natively, float32 otherwise. A draft's

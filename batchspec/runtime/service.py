@@ -337,10 +337,9 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int,
 
 
 def config_from_args(args) -> ServiceConfig:
-    dtype = models.draft_dtype(args.model, args.device) if args.dtype == models.AUTO \
-        else args.dtype
     return ServiceConfig(model=args.model, host=args.host, port=args.port, device=args.device,
-                         dtype=dtype, num_layers=args.num_layers, grace_s=args.grace,
+                         dtype=models.served_draft_dtype(args.dtype, args.model, args.device),
+                         num_layers=args.num_layers, grace_s=args.grace,
                          metrics_port=args.metrics_port, max_sequences=args.max_sequences,
                          max_cached_tokens=args.max_cached_tokens, threads=args.threads,
                          tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_ca))

@@ -175,6 +175,8 @@ def _stop(signum, frame):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from batchspec.runtime import models
+
     parser = cliargs.parser("batchspec bench", __doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="a small subset on tiny random models, well under a minute")
@@ -229,8 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="dtype of both models in every method; `exact` then compares with "
                              "the target alone at batch 1 in the same dtype")
-    parser.add_argument("--draft-dtype", default=None,
-                        choices=("auto", "float32", "bfloat16", "float16"),
+    parser.add_argument("--draft-dtype", default=None, choices=models.DRAFT_DTYPES,
                         help="the served model draft's dtype, as `batchspec serve "
                              "--draft-dtype` (default: what serve gives it)")
     parser.add_argument("--device", default="cpu",
@@ -682,9 +683,9 @@ def run(config: BenchConfig) -> dict:
         finally:
             if stack:
                 stack.close()
-    served_draft = models.draft_service_dtype(workload.dtype, workload.draft_dtype)
-    if served_draft == models.AUTO:
-        served_draft = models.draft_dtype(workload.draft, workload.device)
+    served_draft = models.served_draft_dtype(
+        models.draft_service_dtype(workload.dtype, workload.draft_dtype), workload.draft,
+        workload.device)
     return {"config": dataclasses.asdict(config),
             "machine": {**machine(config.dtype, config.device),
                         "served_draft_dtype": served_draft},
