@@ -200,6 +200,9 @@ def test_every_ended_request_leaves_one_log_line_with_its_reason(model_dirs, cap
             with pytest.raises(grpc.RpcError) as caught:
                 generate(stub, [5, 6], 20, timeout=0.3, request_id="late")
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            # the server ends it on its own clock: until then it holds the one queue place
+            assert wait_for(lambda: "request late" in caplog.text
+                            and stack.router.num_waiting() == 0, timeout=10)
             gone = stub.Generate(generate_pb2.GenerateRequest(
                 prompt_token_ids=[5, 6], max_new_tokens=20, request_id="gone"))
             assert wait_for(lambda: stack.router.num_waiting() == 1)  # the queue is full
