@@ -39,6 +39,8 @@ import bisect
 import dataclasses
 import math
 
+from batchspec import packing
+
 # A packed verify of B rows, c of them drafting, costs plain + (wide - plain) * (c / B) ** this:
 # the first drafting rows cost most. Verifies of SmolLM2-135M on a 2-core EPYC (K = 1,
 # scripts/verify_width.py) paid these shares of the full-width extra: 0.85 for 1 row of 8, 0.96
@@ -238,10 +240,12 @@ class ServiceCost:
     def verify_calls(self, batch: int, drafting: int, k: int) -> list[tuple]:
         """A verify of `batch` rows, `drafting` of them with k drafts, as forwards: one of
         batch x (1 + k), or where the target packs positions and some rows do not draft, a
-        packed one, (batch, 1 + k, drafting)."""
+        packed one, (batch, 1 + k, drafting), when it is padded enough to be packed
+        (batchspec.packing)."""
         if not (k and drafting):
             return [(batch, 1)]
-        if self.packs_positions and drafting < batch:
+        if self.packs_positions and drafting < batch \
+                and packing.worth_packing(packing.verify_padding(batch, drafting, k)):
             return [(batch, 1 + k, drafting)]
         return [(batch, 1 + k)]
 

@@ -7,10 +7,13 @@ median milliseconds of a verify for each count, medians over rounds taken in tur
 
     python3 scripts/verify_width.py --rows 16 --k 4 --drafting 0,1,4,8,16
     python3 scripts/verify_width.py --attention-runs off   # attention in one call per layer
+    python3 scripts/verify_width.py --rows 8 --k 1 --drafting 1,4,7 --min-padding 1,1000000
+        # packed always against never, step by step in turn (default: packing.MIN_PADDING)
 
 The first drafting row costs the most: the verify feeds K + 1 positions per row from then on
-(linear layers skip the padding, and attention runs rows by their own query counts, but the
-norms, rotary embeddings and output logits still see the padded width).
+(where at least batchspec.packing.MIN_PADDING positions are padding, linear layers skip it and
+attention runs rows by their own query counts, but the norms, rotary embeddings and output
+logits still see the padded width).
 """
 import argparse
 import random
@@ -21,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from batchspec import cliargs  # noqa: E402
+from batchspec import cliargs, packing  # noqa: E402
 from batchspec.params import SamplingParams  # noqa: E402
 from batchspec.runtime import attention, fastlinear, models, service  # noqa: E402
 from target_service import verifier  # noqa: E402
@@ -50,6 +53,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=cliargs.positive_int, default=3)
     parser.add_argument("--attention-runs", choices=("on", "off"), default="on",
                         help="off: attention over the whole batch in one call per layer")
+    parser.add_argument("--min-padding", type=int_list, default=[packing.MIN_PADDING],
+                        help="padded positions from which a verify is packed; several: each "
+                             "count is run under each, step by step in turn")
     args = parser.parse_args()
     if max(args.drafting) > args.rows:
         parser.error(f"--drafting counts are at most --rows ({args.rows})")
@@ -61,38 +67,47 @@ def main() -> int:
     greedy = SamplingParams()
     vocab = runner.vocab_size
 
-    def median_verify(drafting: int, seed: int) -> float:
-        """The median ms of `args.steps` verifies of fresh sequences (the first 3 warm up)."""
-        ids = [seed * args.rows + i + 1 for i in range(args.rows)]
-        lengths = [rng.randint(*args.context) for _ in ids]
-        runner.prefill([(i, [rng.randrange(vocab) for _ in range(n)])
-                        for i, n in zip(ids, lengths)])
-        times = []
+    def median_verify(drafting: int, seed: int) -> dict[int, float]:
+        """For each --min-padding value, the median ms of `args.steps` verifies of fresh
+        sequences of its own (the first 3 warm up), the values taken in turn step by step."""
+        batches = {}
+        for n, min_padding in enumerate(args.min_padding):
+            ids = [(seed * len(args.min_padding) + n) * args.rows + i + 1
+                   for i in range(args.rows)]
+            lengths = [rng.randint(*args.context) for _ in ids]
+            runner.prefill([(i, [rng.randrange(vocab) for _ in range(m)])
+                            for i, m in zip(ids, lengths)])
+            batches[min_padding] = (ids, lengths)
+        times = {m: [] for m in args.min_padding}
         for _ in range(args.steps + 3):
             wide = set(rng.sample(range(args.rows), drafting))
-            rows = [verifier.VerifyRow(i, n, [rng.randrange(vocab)],
-                                       [rng.randrange(vocab) for _ in range(args.k)]
-                                       if j in wide else [], None, greedy)
-                    for j, (i, n) in enumerate(zip(ids, lengths))]
-            started = time.perf_counter()
-            outcomes, _ = verifier.verify(runner, rows, realign=True)
-            times.append((time.perf_counter() - started) * 1000)
-            lengths = [o.cache_len for o in outcomes]
-        runner.release(ids)
-        return statistics.median(times[3:])
+            drafts = [[rng.randrange(vocab) for _ in range(args.k)] if j in wide else []
+                      for j in range(args.rows)]
+            for min_padding, (ids, lengths) in batches.items():
+                packing.MIN_PADDING = min_padding
+                rows = [verifier.VerifyRow(i, n, [rng.randrange(vocab)], d, None, greedy)
+                        for i, n, d in zip(ids, lengths, drafts)]
+                started = time.perf_counter()
+                outcomes, _ = verifier.verify(runner, rows, realign=True)
+                times[min_padding].append((time.perf_counter() - started) * 1000)
+                batches[min_padding] = (ids, [o.cache_len for o in outcomes])
+        for ids, _ in batches.values():
+            runner.release(ids)
+        return {m: statistics.median(t[3:]) for m, t in times.items()}
 
     print(f"{args.model}: verifies of {args.rows} rows ({args.context[0]} to {args.context[1]} "
           f"cached positions at the start, {args.steps} steps), K = {args.k}, attention runs "
           f"{args.attention_runs}; median of {args.rounds} rounds")
-    results = {d: [] for d in args.drafting}
+    results = {(d, m): [] for d in args.drafting for m in args.min_padding}
     seed = 0
     for _ in range(args.rounds):
         for drafting in args.drafting:
             seed += 1
-            results[drafting].append(median_verify(drafting, seed))
-    for drafting, values in results.items():
-        print(f"  {drafting:3d} rows drafting: {statistics.median(values):7.1f} ms "
-              f"({min(values):.1f}-{max(values):.1f})")
+            for min_padding, ms in median_verify(drafting, seed).items():
+                results[drafting, min_padding].append(ms)
+    for (drafting, min_padding), values in results.items():
+        print(f"  {drafting:3d} rows drafting, packed from {min_padding} padded positions: "
+              f"{statistics.median(values):7.1f} ms ({min(values):.1f}-{max(values):.1f})")
     return 0
 
 

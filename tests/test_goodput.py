@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from batchspec import packing
 from batchspec.runtime import runner as runner_lib
 from batchspec_tools.bench.inprocess import InProcessDraft, InProcessTarget
 from coordinator import goodput
@@ -174,6 +175,21 @@ def test_a_packed_verify_lets_the_few_rows_that_pay_draft_in_a_large_batch():
         < cost([(16, 5)])
     assert p.target.verify_calls(16, 0, 4) == [(16, 1)]  # nobody drafts: a plain step
     assert p.target.verify_calls(16, 16, 4) == [(16, 5)]  # everybody does: no padding
+
+
+def test_a_verify_padded_too_little_to_be_packed_is_priced_at_full_width():
+    """The target packs a verify only with at least packing.MIN_PADDING padded positions
+    (batchspec.packing), and the plan prices what it runs: half of 8 rows drafting one token
+    pay what all 8 would, so a plan that drafts any of them drafts every row that could
+    accept; with four tokens the padding is worth skipping."""
+    p = policy(max_k=1, verify_per_token=0.002, verify_per_row_token=0.0005,
+               draft_fraction=0.01, packs_positions=True)
+    assert 4 < packing.MIN_PADDING <= 8
+    assert p.target.verify_calls(8, 4, 1) == [(8, 2)]  # 4 padded positions: run padded
+    assert p.target.verify_calls(8, 1, 4) == [(8, 5, 1)]  # 28: packed
+    assert p.target.verify_calls(16, 8, 1) == [(16, 2, 8)]  # 8: packed
+    rows = [goodput.Row(0.9)] * 4 + [goodput.Row(0.3)] * 4
+    assert p.plan(rows).k == [1] * 8
 
 
 def test_no_row_is_planned_past_its_end():

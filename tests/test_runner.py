@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from batchspec.runtime import attention, models
+from batchspec import packing
+from batchspec.runtime import attention, fastlinear, models
 from batchspec.runtime import runner as runner_lib
 
 
@@ -59,7 +60,8 @@ def test_ragged_groups_match_each_sequence_run_alone(model_dirs, arch, budget, s
     if budget is not None:
         monkeypatch.setattr(runner_lib, "hole_budget", lambda longest: budget)
     calls = []
-    if split:
+    if split:  # packed (a handful of padding positions would not be): split by query counts
+        monkeypatch.setattr(packing, "MIN_PADDING", 1)
         monkeypatch.setattr(attention, "CALL_US", 0.0)
         real_plan = attention.plan
         monkeypatch.setattr(attention, "plan", lambda *a: calls.append(real_plan(*a)) or calls[-1])
@@ -94,6 +96,39 @@ def test_ragged_groups_match_each_sequence_run_alone(model_dirs, arch, budget, s
         assert copied > 1  # and compacted when they grew past the budget
     if split:
         assert max(len(runs) for runs in calls) > 1
+
+
+@pytest.mark.parametrize("padded_rows,packed", [(1, False), (2, True)])
+def test_a_forward_is_packed_only_when_padded_enough(model_dirs, monkeypatch, padded_rows,
+                                                     packed):
+    """Packing gathers and scatters around every block: a verify whose padding is a few
+    positions runs padded (4 of them here), one with at least packing.MIN_PADDING (8 here)
+    skips them. Either way each row's logits are what the model gives that sequence alone."""
+    assert 4 < packing.MIN_PADDING <= 8
+    model = models.load_causal_lm(model_dirs["llama"][0])
+    runner = runner_lib.ModelRunner(model, name="llama", device=torch.device("cpu"),
+                                    eos_token_ids=[], max_context_len=256)
+    entered = []
+    real_only = fastlinear.only_positions
+    monkeypatch.setattr(fastlinear, "only_positions",
+                        lambda valid: entered.append(valid) or real_only(valid))
+    rng = random.Random(3)
+    tokens = {i: [rng.randrange(4, 90) for _ in range(5 + i)] for i in range(4)}
+    runner.prefill(list(tokens.items()))
+    entered.clear()  # prompts of different lengths: their own padding
+    fed = {i: [rng.randrange(4, 90) for _ in range(5)] for i in tokens}
+    real = {i: 1 if i < padded_rows else 5 for i in tokens}  # 4 padding positions a row
+    valid = torch.tensor([[j < real[i] for j in range(5)] for i in tokens])
+    assert int((~valid).sum()) == 4 * padded_rows
+    group = runner.open_group([runner_lib.RowSpec(i, len(t), len(t), fed[i])
+                               for i, t in tokens.items()], realign=True)
+    logits = group.step(torch.tensor([fed[i] for i in tokens]), num_logits=5, valid=valid)
+    assert bool(entered) == packed
+    for row, i in enumerate(tokens):
+        with torch.inference_mode():
+            alone = model(input_ids=torch.tensor([tokens[i] + fed[i][:real[i]]])).logits[0]
+        torch.testing.assert_close(logits[row, :real[i]], alone[-real[i]:].float(),
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_holes_are_compacted_before_they_widen_attention_much(model_dirs):

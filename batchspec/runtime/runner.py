@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from batchspec import errors
+from batchspec import errors, packing
 from batchspec.runtime import fastlinear, kvcache, logprobs
 from batchspec.runtime.cachebook import CacheBook, StepCost
 
@@ -380,7 +380,8 @@ class GroupForward:
             kwargs["features"] = self._seated(features.to(self.runner.device))
         input_ids = self._seated(input_ids)
         valid = None if valid is None else self._seated(valid)
-        packed = valid is not None and self.runner.packs_positions and not bool(valid.all())
+        packed = valid is not None and self.runner.packs_positions \
+            and packing.worth_packing(int((~valid).sum()))
         with (fastlinear.only_positions(valid) if packed else contextlib.nullcontext(),
               self._hidden_kept(keep_hidden)):
             logits = self._step(input_ids, num_logits, started, kwargs)
