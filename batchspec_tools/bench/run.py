@@ -134,6 +134,14 @@ class Workload:
     device: str = "cpu"  # of both models, in every method
     draft_dtype: str | None = None  # the served model draft's (BenchConfig.draft_dtype)
 
+    @property
+    def draft_service_dtype(self) -> str:
+        """The --dtype the served model draft is started with (auto where `dtype` is
+        float32 and no draft_dtype is given, as `batchspec serve` does)."""
+        from batchspec.runtime import models
+
+        return models.draft_service_dtype(self.dtype, self.draft_dtype)
+
     def split(self) -> dict[str, "Workload"]:
         """{category: the workload of its prompts}, in first-seen order."""
         names = list(dict.fromkeys(self.categories))
@@ -441,15 +449,13 @@ def service_commands(workload: Workload) -> list[tuple[str, str, list[str]]]:
     """(role, module, its flags) of each service a GrpcStack starts, in GrpcStack.SERVICES
     order: the target and the model draft on the workload's device, the n-gram draft (no
     model, no device) beside them."""
-    from batchspec.runtime import models
-
     device = ["--device", workload.device]
-    draft_dtype = models.draft_service_dtype(workload.dtype, workload.draft_dtype)
     layers = ["--num-layers", str(workload.draft_layers)] if workload.draft_layers else []
     return [("target", "target_service",
              ["--model", workload.target, "--dtype", workload.dtype, *device]),
             ("model", "draft_service",
-             ["--model", workload.draft, "--dtype", draft_dtype, *device, *layers]),
+             ["--model", workload.draft, "--dtype", workload.draft_service_dtype, *device,
+              *layers]),
             ("ngram", "draft_service", ["--model", "ngram"])]
 
 
@@ -683,9 +689,8 @@ def run(config: BenchConfig) -> dict:
         finally:
             if stack:
                 stack.close()
-    served_draft = models.served_draft_dtype(
-        models.draft_service_dtype(workload.dtype, workload.draft_dtype), workload.draft,
-        workload.device)
+    served_draft = models.served_draft_dtype(workload.draft_service_dtype, workload.draft,
+                                             workload.device)
     return {"config": dataclasses.asdict(config),
             "machine": {**machine(config.dtype, config.device),
                         "served_draft_dtype": served_draft},
