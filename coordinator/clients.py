@@ -50,9 +50,7 @@ class ProposeSpec:
 class Proposal:
     seq_id: int
     draft_token_ids: list[int]
-    draft_probs: list  # opaque wire form, passed through to the target untouched
     cache_len: int
-    probs_bytes: int  # bytes the draft distributions take on the wire (0 when greedy)
     cut: bool = False  # a confidence cut ended it short: it holds what the draft was sure of
 
 
@@ -62,7 +60,6 @@ class VerifySpec:
     expected_cache_len: int
     append_token_ids: list[int]
     draft_token_ids: list[int]
-    draft_probs: list
     sampling: SamplingParams
     logprobs: int | None = None  # see Sequence.logprobs
     token_masks: tuple[bytes, ...] = ()  # structured output: see grammar.Constraint.masks
@@ -316,8 +313,7 @@ class DraftClient(ServiceClient):
                                        keep_len=s.keep_len, append_token_ids=s.append_token_ids,
                                        sampling=_sampling(s.sampling), features=s.features)
                 for s in specs]))
-        return [Proposal(e.seq_id, list(e.draft_token_ids), list(e.draft_probs), e.cache_len,
-                         sum(p.ByteSize() for p in e.draft_probs), e.cut)
+        return [Proposal(e.seq_id, list(e.draft_token_ids), e.cache_len, e.cut)
                 for e in result.entries], _timing(result.timing)
 
 
@@ -335,7 +331,7 @@ class TargetClient(ServiceClient):
                                            entries=[
             target_pb2.VerifyEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
                                    append_token_ids=s.append_token_ids,
-                                   draft_token_ids=s.draft_token_ids, draft_probs=s.draft_probs,
+                                   draft_token_ids=s.draft_token_ids,
                                    sampling=_sampling(s.sampling),
                                    logprobs=None if s.logprobs is None
                                    else cache_pb2.LogprobsSpec(num_top=s.logprobs),

@@ -15,18 +15,18 @@ DEFAULT_PORT = 50051
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    # K, the most tokens a step drafts. With the goodput policy each greedy row drafts what
-    # pays (0 to K); sampled rows always draft K, so a seeded request's tokens never depend on
-    # timings or cohort mates.
+    # K, the most tokens a step drafts. With the goodput policy each row, greedy or sampled,
+    # drafts what pays (0 to K); a seeded request's tokens never depend on what was drafted.
     num_draft_tokens: int = 4
     # "goodput": per row and step, the K with the most expected tokens per second (0: plain
     # decoding), from the services' measured costs and each row's acceptance;
     # "fixed": every row drafts num_draft_tokens.
     draft_policy: str = "goodput"
-    # With the goodput policy: greedy cohorts decode plainly where drafted steps have measured
-    # slower than plain ones for cohorts of their size (coordinator/evidence.py).
+    # With the goodput policy: cohorts decode plainly where drafted steps have measured slower
+    # than plain ones for cohorts of their size and class, greedy or with a sampled row
+    # (coordinator/evidence.py).
     step_aside: bool = True
-    # Each greedy row's model draft is cut before its first token at which the draft's
+    # Each row's model draft is cut before its first token at which the draft's
     # probability of its whole draft so far falls below this; a row may verify none (0: off).
     # None: drafts whose probabilities track acceptance (ModelInfo.calibrated) are cut where
     # a token stops paying for itself at the step's shape (goodput.break_even_confidence).
@@ -149,11 +149,12 @@ ENGINE_FLAGS = (
          EngineConfig.draft_policy, str, ("goodput", "fixed")),
     Flag(("--overlap",), "draft for the next cohort while the target verifies this one; auto: "
          "unless both services run on CPU", EngineConfig.overlap, str, ("auto", "on", "off")),
-    Flag(("--step-aside",), "with the goodput policy, greedy cohorts decode plainly wherever "
-         "drafted steps have measured slower than plain ones for cohorts of their size (on), or "
+    Flag(("--step-aside",), "with the goodput policy, cohorts decode plainly wherever drafted "
+         "steps have measured slower than plain ones for cohorts of their size and class "
+         "(greedy, or with a sampled row) (on), or "
          "the policy's predictions alone decide (off)", "on" if EngineConfig.step_aside else "off",
          str, ("on", "off")),
-    Flag(("--min-draft-confidence",), "cut each greedy row's model draft where the draft's "
+    Flag(("--min-draft-confidence",), "cut each row's model draft where the draft's "
          "probability of it falls below this (0: off; default: a calibrated draft is cut where "
          "a token stops paying for itself, others never)", EngineConfig.min_draft_confidence,
          float),

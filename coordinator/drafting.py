@@ -55,10 +55,6 @@ class RowDraft:
         own = self.proposal.draft_token_ids[:self.num_drafts] if self.proposal else []
         return own + list(self.forced)
 
-    @property
-    def draft_probs(self) -> list:
-        return self.proposal.draft_probs[:self.num_drafts] if self.proposal else []
-
     def traced(self, accepted: int, committed: int) -> tuple:
         """The step log's account: (kind or None, drafts verified, accepted, committed). A
         confidence cut may leave a row fewer drafts than planned, or none."""
@@ -89,25 +85,21 @@ class DraftedCohort:
 
     def constrained(self, k: int) -> "DraftedCohort":
         """The cohort with each constrained row's output masks, taken at its committed
-        tokens. A greedy row's draft is cut before the first token its grammar forbids (the
-        target would reject it) and filled up to k drafts with the grammar's forced tokens
-        (a JSON schema's keys and punctuation). A sampled row's draft is verified whole, as
-        drawn: the forbidden token is rejected there with the right residual, which keeps
-        sampling exact, where cutting or adding tokens would not."""
+        tokens. A row's draft is cut before the first token its grammar forbids (the target
+        never chooses it) and filled up to k drafts with the grammar's forced tokens (a JSON
+        schema's keys and punctuation: the only token the target can choose there, greedy
+        or sampled)."""
         if all(row.seq.constraint is None for row in self.rows):
             return self
         rows = []
         for row in self.rows:
             constraint = row.seq.constraint
-            if constraint is not None and row.seq.sampling.greedy:
+            if constraint is not None:
                 room = min(k, row.seq.draft_room)  # forced tokens past its end: for nothing
                 masks, allowed, forced = constraint.cut(row.draft_token_ids,
                                                         max(0, room - row.num_drafts))
                 row = dataclasses.replace(row, num_drafts=min(row.num_drafts, allowed),
                                           forced=tuple(forced), token_masks=tuple(masks))
-            elif constraint is not None:
-                row = dataclasses.replace(
-                    row, token_masks=tuple(constraint.masks(row.draft_token_ids)[0]))
             rows.append(row)
         return dataclasses.replace(self, rows=rows)
 
@@ -157,6 +149,11 @@ class _Step:
         return DraftedCohort(rows, timing, sum(s for _, s in self.spent))
 
 
+def sampled(seqs: list[Sequence]) -> bool:
+    """Whether a cohort has a sampled row: its evidence is kept apart from greedy cohorts'."""
+    return not all(s.sampling.greedy for s in seqs)
+
+
 def realign_shares(cohort: DraftedCohort, verify_timing: Timing | None) -> tuple[float, float]:
     """The target's seconds of re-stacking a verified cohort's rows, as the evidence weighs
     them: (turnover, carried). Turnover: the rows are not the batch they last ran in, in its
@@ -183,7 +180,7 @@ class Drafter:
                  evidence: Evidence | None = None):
         """policy: one to use as it is (a test's scripted one); else one is built from the
         services' measured costs at `calibrate`. evidence: what drafted and plain steps
-        measured, consulted before planning greedy cohorts (None: the policy alone)."""
+        measured, consulted before planning a cohort (None: the policy alone)."""
         self.peers = peers
         self.config = config
         self.recorder = recorder
@@ -220,8 +217,8 @@ class Drafter:
     # ---- a step's drafts ------------------------------------------------------------------------
     def draft(self, seqs: list[Sequence], timeout: float | None) -> DraftedCohort:
         """Plan the cohort and call the drafts, the cheapest first; or, where drafted steps
-        have measured slower than plain ones for cohorts of this size, step aside: a greedy
-        cohort then decodes plainly and no draft is asked."""
+        have measured slower than plain ones for cohorts of this size and class, step aside:
+        the cohort then decodes plainly and no draft is asked."""
         if self._aside(seqs):
             return DraftedCohort([RowDraft(seq, aside=True) for seq in seqs])
         step = _Step(seqs)
@@ -246,39 +243,34 @@ class Drafter:
         return step.result()
 
     def _aside(self, seqs: list[Sequence]) -> bool:
-        """Whether the evidence says to decode this cohort plainly. Sampled rows always
-        draft (a seeded request's tokens must not depend on timings)."""
-        if self.evidence is None or not all(s.sampling.greedy for s in seqs):
-            return False
-        return self.evidence.choose(len(seqs)) is Choice.PLAIN
+        """Whether the evidence says to decode this cohort plainly. Sampled cohorts too: a
+        seeded request's tokens do not depend on whether its steps drafted."""
+        return self.evidence is not None and \
+            self.evidence.choose(len(seqs), sampled(seqs)) is Choice.PLAIN
 
     def observe_step(self, cohort: DraftedCohort, num_committed: int, seconds: float,
                      verify_timing: Timing | None = None) -> None:
-        """A verified greedy cohort's measured delivery, for the evidence. A step that asked
+        """A verified cohort's measured delivery, for the evidence of its class. A step that asked
         any draft counts as drafted even where nothing was verified (a lookup that found
         nothing, a plan that kept every row plain after asking): what drafting costs is
         weighed on its side, and the plain side is only steps that cost what decoding
         without drafts does. Turnover is left out of both sides, and compaction after a
         drafted step charged to it (see realign_shares)."""
         turnover, carried = realign_shares(cohort, verify_timing)
-        if self.evidence is not None and all(s.sampling.greedy for s in cohort.seqs):
+        if self.evidence is not None:
             drafted = cohort.timing is not None or any(row.num_drafts for row in cohort.rows)
             self.evidence.observe(len(cohort.rows), drafted, num_committed,
-                                  max(0.0, seconds - turnover), carried)
+                                  max(0.0, seconds - turnover), carried, sampled(cohort.seqs))
 
     def _ask_first(self, step: _Step, timeout: float | None) -> list[int]:
         """Ask the kinds due before planning for every row; the kinds asked. One not due this
         step (DraftKind.ask_due: plans seldom use its offers) sits it out, as if asked and
-        offering nothing; never where a row samples (a seeded request's proposals must not
-        depend on its cohort mates)."""
-        greedy = all(s.sampling.greedy for s in step.seqs)
+        offering nothing."""
         asked = []
         for kind in self.asked_first():
             step.called.add(kind.index)
-            if greedy and not kind.ask_due():
+            if not kind.ask_due():
                 continue
-            # sampled rows too: a lookup's proposal depends on the sequence's tokens alone,
-            # so a seeded request still repeats
             got = self._propose(kind, step, range(len(step.seqs)), self.config.num_draft_tokens,
                                 timeout)
             step.offers[kind.index] = {i: p for i, p in got.items() if p.draft_token_ids}
@@ -343,8 +335,8 @@ class Drafter:
         step.spent.append((timing, round_trip))
         for seq, proposal in zip(ready, proposals):
             seq.drafts[kind.index].cache_len = proposal.cache_len
-            if proposal.probs_bytes:
-                self.recorder.sampled_row(proposal.probs_bytes)
+            if proposal.draft_token_ids and not seq.sampling.greedy:
+                self.recorder.sampled_row()
         row_of = {step.seqs[i].seq_id: i for i in rows}
         return {row_of[p.seq_id]: p for p in proposals}
 
@@ -362,7 +354,7 @@ class Drafter:
     def _send(self, kind: DraftKind, seqs: list[Sequence], width: int, num_drafts: int,
               timeout: float | None, cut: float = 0.0) -> tuple[list[Proposal], Timing, float]:
         """One propose command; every row appends `width` committed tokens first, and each
-        greedy row's draft is cut where the draft's confidence falls below `cut`."""
+        row's draft is cut where the draft's confidence falls below `cut`."""
         specs = [ProposeSpec(s.seq_id, s.drafts[kind.index].cache_len, s.committed_len - width,
                              s.token_ids[s.committed_len - width:], s.sampling,
                              s.features.fed_with(s.committed_len - width, s.committed_len)
@@ -381,11 +373,11 @@ class Drafter:
 
     # ---- planning -------------------------------------------------------------------------------
     def plan(self, step: _Step) -> goodput.Plan:
-        """Each row's draft kind and tokens to draft this step (0: none), by the policy.
-        A sampled row always drafts K with the first reachable kind, so a seeded request's
-        tokens depend on nothing but the request (while its draft stays up). Rows drafted
-        already this step keep their kind and K; kinds called already are not asked again,
-        except for what they offered before planning (a choice whose cost is paid)."""
+        """Each row's draft kind and tokens to draft this step (0: none), by the policy,
+        greedy and sampled rows alike (a seeded request's tokens do not depend on the plan).
+        Rows drafted already this step keep their kind and K; kinds called already are not
+        asked again, except for what they offered before planning (a choice whose cost is
+        paid)."""
         up = [kind for kind in self.kinds if kind.up]
         if not up:
             return goodput.Plan([0] * len(step.seqs), 0.0, [None] * len(step.seqs))
@@ -414,10 +406,7 @@ class Drafter:
                                         prefill=s.committed_len - 1)
             choices[kind.index] = dataclasses.replace(choice, offered=tokens) \
                 if tokens else choice
-        forced_k, forced_kind = (None if s.sampling.greedy else self.config.num_draft_tokens,
-                                 up[0].index)
-        if i in step.drafted:
-            forced_kind, forced_k = step.drafted[i]
+        forced_kind, forced_k = step.drafted.get(i, (0, None))
         return goodput.Row(choices=tuple(choices), forced_k=forced_k, forced_kind=forced_kind,
                            room=s.draft_room)
 

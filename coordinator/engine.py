@@ -290,7 +290,7 @@ class Engine:
         """Verify a drafted cohort (on the verifier thread when overlapping)."""
         specs = [VerifySpec(row.seq.seq_id, row.seq.target.cache_len,
                             row.seq.token_ids[row.seq.target.cache_len:], row.draft_token_ids,
-                            row.draft_probs, row.seq.sampling, row.seq.logprobs,
+                            row.seq.sampling, row.seq.logprobs,
                             row.token_masks)
                  for row in cohort.rows]
         started = time.perf_counter()

@@ -5,7 +5,7 @@ delivered: committed tokens per second of the engine's own time (from choosing t
 streaming its tokens, draft prefills included; admissions and turnover copies, which the
 server pays whether it drafts or not, left out: drafting.realign_shares) of drafted steps
 and of plain steps, per batch-size bucket. Where drafted steps measure slower than plain ones,
-greedy cohorts step aside (decode plainly, asking no draft at all, so they cost what the same
+cohorts step aside (decode plainly, asking no draft at all, so they cost what the same
 server without drafts costs); where they measure faster again, the policy plans as before.
 Each side is kept measured: while one is chosen, the other is tried every few steps of its
 bucket.
@@ -138,13 +138,23 @@ def bucket_of(rows: int) -> int:
 
 
 class Evidence:
+    """Buckets of greedy cohorts (`buckets`) and, apart, of cohorts with a sampled row
+    (`sampled_buckets`): a draft matches sampled choices less often than greedy ones, so
+    drafting may pay for one class of cohort and not for the other."""
+
     def __init__(self, config: EvidenceConfig = EvidenceConfig()):
         self.config = config
         self.buckets: dict[int, Bucket] = {}
+        self.sampled_buckets: dict[int, Bucket] = {}
 
-    def choose(self, rows: int) -> Choice:
-        """For a greedy cohort of `rows`: plan, or step aside. Called once per such step."""
-        bucket = self.buckets.setdefault(bucket_of(rows), Bucket())
+    def _bucket(self, rows: int, sampled: bool) -> Bucket:
+        buckets = self.sampled_buckets if sampled else self.buckets
+        return buckets.setdefault(bucket_of(rows), Bucket())
+
+    def choose(self, rows: int, sampled: bool = False) -> Choice:
+        """For a cohort of `rows` (with a sampled row, or greedy): plan, or step aside.
+        Called once per such step."""
+        bucket = self._bucket(rows, sampled)
         if bucket.plain_steps < self.config.min_steps:
             # the yardstick first: a plain step costs what the server without drafts pays,
             # so a bucket where drafting loses pays only for the few drafted steps that show
@@ -154,18 +164,18 @@ class Evidence:
             return Choice.PLAIN if bucket.last is not None and bucket.last.drafted \
                 else Choice.PLAN
         bucket.since_probe += 1
-        if bucket.since_probe >= self._probe_interval(rows, bucket):
+        if bucket.since_probe >= self._probe_interval(rows, bucket, sampled):
             bucket.since_probe = 0
             bucket.backoff = min(2 * bucket.backoff, self.config.max_backoff)
             return Choice.PLAN if bucket.aside else Choice.PLAIN
         return Choice.PLAIN if bucket.aside else Choice.PLAN
 
     def observe(self, rows: int, drafted: bool, tokens: int, seconds: float,
-                carried: float = 0.0) -> None:
+                carried: float = 0.0, sampled: bool = False) -> None:
         """A verified step: whether any row verified drafts, the tokens it committed and the
         seconds it took; `carried` of them it paid for the bucket's step before (compacting
         the holes that step's rejected drafts left), which are charged to that step."""
-        bucket = self.buckets.setdefault(bucket_of(rows), Bucket())
+        bucket = self._bucket(rows, sampled)
         bucket.plain_steps += not drafted
         if seconds <= 0 or tokens <= 0:
             return
@@ -200,17 +210,17 @@ class Evidence:
         elif bucket.aside and ratio > 1 + self.config.margin:
             bucket.aside, bucket.backoff = False, 1
 
-    def _probe_interval(self, rows: int, bucket: Bucket) -> int:
+    def _probe_interval(self, rows: int, bucket: Bucket, sampled: bool) -> int:
         """Steps between tries of the side not chosen."""
         if bucket.aside and rows <= self.config.cheap_probe_rows:
             return self.config.probe_every
-        ratio = self.ratio(rows)
+        ratio = self.ratio(rows, sampled)
         clear = ratio is not None and abs(ratio - 1) > self.config.clear_share
         return self.config.probe_every * (self.config.clear_factor if clear else 1) \
             * bucket.backoff
 
-    def ratio(self, rows: int) -> float | None:
+    def ratio(self, rows: int, sampled: bool = False) -> float | None:
         """Drafted over plain tokens per second in the bucket of `rows`, as its pairs of
         adjacent steps measured them (None: no pair yet)."""
-        bucket = self.buckets.get(bucket_of(rows))
+        bucket = (self.sampled_buckets if sampled else self.buckets).get(bucket_of(rows))
         return None if bucket is None else bucket.pairs.ratio

@@ -104,10 +104,20 @@ class GoodputConfig:
                              "prior_weight > 0, margins >= 0")
 
 
+def sampling_band(sampling) -> int:
+    """The band of sampling settings a row's acceptance is pooled with: 0 greedy, then
+    temperature up to 0.5, up to 0.9, above. A draft's tokens match the target's choices less
+    often the hotter a row samples, so each band keeps its own running mean over rows."""
+    if sampling.greedy:
+        return 0
+    return 1 if sampling.temperature <= 0.5 else 2 if sampling.temperature <= 0.9 else 3
+
+
 @dataclasses.dataclass
 class RowState:
     """What the policy knows of one sequence (kept on the Sequence)."""
 
+    band: int = 0  # its sampling_band: the running mean its estimate starts from
     accepted: float = 0.0  # decayed count of accepted drafts
     rejected: float = 0.0  # decayed count of steps that ended in a rejection
     idle_steps: int = 0  # steps since it last drafted
@@ -315,7 +325,7 @@ class Row:
 
     acceptance: float = 0.0
     catch_up: int = 1
-    forced_k: int | None = None  # must draft this many, room allowing (seeded sampling)
+    forced_k: int | None = None  # must draft this many, room allowing (drafted already)
     explore: bool = False
     choices: tuple[Choice | None, ...] = ()
     forced_kind: int = 0  # the kind a forced row drafts with
@@ -352,8 +362,9 @@ class GoodputPolicy:
         self.config = config
         self.drafts = list(drafts)
         self.target = target
-        # running acceptance over every row, per draft kind: (mean, trials behind it)
-        self._means: dict[int, tuple[float, float]] = {}
+        # running acceptance over every row, per (draft kind, sampling band): (mean, trials
+        # behind it)
+        self._means: dict[tuple[int, int], tuple[float, float]] = {}
         # per draft kind, decayed sums of (accepted drafts, what the model above expected of
         # those proposals): the geometric model misjudges drafts whose acceptance is
         # all-or-nothing (a lookup either copies on or fails at once), so a kind's expected
@@ -372,9 +383,10 @@ class GoodputPolicy:
 
     def acceptance(self, state: RowState, kind: int = 0) -> float:
         """A row's per-token acceptance with one draft kind: its own decayed evidence, behind a
-        prior of prior_weight observations at that kind's running mean over all rows."""
+        prior of prior_weight observations at that kind's running mean over all rows of its
+        sampling band."""
         w = self.config.prior_weight
-        mean = self._means.get(kind, (self.config.prior_acceptance, 0.0))[0]
+        mean = self._means.get((kind, state.band), (self.config.prior_acceptance, 0.0))[0]
         estimate = (state.accepted + w * mean) / (state.accepted + state.rejected + w)
         return min(0.99, max(0.01, estimate))
 
@@ -392,10 +404,11 @@ class GoodputPolicy:
             # weight counts real trials; the prior weighs as min_evidence of them, so one
             # lucky first step (two drafts, both accepted) does not make every row's estimate
             # 0.99 and the next plan draft K = 4 for a whole large batch on its word
-            mean, weight = self._means.get(kind, (self.config.prior_acceptance, 0.0))
+            key = (kind, state.band)
+            mean, weight = self._means.get(key, (self.config.prior_acceptance, 0.0))
             weight = min(weight + trials, 1000.0)
             mean += (num_accepted / trials - mean) * trials / (weight + self.config.min_evidence)
-            self._means[kind] = (mean, weight)
+            self._means[key] = (mean, weight)
 
     def delivered(self, kind: int) -> float:
         """Accepted drafts over those the acceptance model expected, for one kind (1 until it
@@ -412,7 +425,7 @@ class GoodputPolicy:
         whole cohort's verify. cold: the draft holds nothing of the row yet (picking it costs
         a prefill of `prefill` tokens, kept only then); plan() lets at most one cold row per
         kind explore, none if a held row does."""
-        short = self._means.get(kind, (0.0, 0.0))[1] < self.config.min_evidence
+        short = self._means.get((kind, state.band), (0.0, 0.0))[1] < self.config.min_evidence
         starved = self._plans_since.get(kind, 0) >= self.config.starve_every
         acceptance = self.acceptance(state, kind)
         if cold:

@@ -17,7 +17,7 @@ import time
 
 from batchspec import errors
 from coordinator import features as features_lib
-from coordinator import scheduler
+from coordinator import goodput, scheduler
 from coordinator.clients import ModelInfo, Probe
 from coordinator.drafts import DraftKind
 from coordinator.pool import RequestPool
@@ -88,7 +88,8 @@ class Peers:
             prefill_fresh(self.target, seqs, self.pool.active_sequences())
         for s in seqs:
             s.target.cache_len = s.committed_len - 1
-            s.drafts = [DraftState() for _ in self.kinds]
+            band = goodput.sampling_band(s.sampling)
+            s.drafts = [DraftState(spec=goodput.RowState(band=band)) for _ in self.kinds]
 
     def warm(self, kind: DraftKind, seqs: list[Sequence]) -> bool:
         """Prefill, from the committed record, the rows draft `kind` holds nothing of;

@@ -24,8 +24,7 @@ class EngineStats:
     verify_compute_seconds: float = 0.0
     realign_seconds: float = 0.0  # both services, mixed steps only
     prefill_seconds: float = 0.0  # coordinator-side round trips, both services
-    num_sampled_rows: int = 0  # (sequence, step) pairs that sent draft distributions
-    num_draft_probs_bytes: int = 0  # their wire size, summed
+    num_sampled_rows: int = 0  # (sequence, step) pairs of sampled requests given drafts
     num_capacity_waits: int = 0  # admissions the target refused for capacity (then waited)
 
     def __add__(self, other: "EngineStats") -> "EngineStats":
@@ -102,9 +101,8 @@ class Recorder:
             "prefill_draft_s": round(self._prefill_s["draft"], 5)})
         self._prefill_s = {"target": 0.0, "draft": 0.0}
 
-    def sampled_row(self, num_probs_bytes: int) -> None:
+    def sampled_row(self) -> None:
         self.stats.num_sampled_rows += 1
-        self.stats.num_draft_probs_bytes += num_probs_bytes
 
     def step(self, record: StepRecord) -> None:
         stats, draft = self.stats, record.draft_timing

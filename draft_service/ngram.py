@@ -10,20 +10,17 @@ It keeps the draft service's cache contract exactly as the model draft does: a s
 tokens it holds keep_len + appended + D - 1 tokens (the committed ones, then its own drafts but
 the last). A row with no match drafts nothing and holds keep_len + appended.
 
-For sampled requests a proposal is a point mass (q = 1 on the proposed token). Rejection
-sampling then accepts it with probability min(1, p / q) = p(token) and on rejection samples
-from max(0, p - q) renormalised, which is p with that token removed: the output distribution
-is p exactly, whatever the proposal.
+A proposal is verified the same way for greedy and sampled requests: a token is accepted
+while it is the target's choice there (batchspec.runtime.sampling), which for a sampled
+request happens with the target's own probability of that token.
 """
 import dataclasses
-import struct
 import time
 
 from batchspec import errors
 from batchspec.runtime.cachebook import CacheBook, StepCost
 
 NGRAM_MODEL = "ngram"
-POINT_MASS_F16 = struct.pack("<e", 1.0)  # probability 1 in the wire's float16
 
 
 class NgramIndex:

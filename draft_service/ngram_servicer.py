@@ -17,8 +17,6 @@ class NgramServicer(service.ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         started = time.perf_counter()
         if not command.entries:
             raise errors.InvalidArgument("propose names no sequence")
-        sampled = {e.seq_id: service.to_sampling(e.sampling).temperature > 0
-                   for e in command.entries}
         proposals = self.runner.propose(
             [(e.seq_id, e.expected_cache_len, e.keep_len, list(e.append_token_ids))
              for e in command.entries], command.num_draft_tokens)
@@ -26,14 +24,8 @@ class NgramServicer(service.ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         return "propose", draft_pb2.ProposeResult(
             timing=cache_pb2.CommandTiming(compute_seconds=seconds, forward_seconds=seconds),
             entries=[draft_pb2.ProposeResultEntry(
-                seq_id=p.seq_id, draft_token_ids=p.draft_token_ids, cache_len=p.cache_len,
-                draft_probs=[point_mass(t) for t in p.draft_token_ids] if sampled[p.seq_id]
-                else []) for p in proposals])
-
-
-def point_mass(token_id: int) -> draft_pb2.SparseProbs:
-    """The distribution an n-gram proposal was drawn from: all mass on the proposed token."""
-    return draft_pb2.SparseProbs(token_ids=[token_id], probs_f16=ngram.POINT_MASS_F16)
+                seq_id=p.seq_id, draft_token_ids=p.draft_token_ids, cache_len=p.cache_len)
+            for p in proposals])
 
 
 def build_store(config: service.ServiceConfig) -> ngram.NgramStore:

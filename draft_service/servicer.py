@@ -29,7 +29,5 @@ class DraftServicer(service.ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         return "propose", draft_pb2.ProposeResult(timing=timing, entries=[
             draft_pb2.ProposeResultEntry(
                 seq_id=p.seq_id, draft_token_ids=p.draft_token_ids, cache_len=p.cache_len,
-                cut=p.cut,
-                draft_probs=[draft_pb2.SparseProbs(token_ids=ids, probs_f16=payload)
-                             for ids, payload in p.draft_probs])
+                cut=p.cut)
             for p in proposals])

@@ -57,7 +57,7 @@ def decode(target, head, prompt, k, max_new_tokens, stats, min_confidence=0.0):
         stats["drafted"] += len(drafts)
         started = time.perf_counter()
         outcomes, _ = verifier.verify(target, [verifier.VerifyRow(
-            1, len(tokens) - 1, [tokens[-1]], drafts, None, SamplingParams())],
+            1, len(tokens) - 1, [tokens[-1]], drafts, SamplingParams())],
             realign=False, keep_features=True)
         stats["verify_s"].append(time.perf_counter() - started)
         stats["spent_s"] += stats["verify_s"][-1]

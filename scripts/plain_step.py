@@ -41,7 +41,7 @@ def time_runner(batch: list[list[int]], steps: int):
     lengths = {i: len(p) - 1 for i, p in zip(ids, batch)}
     started = time.perf_counter()
     for _ in range(steps):
-        rows = [VerifyRow(i, lengths[i], [last[i]], [], None, SamplingParams()) for i in ids]
+        rows = [VerifyRow(i, lengths[i], [last[i]], [], SamplingParams()) for i in ids]
         outcomes, _ = verify(runner, rows, realign=True)
         for o in outcomes:
             last[o.seq_id], lengths[o.seq_id] = o.output_token_ids[-1], o.cache_len
@@ -80,7 +80,7 @@ def time_service(address: str, batch: list[list[int]], steps: int) -> None:
     round_trip = forward = 0.0
     try:
         for step in range(steps + 3):  # three untimed first
-            specs = [VerifySpec(i, lengths[i], [last[i]], [], [], SamplingParams()) for i in ids]
+            specs = [VerifySpec(i, lengths[i], [last[i]], [], SamplingParams()) for i in ids]
             started = time.perf_counter()
             outcomes, timing = client.verify(True, specs)
             if step >= 3:

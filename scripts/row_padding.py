@@ -44,7 +44,7 @@ def alternate(runner, rows: int, k: int, steps: int) -> dict[str, list[float]]:
             name = ("zeros", "copies")[(step // 2) % 2 ^ step % 2]  # ABBA order
             fastlinear._product = SHIPPED if name == "zeros" else by_copies
             started = time.perf_counter()
-            outcomes, _ = verify(runner, [VerifyRow(i, length[i], [last[i]], [7] * k, None,
+            outcomes, _ = verify(runner, [VerifyRow(i, length[i], [last[i]], [7] * k,
                                                     SamplingParams()) for i in ids],
                                  realign=False)
             seconds[name].append(time.perf_counter() - started)

@@ -49,7 +49,7 @@ def run(runner, args, seed: int) -> tuple[list[float], list[float]]:
             runner.prefill(list(new.items()))
             rows.update(new)
             left.update({i: args.new_tokens for i in new})
-        specs = [verifier.VerifyRow(i, len(t), [rng.randrange(vocab)], [], None, greedy)
+        specs = [verifier.VerifyRow(i, len(t), [rng.randrange(vocab)], [], greedy)
                  for i, t in rows.items()]
         started = time.perf_counter()
         _, group = verifier.verify(runner, specs, realign=True)

@@ -85,7 +85,7 @@ def main() -> int:
                       for j in range(args.rows)]
             for min_padding, (ids, lengths) in batches.items():
                 packing.MIN_PADDING = min_padding
-                rows = [verifier.VerifyRow(i, n, [rng.randrange(vocab)], d, None, greedy)
+                rows = [verifier.VerifyRow(i, n, [rng.randrange(vocab)], d, greedy)
                         for i, n, d in zip(ids, lengths, drafts)]
                 started = time.perf_counter()
                 outcomes, _ = verifier.verify(runner, rows, realign=True)

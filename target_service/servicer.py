@@ -1,10 +1,8 @@
 """gRPC edge of the target service: protobuf in, verifier call, protobuf out."""
 import time
 
-import torch
-
 from batchspec import errors
-from batchspec.runtime import features_wire, logprobs, probs_wire, service
+from batchspec.runtime import features_wire, logprobs, service
 from batchspec.v1 import cache_pb2, target_pb2, target_pb2_grpc
 from target_service import verifier
 
@@ -81,19 +79,6 @@ def to_wire(scored: list[logprobs.TokenLogprobs]) -> list[cache_pb2.TokenLogprob
 
 def to_verify_row(entry: target_pb2.VerifyEntry, vocab_size: int) -> verifier.VerifyRow:
     sampling = service.to_sampling(entry.sampling)
-    probs = None
-    if not sampling.greedy:
-        if len(entry.draft_probs) != len(entry.draft_token_ids):
-            raise errors.InvalidArgument(
-                f"sequence {entry.seq_id}: a sampled verify needs one draft distribution per "
-                "drafted token")
-        try:
-            probs = torch.stack([probs_wire.decode(list(p.token_ids), p.probs_f16, vocab_size)
-                                 for p in entry.draft_probs]) if entry.draft_probs else None
-        except ValueError as error:
-            raise errors.InvalidArgument(f"sequence {entry.seq_id}: {error}") from error
-        if probs is None:
-            probs = torch.zeros(0, vocab_size)
     num_top = None
     if entry.HasField("logprobs"):
         num_top = entry.logprobs.num_top
@@ -110,5 +95,5 @@ def to_verify_row(entry: target_pb2.VerifyEntry, vocab_size: int) -> verifier.Ve
             raise errors.InvalidArgument(f"sequence {entry.seq_id}: {error}") from error
     return verifier.VerifyRow(seq_id=entry.seq_id, expected_cache_len=entry.expected_cache_len,
                               append_token_ids=list(entry.append_token_ids),
-                              draft_token_ids=list(entry.draft_token_ids), draft_probs=probs,
+                              draft_token_ids=list(entry.draft_token_ids),
                               sampling=sampling, num_top=num_top, token_masks=masks)

@@ -7,10 +7,6 @@ from batchspec.params import SamplingParams
 from batchspec.runtime import logprobs as logprobs_lib
 from batchspec.runtime import runner as runner_lib
 from batchspec.runtime import sampling
-from batchspec.runtime.sampling import sampling_uniforms
-
-# Random streams of the target, so acceptance and final draws never reuse the draft's numbers.
-ACCEPT_STREAM, FINAL_STREAM = 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +15,6 @@ class VerifyRow:
     expected_cache_len: int
     append_token_ids: list[int]  # committed tokens not yet cached (normally the last one)
     draft_token_ids: list[int]  # this row's drafted tokens (0..K)
-    draft_probs: torch.Tensor | None  # [K, vocab] the drafts' distributions; None when greedy
     sampling: SamplingParams
     num_top: int | None = None  # log-probabilities of the outputs (and num_top alternatives)
     # structured output: [K + 1, vocab] True where a token may be output j; None: any token
@@ -84,9 +79,8 @@ def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bo
 def masked(logits: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:
     """The logits outputs are picked from: -inf where a row's grammar forbids the token (a
     copy; log-probabilities are scored on the model's own logits). Softmax over the rest is
-    the target's distribution renormalised on the allowed tokens, so greedy picks the best
-    allowed token, and rejection sampling rejects a forbidden draft (p = 0) and draws the
-    recovered token from allowed ones only."""
+    the target's distribution renormalised on the allowed tokens, so the target's choice at
+    every position is an allowed token and a forbidden draft is never accepted."""
     if all(r.token_masks is None for r in rows):
         return logits
     logits = logits.clone()
@@ -113,43 +107,17 @@ def decode_masks(masks: list[bytes], vocab_size: int) -> torch.Tensor:
 
 
 def accept(rows: list[VerifyRow], drafts: torch.Tensor, logits: torch.Tensor,
-           counts: torch.Tensor):
-    """Greedy verification when every row is greedy, else lossless rejection sampling.
-    counts: [batch] each row's real drafts (the rest of `drafts` is padding)."""
+           counts: torch.Tensor) -> sampling.Verification:
+    """Each row's drafts accepted while they equal the target's choice (the argmax when greedy,
+    the seeded Gumbel-max sample when sampling: sampling.choose). counts: [batch] each row's
+    real drafts (the rest of `drafts` is padding)."""
     device = logits.device  # the target's: every tensor of the acceptance is put there
-    drafts, counts = drafts.to(device), counts.to(device)
-    if all(r.sampling.greedy for r in rows):
-        return sampling.greedy_verify(drafts, logits, counts)
-    batch, width = drafts.shape
-    vocab = logits.shape[-1]
-    target_probs = sampling.rows_probs(logits, [r.sampling for r in rows])
-    draft_probs = torch.stack([draft_distribution(r, drafts[i], width, vocab).to(device)
-                               for i, r in enumerate(rows)])
-    positions = [first_draft_position(r) for r in rows]
-    accept_u = torch.tensor([sampling_uniforms(r.sampling.seed, range(p, p + width),
-                                               ACCEPT_STREAM) for r, p in zip(rows, positions)],
-                            dtype=torch.float64).reshape(batch, width)
-    return sampling.rejection_sample(drafts, draft_probs, target_probs,
-                                     accept_u.float().to(device),
-                                     final_uniforms(rows, positions).to(device), counts)
-
-
-def draft_distribution(row: VerifyRow, drafts: torch.Tensor, width: int, vocab: int):
-    """q for one row, [width, vocab]: the wire distributions (zeros for padding), or one-hot
-    drafts for a greedy row."""
-    if row.sampling.greedy or row.draft_probs is None:
-        return torch.nn.functional.one_hot(drafts, vocab).float().reshape(width, vocab)
-    probs = row.draft_probs.reshape(-1, vocab)
-    return torch.cat([probs, probs.new_zeros(width - probs.shape[0], vocab)])
+    choices = sampling.choose(logits, [r.sampling for r in rows],
+                              [first_draft_position(r) for r in rows],
+                              [n + 1 for n in counts.tolist()])
+    return sampling.verify_choices(drafts.to(device), choices, counts.to(device))
 
 
 def first_draft_position(row: VerifyRow) -> int:
+    """The sequence position of the row's first output: its committed length."""
     return row.expected_cache_len + len(row.append_token_ids)
-
-
-def final_uniforms(rows: list[VerifyRow], positions: list[int]) -> torch.Tensor:
-    """One uniform per row for the recovered/bonus draw. It depends on the row's position
-    before this step only, so it is the same whatever K and the acceptance turn out to be."""
-    values = [sampling_uniforms(r.sampling.seed, [p], FINAL_STREAM)[0]
-              for r, p in zip(rows, positions)]
-    return torch.tensor(values, dtype=torch.float64)

@@ -83,6 +83,13 @@ def test_distill_shows_progress_resumes_and_records(tiny_target, tmp_path):
     every_14th = [r for r in rows[::14] if r["output_ids"]]
     assert result["prompts"] == str(out) and result["num_prompts"] == len(every_14th)
     assert result["num_answer_tokens"] == sum(len(r["output_ids"][:3]) for r in every_14th)
+    # --temperature: the share of positions where the draft's seeded sample is the target's
+    sampled = draft_eval.evaluate(tiny_target, str(out), max_new_tokens=3,
+                                  training_data=str(out), temperature=0.8, top_p=0.95)
+    assert 0 <= sampled["sampled_agreement"] <= 1 and sampled["temperature"] == 0.8
+    itself = draft_eval.evaluate(tiny_target, tiny_target, max_new_tokens=3,
+                                 training_data=str(out), temperature=1.0)
+    assert itself["sampled_agreement"] == 1.0  # a draft equal to the target always agrees
     assert draft_eval.main(["--target", tiny_target, "--draft", str(out), "--max-new-tokens",
                             "3", "--num-prompts", "2", "--record"]) == 0
     recorded = json.loads((out / draft_model.MANIFEST).read_text())["evaluation"]

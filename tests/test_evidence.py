@@ -177,7 +177,7 @@ def test_a_step_that_asked_a_draft_counts_as_drafted_even_with_nothing_verified(
     seen = []
 
     class Recording:
-        def observe(self, rows, drafted, tokens, seconds, carried=0.0):
+        def observe(self, rows, drafted, tokens, seconds, carried=0.0, sampled=False):
             seen.append(drafted)
 
     drafter = Drafter(peers=None, config=None, recorder=None, evidence=Recording())
@@ -221,7 +221,7 @@ def test_turnover_copies_are_left_out_and_compaction_is_charged_to_the_drafted_s
     seen = []
 
     class Recording:
-        def observe(self, rows, drafted, tokens, seconds, carried=0.0):
+        def observe(self, rows, drafted, tokens, seconds, carried=0.0, sampled=False):
             seen.append((round(seconds, 3), round(carried, 3)))
 
     drafter = Drafter(peers=None, config=None, recorder=None, evidence=Recording())

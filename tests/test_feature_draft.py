@@ -74,7 +74,7 @@ def test_the_targets_features_agree_across_prefill_verify_and_recomputation(mode
     prompt = [5, 6, 7, 8, 9]
     _, kept = target.prefill_features([(1, prompt[:-1])], keep=True)
     outcomes, _ = verifier.verify(target, [verifier.VerifyRow(
-        1, 4, [prompt[-1]], [10, 11, 12], None, SamplingParams())], realign=False,
+        1, 4, [prompt[-1]], [10, 11, 12], SamplingParams())], realign=False,
         keep_features=True)
     outcome = outcomes[0]
     committed = prompt + outcome.output_token_ids

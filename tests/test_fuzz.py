@@ -103,7 +103,7 @@ def run(client, command):
         client.release(args[0])
     else:
         seq_id, expected, append, drafts, realign = args
-        client.verify(realign, [VerifySpec(seq_id, expected, append, drafts, [],
+        client.verify(realign, [VerifySpec(seq_id, expected, append, drafts,
                                            SamplingParams())])
 
 

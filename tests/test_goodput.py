@@ -194,7 +194,7 @@ def test_a_verify_padded_too_little_to_be_packed_is_priced_at_full_width():
 
 def test_no_row_is_planned_past_its_end():
     """A step commits at most a row's drafts and one more token: a row with n tokens left
-    drafts at most n - 1 (none on its last token, a sampled row forced to K included), and
+    drafts at most n - 1 (none on its last token, a row forced to its K included), and
     the plan prices what it may commit, not K drafts it cannot use."""
     p = policy(verify_per_token=0.002, verify_per_row_token=0.004)
     plan = p.plan([goodput.Row(0.9), goodput.Row(0.9, room=2), goodput.Row(0.9, room=0),
@@ -231,7 +231,9 @@ def test_no_collapse_at_the_switching_threshold():
     assert ks[0] == 0 and ks[-1] > 0  # it does switch, in this range
 
 
-def test_sampled_rows_always_draft_k_and_a_kind_short_of_evidence_must_draft():
+def test_a_forced_row_drafts_its_k_and_a_kind_short_of_evidence_must_draft():
+    """A row forced to its K (one that drafted already this step) keeps it even where the
+    plan would draft nothing."""
     p = policy(verify_per_token=0.002, verify_per_row_token=0.004)
     plan = p.plan([goodput.Row(0.05, forced_k=4)] + [goodput.Row(0.05)] * 15)
     assert plan.k[0] == 4
@@ -621,3 +623,20 @@ def test_a_calibration_wrong_in_its_slope_is_corrected_per_command_size():
 def test_a_goodput_config_out_of_range_is_refused(bad):
     with pytest.raises(ValueError):
         goodput.GoodputConfig(**bad)
+
+
+def test_acceptance_is_pooled_per_sampling_band():
+    """Each row starts from its kind's running mean over rows of its sampling band: a draft
+    that greedy rows accept says little of what rows sampling at temperature 1 accept."""
+    from batchspec.params import SamplingParams
+
+    bands = [goodput.sampling_band(SamplingParams(temperature=t)) for t in (0, 0.3, 0.7, 1.0)]
+    assert bands == [0, 1, 2, 3]
+    p = policy(verify_per_token=0.002, verify_per_row_token=0.004)
+    greedy, hot = goodput.RowState(band=0), goodput.RowState(band=3)
+    for _ in range(40):
+        p.observe(greedy, 4, 4)  # greedy rows accept every draft
+        p.observe(hot, 4, 0)  # hot sampled rows none
+    fresh_greedy, fresh_hot = goodput.RowState(band=0), goodput.RowState(band=3)
+    assert p.acceptance(fresh_greedy) > 0.8 and p.acceptance(fresh_hot) < 0.2
+    assert p.acceptance(goodput.RowState(band=2)) == p.config.prior_acceptance  # no evidence

@@ -192,7 +192,7 @@ def test_sampling_with_point_mass_proposals_follows_the_target(model_dirs, draft
                        drafts=drafts) as stack:
         ours = sample_service(stack.stub(), range(NUM_SAMPLES), prompt=prompt)
         drafted = stack.router.stats.num_sampled_rows
-    assert drafted > 0  # point-mass distributions were sent and verified
+    assert drafted > 0  # lookups were verified for sampled rows
     assert_follows_the_target(ours, target_dir, prompt)
 
 
@@ -207,14 +207,15 @@ def test_a_seeded_request_repeats_with_the_router(model_dirs):
 
 
 def test_sampled_rows_draft_with_the_lookup_alone_under_goodput_and_repeat(model_dirs):
-    """With the n-gram draft alone and the goodput policy, sampled rows get the lookup's
-    proposals (asked before planning, like every row) and a seeded request still repeats."""
+    """With the n-gram draft alone and the goodput policy planning (no step-aside yardstick
+    first), sampled rows get the lookup's proposals (asked before planning, like every row)
+    and a seeded request still repeats."""
     target_dir, draft_dir = model_dirs["llama"]
     prompt = [11, 12, 13, 11, 12, 13, 11, 12]
     runs = []
     for batch_size, seeds in ((1, [7, 8]), (16, [7, 8] + list(range(100, 114)))):
         with running_stack(target_dir, draft_dir, batch_size=batch_size, drafts=("ngram",),
-                           draft_policy="goodput") as stack:
+                           draft_policy="goodput", step_aside=False) as stack:
             runs.append(sample_service(stack.stub(), seeds, prompt=prompt)[:2])
             assert stack.router.stats.num_sampled_rows > 0  # proposals went to sampled rows
     assert runs[0] == runs[1]

@@ -255,7 +255,7 @@ def test_forwards_pass_the_cache_by_the_keyword_the_installed_transformers_takes
             group.step(torch.tensor([[10]]), num_logits=1,
                        features=runner_lib.zero_features(runner, 1, 1))
         else:
-            verifier.verify(runner, [verifier.VerifyRow(1, 5, [10], [11, 12], None,
+            verifier.verify(runner, [verifier.VerifyRow(1, 5, [10], [11, 12],
                                                         SamplingParams())], realign=False)
 
 

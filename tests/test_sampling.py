@@ -1,7 +1,11 @@
-"""The pure verification functions, on hand-built tensors (100.0 marks the wanted token)."""
+"""The pure verification and sampling functions, on hand-built tensors (100.0 marks the
+wanted token)."""
+import math
+
 import torch
 
-from batchspec.runtime import probs_wire, sampling
+from batchspec.params import SamplingParams
+from batchspec.runtime import sampling
 
 
 def logits_for(token_rows, vocab=8):
@@ -13,147 +17,179 @@ def logits_for(token_rows, vocab=8):
     return out
 
 
-def test_greedy_accepts_the_matching_prefix_then_the_target_token():
+def test_verification_accepts_the_matching_prefix_then_the_targets_choice():
     drafts = torch.tensor([[1, 2, 3], [1, 5, 3], [4, 2, 3]])
-    target = logits_for([[1, 2, 3, 7], [1, 2, 3, 7], [1, 2, 3, 7]])
-    result = sampling.greedy_verify(drafts, target)
+    choices = logits_for([[1, 2, 3, 7], [1, 2, 3, 7], [1, 2, 3, 7]]).argmax(-1)
+    result = sampling.verify_choices(drafts, choices)
     assert result.num_accepted.tolist() == [3, 1, 0]
     outputs = [row[:n + 1] for row, n in zip(result.output_token_ids.tolist(),
                                              result.num_accepted.tolist())]
     assert outputs == [[1, 2, 3, 7], [1, 2], [1]]  # bonus 7 only when all three match
 
 
-def test_greedy_rejects_after_a_mismatch_even_if_later_drafts_match():
+def test_verification_rejects_after_a_mismatch_even_if_later_drafts_match():
     drafts = torch.tensor([[1, 9, 3]])
-    result = sampling.greedy_verify(drafts, logits_for([[1, 2, 3, 4]], vocab=10))
+    result = sampling.verify_choices(drafts, torch.tensor([[1, 2, 3, 4]]))
     assert result.num_accepted.tolist() == [1]
 
 
-def test_rejection_sample_with_one_hot_distributions_is_greedy():
-    drafts = torch.tensor([[1, 5, 3]])
-    target_probs = logits_for([[1, 2, 3, 7]]).softmax(-1).round()
-    draft_probs = torch.nn.functional.one_hot(drafts, 8).float()
-    result = sampling.rejection_sample(drafts, draft_probs, target_probs,
-                                       torch.full((1, 3), 0.999), torch.tensor([0.5]))
-    assert result.num_accepted.tolist() == [1]
-    assert result.output_token_ids[0, :2].tolist() == [1, 2]
+def test_greedy_rows_choose_the_argmax_and_sampled_rows_only_kept_tokens():
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]])).repeat(3, 1, 1)
+    params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=2, seed=1),
+              SamplingParams(temperature=1.0, top_p=0.7, seed=2)]
+    seen = [set() for _ in params]
+    for position in range(300):
+        chosen = sampling.choose(logits, params, [position] * 3)[:, 0].tolist()
+        for row, token in zip(seen, chosen):
+            row.add(token)
+    assert seen == [{0}, {0, 1}, {0, 1}]  # top_k 2 and top_p 0.7 both keep tokens 0 and 1
 
 
-def test_rejection_sample_accepts_by_ratio_and_resamples_from_the_residual():
-    vocab = 4
-    q = torch.tensor([[[0.5, 0.5, 0.0, 0.0]]])  # draft picked token 0 with q = 0.5
-    p = torch.tensor([[[0.25, 0.25, 0.5, 0.0], [0.0, 0.0, 0.0, 1.0]]])
-    drafts = torch.tensor([[0]])
-    # p/q = 0.5: u = 0.4 accepts, u = 0.6 rejects.
-    accepted = sampling.rejection_sample(drafts, q, p, torch.tensor([[0.4]]), torch.tensor([0.3]))
-    assert accepted.num_accepted.tolist() == [1]
-    assert accepted.output_token_ids[0].tolist() == [0, 3]  # bonus from p[1]
-    rejected = sampling.rejection_sample(drafts, q, p, torch.tensor([[0.6]]), torch.tensor([0.3]))
-    assert rejected.num_accepted.tolist() == [0]
-    # residual max(0, p - q) = [0, 0, 0.5, 0]: only token 2 can be recovered
-    assert rejected.output_token_ids[0, 0].item() == 2
-    assert vocab == p.shape[-1]
+def test_a_sampled_choice_depends_only_on_seed_and_position():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 4, 50, generator=gen)
+    row = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    alone = sampling.choose(logits, [row], [20])
+    # the same row next to others, its positions asked one at a time
+    mates = torch.randn(2, 4, 50, generator=gen)
+    batch = torch.cat([mates[:1], logits, mates[1:]])
+    params = [SamplingParams(temperature=1.0, seed=3), row, SamplingParams()]
+    together = sampling.choose(batch, params, [5, 20, 7])
+    assert torch.equal(together[1], alone[0])
+    one_by_one = [int(sampling.choose(logits[:, t:t + 1], [row], [20 + t])[0, 0])
+                  for t in range(4)]
+    assert one_by_one == alone[0].tolist()
+    # a row read for fewer positions keeps its choices there
+    assert sampling.choose(logits, [row], [20], lengths=[2])[0, :2].tolist() == \
+        alone[0, :2].tolist()
+    others = {tuple(sampling.choose(logits, [SamplingParams(temperature=0.9, top_p=0.95,
+                                                            seed=s)], [20])[0].tolist())
+              for s in range(12, 20)}
+    assert len(others) > 1  # another seed, other tokens
 
 
-def test_zero_residual_falls_back_to_p_without_dividing_by_zero():
-    # p <= q everywhere (rounding can do this to a rejected row): max(0, p - q) is all zero.
-    q = torch.tensor([[[0.0, 1.0, 0.0]]])
-    p = torch.tensor([[[0.0, 0.5, 0.0], [1.0, 0.0, 0.0]]])
-    result = sampling.rejection_sample(torch.tensor([[1]]), q, p, torch.tensor([[0.9]]),
-                                       torch.tensor([0.5]))
-    assert result.num_accepted.tolist() == [0]
-    assert result.output_token_ids[0, 0].item() == 1  # sampled from p itself
+def test_gumbel_noise_is_standard_gumbel_and_keyed_by_position():
+    noise = sampling.gumbel_noise(7, range(40), 5000)
+    assert noise.shape == (40, 5000) and bool(torch.isfinite(noise).all())
+    assert abs(noise.mean().item() - 0.5772) < 0.01  # Euler's constant
+    assert abs(noise.var().item() - math.pi ** 2 / 6) < 0.05
+    assert torch.equal(sampling.gumbel_noise(7, [13], 5000)[0], noise[13])
+    assert not torch.equal(noise[13], noise[14])
+    assert not torch.equal(sampling.gumbel_noise(8, [13], 5000)[0], noise[13])
+    assert torch.equal(sampling.gumbel_noise(2**64 - 1, [3], 10),
+                       sampling.gumbel_noise(2**64 - 1, [3], 10))  # any uint64 seed
 
 
-def test_inverse_cdf_never_returns_a_zero_weight_token():
-    weights = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0]]).repeat(3, 1)
-    picked = sampling.sample_inverse_cdf(weights, torch.tensor([1e-12, 0.3, 1.0]))
-    assert picked.tolist() == [1, 1, 3]
+def test_sampled_choices_follow_the_processed_distribution():
+    """Over 20k seeds the first choice's frequencies match p' within a total-variation
+    tolerance of 0.015 (the expected TV of 20k samples over 6 outcomes is about 0.008)."""
+    p = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])
+    logits = (p.log() * 0.8)[None, None]  # temperature 0.8 gives p back
+    trials = 20_000
+    chosen = torch.tensor([int(sampling.choose(logits, [SamplingParams(temperature=0.8, seed=s)],
+                                               [9])[0, 0]) for s in range(trials)])
+    observed = torch.bincount(chosen, minlength=6).float() / trials
+    assert 0.5 * (observed - p).abs().sum().item() < 0.015, observed
 
 
-def test_processed_probs_applies_temperature_top_k_and_top_p():
-    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]])).repeat(4, 1, 1)
-    probs = sampling.processed_probs(logits, torch.tensor([0.0, 1.0, 1.0, 1.0]),
-                                     torch.tensor([0, 2, 0, 0]), torch.tensor([1.0, 1.0, 0.7, 1.0]))
-    assert probs[0, 0].tolist() == [1.0, 0.0, 0.0, 0.0]  # greedy: one-hot argmax
-    torch.testing.assert_close(probs[1, 0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
-    torch.testing.assert_close(probs[2, 0], torch.tensor([0.625, 0.375, 0.0, 0.0]))  # 0.5 < 0.7
-    torch.testing.assert_close(probs[3, 0], torch.tensor([0.5, 0.3, 0.15, 0.05]))
+def test_a_draft_sampling_with_the_same_noise_is_accepted_by_coupling():
+    """Drafts drawn from q with the target's noise: the output is the target's own choice
+    whatever q is (drafter invariance), and a draft is accepted at least (1 - TV) / (1 + TV)
+    of the time (the Gumbel coupling's bound), far more often than an independent draw."""
+    p = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])
+    q = torch.tensor([0.10, 0.25, 0.10, 0.30, 0.15, 0.10])
+    tv = 0.5 * (p - q).abs().sum().item()
+    trials, accepted, independent = 4000, 0, 0
+    for seed in range(trials):
+        params = [SamplingParams(temperature=1.0, seed=seed)]
+        draft = sampling.choose(q.log()[None, None], params, [4])[0]
+        choices = sampling.choose(p.log()[None, None].repeat(1, 2, 1), params, [4])
+        result = sampling.verify_choices(draft[None], choices)
+        assert int(result.output_token_ids[0, 0]) == int(choices[0, 0])
+        accepted += int(result.num_accepted)
+        shifted = sampling.choose(q.log()[None, None], params, [5])[0]  # other noise
+        independent += int(shifted[0] == choices[0, 0])
+    assert accepted / trials >= (1 - tv) / (1 + tv) - 0.02, accepted / trials
+    assert accepted > 1.5 * independent
 
 
-def test_processed_probs_handles_several_positions_per_row():
+def test_choose_with_confidence_gives_each_choices_probability():
+    logits = torch.log(torch.tensor([[[0.6, 0.3, 0.1]], [[0.6, 0.3, 0.1]]]))
+    params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=2, seed=4)]
+    choices, sure = sampling.choose_with_confidence(logits, params, [0, 0])
+    assert choices[0, 0].item() == 0
+    torch.testing.assert_close(sure[0, 0], torch.tensor(0.6))
+    kept = torch.tensor([2 / 3, 1 / 3])  # top_k 2 renormalised
+    torch.testing.assert_close(sure[1, 0], kept[choices[1, 0]])
+
+
+def test_processed_logprobs_applies_temperature_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]])).repeat(3, 1, 1)
+    probs = sampling.processed_logprobs(logits, torch.tensor([1.0, 1.0, 1.0]),
+                                        torch.tensor([2, 0, 0]),
+                                        torch.tensor([1.0, 0.7, 1.0])).exp()
+    torch.testing.assert_close(probs[0, 0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    torch.testing.assert_close(probs[1, 0], torch.tensor([0.625, 0.375, 0.0, 0.0]))  # 0.5 < 0.7
+    torch.testing.assert_close(probs[2, 0], torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    hot = sampling.processed_logprobs(logits[:1], torch.tensor([0.5]), torch.tensor([0]),
+                                      torch.tensor([1.0])).exp()
+    torch.testing.assert_close(hot[0, 0], torch.tensor([0.25, 0.09, 0.0225, 0.0025]) / 0.365)
+
+
+def test_processed_logprobs_handles_several_positions_per_row():
     logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(3))
-    probs = sampling.processed_probs(logits, torch.tensor([0.0, 0.7, 1.3]),
-                                     torch.tensor([0, 4, 0]), torch.tensor([1.0, 1.0, 0.9]))
+    args = torch.tensor([0.4, 0.7, 1.3]), torch.tensor([0, 4, 0]), torch.tensor([1.0, 1.0, 0.9])
+    probs = sampling.processed_logprobs(logits, *args).exp()
     assert probs.shape == (3, 5, 11)
     torch.testing.assert_close(probs.sum(-1), torch.ones(3, 5))
     assert ((probs[1] > 0).sum(-1) == 4).all()  # top_k 4 at every position
     for t in range(5):  # each position matches the single-position computation
-        single = sampling.processed_probs(logits[:, t:t + 1], torch.tensor([0.0, 0.7, 1.3]),
-                                          torch.tensor([0, 4, 0]), torch.tensor([1.0, 1.0, 0.9]))
+        single = sampling.processed_logprobs(logits[:, t:t + 1], *args).exp()
         torch.testing.assert_close(probs[:, t:t + 1], single)
-
-
-def test_wire_round_trip_is_what_the_verifier_decodes():
-    probs = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(0)), -1)
-    sent, token_ids, payload = probs_wire.wire_round_trip(probs)
-    again = probs_wire.decode(token_ids, payload, 1000)
-    assert torch.equal(sent, again)
-    assert abs(float(sent.sum()) - 1) < 1e-5
-    sparse = torch.zeros(1000)
-    sparse[[3, 500]] = torch.tensor([0.25, 0.75])
-    sent, token_ids, payload = probs_wire.wire_round_trip(sparse)
-    assert token_ids == [3, 500] and len(payload) == 4
-    assert sent[500].item() == 0.75
-
-
-def test_speculative_sampling_reproduces_the_target_distribution():
-    """Statistical test of the sampler alone: the first output token's distribution over
-    200k trials matches p within a total-variation tolerance of 0.01 (the expected TV of
-    200k samples over 6 outcomes is about 0.003)."""
-    generator = torch.Generator().manual_seed(1234)
-    vocab, trials, num_drafts = 6, 200_000, 2
-    p_one = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])
-    q_one = torch.tensor([0.40, 0.05, 0.25, 0.05, 0.05, 0.20])
-    p = p_one.expand(trials, num_drafts + 1, vocab)
-    q = q_one.expand(trials, num_drafts, vocab)
-    drafts = torch.multinomial(q_one, trials * num_drafts, replacement=True,
-                               generator=generator).reshape(trials, num_drafts)
-    u = 1 - torch.rand(trials, num_drafts, generator=generator)
-    final = 1 - torch.rand(trials, generator=generator)
-    result = sampling.rejection_sample(drafts, q, p, u, final)
-    first = result.output_token_ids[:, 0]
-    observed = torch.bincount(first, minlength=vocab).float() / trials
-    total_variation = 0.5 * (observed - p_one).abs().sum().item()
-    assert total_variation < 0.01, (observed, total_variation)
-    # and the sampler is not trivially resampling from p: some drafts are accepted
-    assert 0 < result.num_accepted.float().mean().item() < num_drafts
 
 
 def test_a_row_with_fewer_drafts_is_verified_as_if_alone():
     """Ragged rows (different K per row): padding a row's drafts out to the group's K changes
-    nothing, greedy or sampled, for the same uniforms."""
+    nothing."""
     gen = torch.Generator().manual_seed(3)
     vocab, width = 6, 4
     for trial in range(50):
         n = trial % (width + 1)  # the row's real drafts, 0..K
-        p = torch.softmax(torch.randn(1, width + 1, vocab, generator=gen), -1)
-        q = torch.softmax(torch.randn(1, width, vocab, generator=gen), -1)
-        drafts = torch.randint(vocab, (1, width), generator=gen)
-        u = torch.rand(1, width, generator=gen).clamp_min(1e-6)
-        final = torch.rand(1, generator=gen).clamp_min(1e-6)
-        padded = sampling.rejection_sample(drafts, q, p, u, final, num_drafts=torch.tensor([n]))
-        alone = sampling.rejection_sample(drafts[:, :n], q[:, :n], p[:, :n + 1], u[:, :n], final)
-        k = int(alone.num_accepted)
-        assert int(padded.num_accepted) == k
-        assert same_prefix(padded, alone, k + 1)
-        logits = torch.log(p)
-        padded = sampling.greedy_verify(drafts, logits, num_drafts=torch.tensor([n]))
-        alone = sampling.greedy_verify(drafts[:, :n], logits[:, :n + 1])
+        choices = torch.randint(vocab, (1, width + 1), generator=gen)
+        drafts = torch.where(torch.rand(1, width, generator=gen) < 0.7, choices[:, :width],
+                             torch.randint(vocab, (1, width), generator=gen))
+        padded = sampling.verify_choices(drafts, choices, num_drafts=torch.tensor([n]))
+        alone = sampling.verify_choices(drafts[:, :n], choices[:, :n + 1])
         k = int(alone.num_accepted)
         assert int(padded.num_accepted) == k <= n
-        assert same_prefix(padded, alone, k + 1)
+        assert padded.output_token_ids[0, :k + 1].tolist() == \
+            alone.output_token_ids[0, :k + 1].tolist()
 
 
-def same_prefix(a, b, n: int) -> bool:
-    return a.output_token_ids[0, :n].tolist() == b.output_token_ids[0, :n].tolist()
+def sorted_reference(logits, temperature, top_k, top_p):
+    """processed_logprobs written out with a full sort of every position."""
+    scaled = logits.double() / temperature[:, None, None]
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    keep = ranks[None, None, :] < k[:, None, None]
+    probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(-1)
+    keep = keep & (probs.cumsum(-1) - probs < top_p[:, None, None])
+    kept = sorted_logits.masked_fill(~keep, float("-inf")).log_softmax(-1)
+    return torch.empty_like(scaled).scatter_(-1, order, kept).float()
+
+
+def test_processed_logprobs_equal_a_full_sort_for_peaked_and_flat_distributions():
+    """The partial sort (the few most likely first, more only where the set runs further)
+    keeps exactly the tokens a full sort keeps, for sets of a few tokens and of thousands."""
+    gen = torch.Generator().manual_seed(5)
+    for scale in (8.0, 3.0, 0.3):  # peaked to nearly flat
+        logits = torch.randn(4, 3, 5000, generator=gen) * scale
+        for top_k, top_p in ((0, 0.95), (3, 1.0), (100, 0.9), (0, 0.999), (4000, 0.5)):
+            args = (torch.tensor([0.8, 1.0, 0.8, 1.3]), torch.tensor([top_k] * 4),
+                    torch.tensor([top_p, top_p, 1.0, top_p]))
+            ours, reference = sampling.processed_logprobs(logits, *args), \
+                sorted_reference(logits, *args)
+            assert torch.equal(torch.isinf(ours), torch.isinf(reference)), (scale, top_k, top_p)
+            torch.testing.assert_close(ours.exp(), reference.exp(), atol=1e-6, rtol=1e-4)

@@ -7,6 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from batchspec.params import SamplingParams
+from batchspec.runtime import sampling
 from batchspec.v1 import generate_pb2
 
 from conftest import running_stack
@@ -77,8 +79,8 @@ def test_sampled_tokens_follow_the_target_distribution(model_dirs, arch):
     with running_stack(target_dir, draft_dir, batch_size=16, num_draft_tokens=3) as stack:
         ours = sample_service(stack.stub(), range(NUM_SAMPLES))
         stats = stack.router.stats
-    # steps that sent draft distributions, not plain ones (test_sampling_kinds.py asserts
-    # that drafts are accepted, per draft kind)
+    # steps that verified drafts for sampled rows, not plain ones (test_sampling_kinds.py
+    # asserts that drafts are accepted, per draft kind)
     assert stats.num_sampled_rows > 0 and stats.num_plain_steps < stats.num_steps
     assert_follows_the_target(ours, target_dir)
 
@@ -112,15 +114,25 @@ def test_seeded_requests_repeat_across_batch_compositions(model_dirs):
     assert len(set(different)) > 1  # different seeds give different samples
 
 
-def test_draft_distributions_travel_sparse_under_top_k(model_dirs):
-    """Bytes per sequence per step for the draft's q: with top_k = 3 each drafted token
-    carries 3 ids and 3 float16 values (plus protobuf framing), far below the dense
-    2 bytes x vocabulary. A row drafts 1 to num_drafts tokens a step (never past the tokens
-    it may still commit)."""
+def test_a_seeded_request_is_what_the_target_alone_samples_for_its_seed(model_dirs):
+    """Drafter invariance: a sampled request's tokens are the target's own seeded choices
+    (the Gumbel-max sample of (seed, position), computed here from full forwards of the
+    target alone), whatever was drafted and accepted on the way."""
     target_dir, draft_dir = model_dirs["llama"]
-    num_drafts = 4
-    with running_stack(target_dir, draft_dir, batch_size=8, num_draft_tokens=num_drafts) as st:
-        sample_service(st.stub(), range(16))
-        stats = st.router.stats
-    per_row = stats.num_draft_probs_bytes / stats.num_sampled_rows
-    assert TOP_K * 3 <= per_row <= num_drafts * 24
+    seeds = range(40)
+    with running_stack(target_dir, draft_dir, batch_size=8, num_draft_tokens=4) as stack:
+        ours = sample_service(stack.stub(), seeds)
+        accepted = sum(list(stack.stub().Generate(generate_pb2.GenerateRequest(
+            prompt_token_ids=PROMPT, max_new_tokens=NUM_POSITIONS, temperature=1.0,
+            top_k=TOP_K, seed=seed, ignore_eos=True), timeout=120))[-1].stats.num_accepted_tokens
+            for seed in seeds[:10])
+    assert accepted > 0  # drafts were accepted on the way
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    for seed, got in zip(seeds, ours):
+        params = [SamplingParams(temperature=1.0, top_k=TOP_K, seed=seed)]
+        tokens = list(PROMPT)
+        with torch.no_grad():
+            for _ in range(NUM_POSITIONS):
+                logits = model(torch.tensor([tokens])).logits[:, -1:]
+                tokens.append(int(sampling.choose(logits, params, [len(tokens)])[0, 0]))
+        assert tuple(tokens[len(PROMPT):]) == got, seed

@@ -1,9 +1,10 @@
 """Sampling through the services, for every draft kind, with tests that can fail: the output
 distribution is the target's at temperature 0.7 and top-p 0.9 (a sampler that ignored either
-would be caught), with a draft close to the target and one far from it (a mix-up of the draft's
-and the target's probabilities would be caught), sampled drafts are really accepted (a sampler
-that rejects everything keeps the target's distribution, so this is asserted on its own), the
-bonus token after a fully accepted draft is the target's, and seeded requests repeat."""
+would be caught), with a draft close to the target and one far from it (a draft whose tokens
+leaked into the output unverified would be caught), sampled drafts are really accepted (a
+sampler that rejects everything keeps the target's distribution, so this is asserted on its
+own), the bonus token after a fully accepted draft is the target's, and seeded requests
+repeat."""
 import concurrent.futures
 from collections import Counter
 
@@ -105,14 +106,15 @@ def test_sampled_output_is_the_targets_and_drafts_are_accepted(model_dirs, far_d
 
 def test_the_bonus_token_after_a_fully_accepted_draft_is_the_targets(model_dirs,
                                                                      tmp_path_factory):
-    """A draft equal to the target proposes the target's own distribution, so its drafts are
-    accepted and a step ends with a bonus token, drawn from the target at the position after
-    the drafts: K = 2 over 3 positions makes the third token a bonus."""
+    """A draft equal to the target, sampling with the same seeded noise, proposes the
+    target's own choices, so its drafts are accepted and a step ends with a bonus token, the
+    target's choice at the position after the drafts: K = 2 over 3 positions makes the third
+    token a bonus."""
     target_dir = model_dirs["llama"][0]
     prompt = [11, 12, 13, 14]
     with running_stack(target_dir, target_dir, batch_size=16, num_draft_tokens=2) as stack:
         results = sample(stack, range(NUM_SAMPLES), prompt)
-    # nearly every draft accepted (q travels in float16, so p / q is 1 only to ~1e-3), and
+    # nearly every draft accepted (the two forwards' logits differ by rounding alone), and
     # nearly every request one step: 2 accepted drafts, then the bonus as its third token
     drafted, accepted = sum(r[1] for r in results), sum(r[2] for r in results)
     assert accepted >= 0.98 * drafted
@@ -133,9 +135,9 @@ def feature_heads(model_dirs, tmp_path_factory):
 
 @pytest.mark.parametrize("head", ["exact", "far"])
 def test_sampled_output_through_a_feature_head_is_the_targets(feature_heads, head):
-    """The feature kind: its own distributions travel and are accepted against the
-    target's; an exact head's drafts are all but always accepted (a step of K = 2 ends with
-    the bonus token, the third output, drawn from the target), a far one's mostly not."""
+    """The feature kind: its sampled drafts are accepted where they are the target's choices;
+    an exact head's drafts are all but always accepted (a step of K = 2 ends with the bonus
+    token, the third output, the target's), a far one's mostly not."""
     target_dir, head_dir = feature_heads[head]
     prompt = lookup_prompt(target_dir)
     with running_stack(target_dir, head_dir, batch_size=16, num_draft_tokens=2) as stack:

@@ -39,7 +39,7 @@ def draft(model_dirs):
 def test_verify_keeps_the_cache_at_committed_minus_one(target):
     client, runner, _ = target
     client.prefill([(1, [5, 6, 7])])
-    [outcome], _ = client.verify(False, [VerifySpec(1, 3, [8], [9, 10], [], GREEDY)])
+    [outcome], _ = client.verify(False, [VerifySpec(1, 3, [8], [9, 10], GREEDY)])
     assert 0 <= outcome.num_accepted <= 2
     assert len(outcome.output_token_ids) == outcome.num_accepted + 1
     assert outcome.cache_len == 4 + outcome.num_accepted == runner.caches[1].length
@@ -50,7 +50,7 @@ def test_length_mismatch_is_refused_and_the_stream_goes_on(target):
     client, runner, _ = target
     client.prefill([(2, [5, 6, 7])])
     with pytest.raises(errors.FailedPrecondition, match="expected cache length 2"):
-        client.verify(False, [VerifySpec(2, 2, [8], [9], [], GREEDY)])
+        client.verify(False, [VerifySpec(2, 2, [8], [9], GREEDY)])
     assert runner.caches[2].length == 3  # nothing computed on the wrong cache
     with pytest.raises(errors.FailedPrecondition):
         client.trim([(2, 4, 1)])
@@ -61,7 +61,7 @@ def test_length_mismatch_is_refused_and_the_stream_goes_on(target):
 def test_unknown_duplicate_and_released_ids_get_their_codes(target):
     client, _, _ = target
     with pytest.raises(errors.NotFound):
-        client.verify(False, [VerifySpec(404, 0, [1], [], [], GREEDY)])
+        client.verify(False, [VerifySpec(404, 0, [1], [], GREEDY)])
     client.prefill([(3, [5])])
     with pytest.raises(errors.AlreadyExists):
         client.prefill([(3, [5])])
@@ -76,7 +76,7 @@ def test_unknown_duplicate_and_released_ids_get_their_codes(target):
 def test_mixed_lengths_need_an_explicit_realign(target):
     client, _, _ = target
     client.prefill([(5, [5, 6]), (6, [5, 6, 7, 8])])
-    specs = [VerifySpec(5, 2, [7], [1], [], GREEDY), VerifySpec(6, 4, [9], [1], [], GREEDY)]
+    specs = [VerifySpec(5, 2, [7], [1], GREEDY), VerifySpec(6, 4, [9], [1], GREEDY)]
     with pytest.raises(errors.FailedPrecondition, match="realign"):
         client.verify(False, specs)
     outcomes, timing = client.verify(True, specs)
@@ -110,10 +110,13 @@ def test_unsure_greedy_drafts_stop_early_and_sampled_ones_do_not(draft):
     proposals, _ = client.propose(4, False, specs, min_confidence=1.0)
     assert [p.draft_token_ids for p in proposals] == [[], []]
     assert [p.cache_len for p in proposals] == [4, 4] == [runner.caches[s].length for s in (1, 2)]
+    # a sampled row is cut alike, by the probability of its sampled tokens
     sampled = SamplingParams(temperature=1.0, seed=3)
     proposals, _ = client.propose(4, False, [ProposeSpec(1, 4, 3, [11], sampled)],
                                   min_confidence=1.0)
-    assert len(proposals[0].draft_token_ids) == 4 and proposals[0].cache_len == 3 + 1 + 3
+    assert proposals[0].draft_token_ids == [] and proposals[0].cache_len == 3 + 1
+    proposals, _ = client.propose(3, False, [ProposeSpec(1, 4, 3, [11], sampled)])
+    assert len(proposals[0].draft_token_ids) == 3 and proposals[0].cache_len == 3 + 1 + 2
     with pytest.raises(errors.InvalidArgument, match="min_draft_confidence"):
         client.propose(2, False, [ProposeSpec(2, 4, 3, [12], GREEDY)], min_confidence=1.5)
     client.release([1, 2])
@@ -122,22 +125,16 @@ def test_unsure_greedy_drafts_stop_early_and_sampled_ones_do_not(draft):
 def test_the_confidence_cut_is_per_row_and_weighs_the_whole_draft():
     rows = [proposer.ProposeRow(i, 3, 3, [11], GREEDY) for i in (1, 2)] + [
         proposer.ProposeRow(3, 3, 3, [11], SamplingParams(temperature=1.0, seed=3))]
-
-    def logits(*top):  # [rows, 4]: each row's top token at probability p, the rest evenly
-        return torch.log(torch.tensor([[p] + [(1 - p) / 3] * 3 for p in top]))
-
     cut = proposer._Cut(rows, 4, 0.6)
-    assert not cut.after(0, logits(0.9, 0.5, 0.1))  # row 2 is cut before its first draft
-    assert cut.lengths[1] == 0
-    assert not cut.after(1, logits(0.7, 0.99, 0.1))  # row 1: 0.9 * 0.7 = 0.63, still in
-    assert not cut.after(2, logits(0.9, 0.99, 0.1))  # 0.63 * 0.9 < 0.6: cut before draft 3
-    # the sampled row keeps every draft, so the forwards go on to K
-    assert cut.lengths == [2, 0, 4]
-    greedy_only = proposer._Cut(rows[:2], 4, 0.6)
-    assert not greedy_only.after(0, logits(0.9, 0.5))
-    assert greedy_only.after(1, logits(0.5, 0.99))  # every row is cut: no further forward
-    assert greedy_only.lengths == [1, 0]
+    cut.after(0, torch.tensor([0.9, 0.5, 0.8]))  # row 2 is cut before its first draft
+    assert cut.lengths[1] == 0 and not cut.done
+    cut.after(1, torch.tensor([0.7, 0.99, 0.9]))  # row 1: 0.9 * 0.7 = 0.63, still in
+    assert cut.lengths == [4, 0, 4]
+    cut.after(2, torch.tensor([0.9, 0.99, 0.5]))  # 0.63 * 0.9 < 0.6: cut before draft 3
+    # the sampled row is weighed alike: 0.8 * 0.9 * 0.5 < 0.6; every row cut, no more forwards
+    assert cut.lengths == [2, 0, 2] and cut.done
     assert proposer._Cut(rows, 4, 0.0).lengths == [4, 4, 4]
+    assert not proposer._Cut(rows, 4, 0.0).done  # no cut: the forwards run to K
 
 
 def test_health_says_serving_and_reflection_lists_the_service(target):
@@ -163,7 +160,7 @@ def test_a_service_runs_its_model_on_the_compute_thread_only(target, draft):
         target[0].prefill([(40, [5, 6, 7])])
         draft[0].prefill([(40, [5, 6, 7])])
         [proposal], _ = draft[0].propose(2, False, [ProposeSpec(40, 3, 3, [8], GREEDY)])
-        target[0].verify(False, [VerifySpec(40, 3, [8], proposal.draft_token_ids, [], GREEDY)])
+        target[0].verify(False, [VerifySpec(40, 3, [8], proposal.draft_token_ids, GREEDY)])
     finally:
         for hook in hooks:
             hook.remove()
@@ -223,7 +220,7 @@ def test_acceptance_runs_on_the_logits_device():
     from target_service import verifier
 
     rows = [verifier.VerifyRow(seq_id=i, expected_cache_len=3, append_token_ids=[1],
-                               draft_token_ids=[2, 3][:n], draft_probs=None,
+                               draft_token_ids=[2, 3][:n],
                                sampling=SamplingParams()) for i, n in enumerate((2, 1))]
     logits = torch.zeros(2, 3, 8, device="meta")
     result = verifier.accept(rows, torch.tensor([[2, 3], [2, 0]]), logits,

@@ -1,10 +1,13 @@
 """The guard on speculation through the real services (the default goodput policy with its
 step-aside evidence): where drafts cannot pay it decodes plainly, where they clearly pay it
-drafts, and either way every output is target-alone greedy decoding. Counting drafted and plain
+drafts, and either way every output is the target alone's (greedy decoding, or for sampled
+requests its seeded samples). Counting drafted and plain
 steps keeps "exact through the services" from quietly becoming plain decoding everywhere."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+
+from batchspec.params import SamplingParams
 
 import tiny_models
 from conftest import running_stack
@@ -40,26 +43,37 @@ def always_wrong_draft(target_dir: str, out) -> str:
     return str(out)
 
 
-def serve(target_dir: str, draft_dir: str, requests) -> tuple[list, object]:
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 5}
+
+
+def serve(target_dir: str, draft_dir: str, requests, **fields) -> tuple[list, object]:
     with running_stack(target_dir, draft_dir, batch_size=4, num_draft_tokens=4,
                        draft_policy="goodput", overlap="off") as stack:
-        results = generate_all(stack.stub(), requests, ignore_eos=True)
+        results = generate_all(stack.stub(), requests, ignore_eos=True, **fields)
         return results, stack.router.stats
 
 
-def assert_exact(target_dir: str, requests, results) -> None:
+def assert_exact(target_dir: str, requests, results, **fields) -> None:
+    """Greedy: target-alone greedy decoding; sampled: the target alone's seeded samples."""
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     for (prompt, max_new), (tokens, _) in zip(requests, results):
-        assert tokens == tiny_models.reference_greedy(model, prompt, max_new, ignore_eos=True)
+        if fields:
+            expected = tiny_models.reference_sampled(model, prompt, max_new,
+                                                     SamplingParams(**fields))
+        else:
+            expected = tiny_models.reference_greedy(model, prompt, max_new, ignore_eos=True)
+        assert tokens == expected
 
 
 @pytest.mark.slow
-def test_a_draft_equal_to_the_target_at_a_fraction_of_its_cost_drafts(model_dirs, tmp_path):
+@pytest.mark.parametrize("fields", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_a_draft_equal_to_the_target_at_a_fraction_of_its_cost_drafts(model_dirs, tmp_path,
+                                                                        fields):
     draft_dir, _ = model_dirs["llama"]
     target_dir = costly_twin(draft_dir, tmp_path / "costly-target")
     requests = [(prompt, 80) for prompt, _ in random_requests(seed=61, count=16)]
-    results, stats = serve(target_dir, draft_dir, requests)
-    assert_exact(target_dir, requests, results)
+    results, stats = serve(target_dir, draft_dir, requests, **fields)
+    assert_exact(target_dir, requests, results, **fields)
     drafted_steps = stats.num_steps - stats.num_plain_steps
     assert drafted_steps > 0.6 * stats.num_steps, (drafted_steps, stats.num_steps)
     accepted = sum(r.stats.num_accepted_tokens for _, r in results)
@@ -67,12 +81,16 @@ def test_a_draft_equal_to_the_target_at_a_fraction_of_its_cost_drafts(model_dirs
 
 
 @pytest.mark.slow
-def test_a_draft_that_is_always_wrong_is_stepped_around(model_dirs, tmp_path):
+@pytest.mark.parametrize("fields", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_a_draft_that_is_always_wrong_is_stepped_around(model_dirs, tmp_path, fields):
+    """Greedy, the rolled draft is never accepted; sampled, its choices match the target's
+    only by chance. Either way the cohorts step aside."""
     target_dir, _ = model_dirs["llama"]
     wrong = always_wrong_draft(target_dir, tmp_path / "wrong-draft")
     requests = [(prompt, 80) for prompt, _ in random_requests(seed=62, count=16)]
-    results, stats = serve(target_dir, wrong, requests)
-    assert_exact(target_dir, requests, results)
-    assert sum(r.stats.num_accepted_tokens for _, r in results) == 0
+    results, stats = serve(target_dir, wrong, requests, **fields)
+    assert_exact(target_dir, requests, results, **fields)
+    accepted = sum(r.stats.num_accepted_tokens for _, r in results)
+    assert accepted == 0 if not fields else accepted < 0.1 * 16 * 80
     assert stats.num_plain_steps > 0.7 * stats.num_steps, (stats.num_plain_steps,
                                                           stats.num_steps)

@@ -25,3 +25,18 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int,
                              eos_token_id=eos, pad_token_id=eos)
     tokens = out[0, len(prompt):].tolist()
     return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def reference_sampled(model, prompt: list[int], max_new_tokens: int, params) -> list[int]:
+    """The target alone at batch 1 sampling with `params` (a SamplingParams), end-of-sequence
+    ignored: at each position a full forward over every token so far, and the seeded choice
+    of batchspec.runtime.sampling for that (seed, position), the definition the services'
+    output must equal whatever they drafted."""
+    from batchspec.runtime import sampling
+
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([tokens], device=model.device)).logits[:, -1:]
+            tokens.append(int(sampling.choose(logits, [params], [len(tokens)])[0, 0]))
+    return tokens[len(prompt):]

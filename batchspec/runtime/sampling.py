@@ -3,17 +3,38 @@
 Words, as used across batchspec:
 - drafted tokens: the K tokens the draft model proposes for a sequence in one step;
 - accepted tokens: the longest prefix of drafted tokens the target keeps;
-- recovered token: the target's replacement at the first rejection (argmax(p) when greedy,
-  a sample of norm(max(0, p - q)) when sampling);
-- bonus token: the target's own next token when all K drafts are accepted;
+- the target's choice at a position: the token the target alone would output there, given
+  the tokens before it (`choose`);
+- recovered token: the target's choice at the first rejected draft;
+- bonus token: the target's choice after the last draft, when all of them are accepted;
 - acceptance length: accepted tokens + 1 (the recovered or bonus token), so 1..K+1.
 
-Everything here is a pure function of tensors with the randomness passed in; no model, no gRPC.
+Sampling is Gumbel-max with noise keyed by (seed, position): the token a sampled row outputs
+at sequence position t is argmax_i(log p'(i) + g_t(i)), p' the request's processed
+distribution (temperature, top-k, top-p) and g_t a vector of independent standard Gumbel
+variables that depends on the request's seed and t alone. That is an exact sample of p' at
+every position, so the output is distributed exactly as the target's; and the target's choice
+at each position is a function of the tokens before it, as with greedy decoding. A draft is
+therefore verified for a sampled row exactly as for a greedy one (accepted while it equals the
+target's choice), and a seeded request's tokens are what the target alone outputs for that
+seed, whatever was drafted, by which kind, in which batch. A draft that samples with the same
+noise proposes the target's choice wherever its own distribution is close enough (the
+coupling of Daliri, Musco and Suresh, "Coupling without communication and drafter-invariant
+speculative decoding", 2024: it matches with probability at least (1 - TV) / (1 + TV)).
+
+Everything here is a pure function of tensors, settings and seeds; no model, no gRPC.
 """
 import dataclasses
-import random
 
+import numpy as np
 import torch
+
+# A uniform is never below this (its Gumbel variable stays finite): numpy's float32 uniforms
+# are multiples of 2**-24 in [0, 1).
+_SMALLEST_UNIFORM = 2.0 ** -25
+# processed_logprobs looks for the end of a top-k / top-p set among this many most likely
+# tokens first (a partial sort), and among four times as many where it lies further.
+_FIRST_CANDIDATES = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,23 +43,22 @@ class Verification:
     output_token_ids: torch.Tensor  # [batch, K + 1]; row i's tokens are [:num_accepted[i] + 1]
 
 
-def greedy_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
-                  num_drafts: torch.Tensor | None = None) -> Verification:
-    """Exact greedy verification.
+def verify_choices(draft_token_ids: torch.Tensor, choices: torch.Tensor,
+                   num_drafts: torch.Tensor | None = None) -> Verification:
+    """Exact verification against the target's choices.
 
-    draft_token_ids: [batch, K]; target_logits: [batch, K + 1, vocab], where position j holds
-    the target's logits for the token after draft j - 1 (position 0: after the last committed).
-    A draft is accepted only while it equals the target's argmax; the token after the accepted
-    prefix is the target's argmax there (recovered, or bonus when all of the row's drafts match).
-    num_drafts: [batch] drafts each row really carries (<= K; the rest are padding, never
-    accepted); None: all K.
+    draft_token_ids: [batch, K]; choices: [batch, K + 1], where position j holds the target's
+    choice for the token after draft j - 1 (position 0: after the last committed token). A
+    draft is accepted only while it equals the target's choice; the token after the accepted
+    prefix is the target's choice there (recovered, or bonus when all of the row's drafts
+    match). num_drafts: [batch] drafts each row really carries (<= K; the rest are padding,
+    never accepted); None: all K.
     """
-    target_token_ids = target_logits.argmax(dim=-1)  # [batch, K + 1]
     width = draft_token_ids.shape[1]
-    matches = draft_token_ids == target_token_ids[:, :width]  # [batch, K]
+    matches = draft_token_ids == choices[:, :width]  # [batch, K]
     matches &= _real(num_drafts, matches)
     num_accepted = matches.int().cumprod(dim=1).sum(dim=1)
-    return Verification(num_accepted, target_token_ids)
+    return Verification(num_accepted, choices)
 
 
 def _real(num_drafts: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -49,91 +69,109 @@ def _real(num_drafts: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return columns[None, :] < num_drafts.to(like.device)[:, None]
 
 
-def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor,
-                     target_probs: torch.Tensor, accept_uniforms: torch.Tensor,
-                     final_uniforms: torch.Tensor,
-                     num_drafts: torch.Tensor | None = None) -> Verification:
-    """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+def choose(logits: torch.Tensor, params, first_positions: list[int],
+           lengths: list[int] | None = None) -> torch.Tensor:
+    """The token each row outputs at each position, [batch, T] (long, on the logits' device).
 
-    draft_token_ids: [batch, K]; draft_probs q: [batch, K, vocab], the distributions the drafts
-    were sampled from; target_probs p: [batch, K + 1, vocab]; accept_uniforms: [batch, K] in
-    (0, 1]; final_uniforms: [batch] in (0, 1]. num_drafts: [batch] drafts each row really
-    carries (None: all K); a row with n < K drafts is verified exactly as if K were n (its
-    padding is never accepted, and its bonus token is sampled from p at position n).
-
-    Draft j is accepted when u_j * q(x_j) <= p(x_j), i.e. with probability min(1, p/q), and only
-    if every earlier draft was. At the first rejection the recovered token is sampled from
-    norm(max(0, p - q)) (from p when that residual is all zero); when all K are accepted the
-    bonus token is sampled from p at position K. One-hot p and q make this exact greedy.
+    logits: [batch, T, vocab]; params: one SamplingParams per row; first_positions: the
+    sequence position of each row's first logits row (position j of row i outputs the token
+    at first_positions[i] + j). Greedy rows take the argmax; sampled rows the Gumbel-max
+    sample of their processed distribution with the noise of (seed, position). lengths: how
+    many leading positions of each row are read (None: all T); past them a sampled row holds
+    the argmax, which costs no noise.
     """
-    batch, width = draft_token_ids.shape
-    index = draft_token_ids.unsqueeze(-1)
-    p_draft = target_probs[:, :width].gather(-1, index).squeeze(-1)  # [batch, K]
-    q_draft = draft_probs.gather(-1, index).squeeze(-1)  # [batch, K]
-    real = _real(num_drafts, draft_token_ids)
-    accepted = (accept_uniforms * q_draft <= p_draft) & real
-    num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)  # [batch]
-
-    # q zeroed past each row's real drafts (and padded at position K), so the "residual" at a
-    # row's own end is p itself (the bonus).
-    q_padded = torch.cat([draft_probs * real[..., None],
-                          draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], 1)
-    rows = torch.arange(batch, device=draft_token_ids.device)
-    p_final = target_probs[rows, num_accepted]  # [batch, vocab]
-    residual = (p_final - q_padded[rows, num_accepted]).clamp_min(0)
-    empty = residual.sum(-1, keepdim=True) <= 0
-    residual = torch.where(empty, p_final, residual)
-    final_token_ids = sample_inverse_cdf(residual, final_uniforms)
-
-    output = torch.cat([draft_token_ids, draft_token_ids.new_zeros(batch, 1)], dim=1)
-    output[rows, num_accepted] = final_token_ids
-    return Verification(num_accepted, output)
+    choices = logits.argmax(-1)
+    width = logits.shape[1]
+    for i, p in enumerate(params):
+        if not p.greedy:
+            n = width if lengths is None else min(width, lengths[i])
+            scores = _sampled_scores(logits[i:i + 1, :n], [p], [first_positions[i]])
+            choices[i, :n] = scores[0].argmax(-1)
+    return choices
 
 
-def sample_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Sample one index per row of non-negative weights [batch, vocab] (need not sum to 1),
-    given uniforms [batch] in (0, 1]. A zero-weight index is never returned."""
-    cdf = weights.double().cumsum(dim=-1)  # [batch, vocab]
-    targets = uniforms.double() * cdf[:, -1]
-    picked = torch.searchsorted(cdf, targets.unsqueeze(-1)).squeeze(-1)
-    return picked.clamp_max(weights.shape[-1] - 1)
+def choose_with_confidence(logits: torch.Tensor, params,
+                           first_positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`choose`, and the probability of each choice under its row's distribution ([batch, T]
+    float32): the softmax of the logits for a greedy row, the processed distribution for a
+    sampled one."""
+    choices = choose(logits, params, first_positions)
+    logprobs = torch.empty(choices.shape, dtype=torch.float32, device=logits.device)
+    sampled = torch.tensor([not p.greedy for p in params], device=logits.device)
+    plain = logits.float().log_softmax(-1).gather(-1, choices[..., None])[..., 0]
+    if bool(sampled.any()):
+        processed = rows_logprobs(logits[sampled], [p for p in params if not p.greedy])
+        logprobs[sampled] = processed.gather(-1, choices[sampled][..., None])[..., 0]
+    logprobs[~sampled] = plain[~sampled]
+    return choices, logprobs.exp()
 
 
-def rows_probs(logits: torch.Tensor, params) -> torch.Tensor:
-    """processed_probs with each row's settings taken from `params` (one SamplingParams per
-    row), built on the logits' device."""
+def _sampled_scores(logits: torch.Tensor, params, first_positions: list[int]) -> torch.Tensor:
+    """log p' + g for sampled rows, [batch, T, vocab]: -inf outside each distribution's
+    support, so the argmax is a token the request may output."""
+    batch, width, vocab = logits.shape
+    noise = torch.stack([gumbel_noise(p.seed, range(first, first + width), vocab)
+                         for p, first in zip(params, first_positions)])
+    return rows_logprobs(logits, params) + noise.to(logits.device)
+
+
+def gumbel_noise(seed: int, positions, vocab: int) -> torch.Tensor:
+    """[len(positions), vocab] float32 standard Gumbel variables that depend only on (seed,
+    position) and the token index: the same in every process, on every device, whatever the
+    batch. A counter-based generator (Philox) keyed by both, so no two (seed, position) pairs
+    share a stream."""
+    rows = []
+    for position in positions:
+        key = (int(seed) & (2**64 - 1)) | (int(position) << 64)
+        uniforms = np.random.Generator(np.random.Philox(key=key)).random(vocab, dtype=np.float32)
+        rows.append(torch.from_numpy(uniforms))
+    u = torch.stack(rows).clamp_(min=_SMALLEST_UNIFORM)
+    return u.log_().neg_().log_().neg_()
+
+
+def rows_logprobs(logits: torch.Tensor, params) -> torch.Tensor:
+    """processed_logprobs with each row's settings taken from `params` (one SamplingParams per
+    row, all sampled), built on the logits' device."""
     def per_row(name: str) -> torch.Tensor:
         return torch.tensor([getattr(p, name) for p in params], device=logits.device)
-    return processed_probs(logits, per_row("temperature"), per_row("top_k"), per_row("top_p"))
+    return processed_logprobs(logits, per_row("temperature"), per_row("top_k"),
+                              per_row("top_p"))
 
 
-def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
-    """The distribution a request samples from, for every position.
+def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor) -> torch.Tensor:
+    """The log-probabilities a sampled request draws from, for every position.
 
-    logits: [batch, T, vocab]; temperature, top_k, top_p: [batch]. Temperature 0 gives the
-    one-hot argmax (greedy); top_k 0 and top_p 1 disable those filters. Returns float32
-    [batch, T, vocab] summing to 1 along vocab.
+    logits: [batch, T, vocab]; temperature (> 0), top_k, top_p: [batch]. Temperature first,
+    then the top_k most likely tokens (0: all), then the smallest set of the most likely whose
+    mass (within the top_k) reaches top_p (a token is kept while the mass before it is below
+    top_p; 1: all). Returns float32 [batch, T, vocab], -inf outside the kept set, logsumexp 0
+    along vocab.
     """
-    logits = logits.float()
-    greedy = temperature <= 0
-    safe_temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits / safe_temp[:, None, None]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
-    keep = ranks[None, None, :] < k[:, None, None]
-    sorted_probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = keep & (mass_before < top_p[:, None, None])
-    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
-    probs = torch.empty_like(scaled).scatter_(-1, order, sorted_logits.softmax(dim=-1))
-    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
-    return torch.where(greedy[:, None, None], one_hot, probs)
-
-
-def sampling_uniforms(seed: int, positions, stream: int):
-    """Uniforms in (0, 1], one per position, that depend only on (seed, position, stream):
-    seeded requests repeat whatever their batch mates and group sizes are."""
-    return [1.0 - random.Random(hash((seed, int(p), stream))).random() for p in positions]
+    scaled = logits.float() / temperature[:, None, None]
+    vocab = scaled.shape[-1]
+    if bool((top_k <= 0).all()) and bool((top_p >= 1).all()):
+        return scaled.log_softmax(-1)
+    # The kept set is a prefix of the tokens by descending probability: look for its end
+    # among the few most likely first, and among more only where it lies further.
+    limit = torch.where(top_k > 0, top_k.clamp_max(vocab), torch.full_like(top_k, vocab))
+    by_k = (limit < vocab)[:, None, None]  # rows whose top_k set is within the candidates
+    count = min(vocab, max([_FIRST_CANDIDATES] + limit[limit < vocab].tolist()))
+    while True:
+        values, order = scaled.topk(count, dim=-1)  # [batch, T, count], descending
+        ranks = torch.arange(count, device=scaled.device)
+        in_top_k = ranks[None, None, :] < limit[:, None, None]
+        # top_p weighs the top_k set renormalised (all tokens where top_k is 0)
+        norm = torch.where(by_k,
+                           values.masked_fill(~in_top_k, float("-inf")).logsumexp(-1, True),
+                           scaled.logsumexp(-1, keepdim=True))
+        probs = (values - norm).exp()
+        # (top_p 1 keeps all: float32 sums can reach 1 before the last token)
+        keep = in_top_k & ((probs.cumsum(-1) - probs < top_p[:, None, None])
+                           | (top_p >= 1)[:, None, None])
+        if count == vocab or not bool((keep[..., -1:] & ~by_k).any()):
+            break
+        count = min(vocab, 4 * count)  # some row's kept set runs past the candidates
+    kept = values.masked_fill(~keep, float("-inf"))
+    out = torch.full_like(scaled, float("-inf"))
+    return out.scatter_(-1, order, kept.log_softmax(-1))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from batchspec.v1 import cache_pb2 as batchspec_dot_v1_dot_cache__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61tchspec/v1/draft.proto\x12\x0c\x62\x61tchspec.v1\x1a\x18\x62\x61tchspec/v1/cache.proto\"\xc0\x01\n\x0cProposeEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x65xpected_cache_len\x18\x02 \x01(\r\x12\x10\n\x08keep_len\x18\x03 \x01(\r\x12\x18\n\x10\x61ppend_token_ids\x18\x04 \x03(\x05\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.batchspec.v1.SamplingParams\x12(\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x16.batchspec.v1.Features\"\x86\x01\n\x0eProposeCommand\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\r\x12\x0f\n\x07realign\x18\x02 \x01(\x08\x12+\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x1a.batchspec.v1.ProposeEntry\x12\x1c\n\x14min_draft_confidence\x18\x04 \x01(\x02\"3\n\x0bSparseProbs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\tprobs_f16\x18\x02 \x01(\x0c\"\x8d\x01\n\x12ProposeResultEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12.\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x19.batchspec.v1.SparseProbs\x12\x11\n\tcache_len\x18\x04 \x01(\r\x12\x0b\n\x03\x63ut\x18\x05 \x01(\x08\"o\n\rProposeResult\x12\x31\n\x07\x65ntries\x18\x01 \x03(\x0b\x32 .batchspec.v1.ProposeResultEntry\x12+\n\x06timing\x18\x02 \x01(\x0b\x32\x1b.batchspec.v1.CommandTiming\"\xff\x01\n\x0c\x44raftCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12/\n\x07prefill\x18\x02 \x01(\x0b\x32\x1c.batchspec.v1.PrefillCommandH\x00\x12/\n\x07propose\x18\x03 \x01(\x0b\x32\x1c.batchspec.v1.ProposeCommandH\x00\x12)\n\x04trim\x18\x04 \x01(\x0b\x32\x19.batchspec.v1.TrimCommandH\x00\x12/\n\x07release\x18\x05 \x01(\x0b\x32\x1c.batchspec.v1.ReleaseCommandH\x00\x42\t\n\x07\x63ommand\"\x92\x02\n\x0b\x44raftResult\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.batchspec.v1.CommandErrorH\x00\x12.\n\x07prefill\x18\x03 \x01(\x0b\x32\x1b.batchspec.v1.PrefillResultH\x00\x12.\n\x07propose\x18\x04 \x01(\x0b\x32\x1b.batchspec.v1.ProposeResultH\x00\x12(\n\x04trim\x18\x05 \x01(\x0b\x32\x18.batchspec.v1.TrimResultH\x00\x12.\n\x07release\x18\x06 \x01(\x0b\x32\x1b.batchspec.v1.ReleaseResultH\x00\x42\x08\n\x06result2\x9c\x01\n\x0c\x44raftService\x12H\n\x0bRunCommands\x12\x1a.batchspec.v1.DraftCommand\x1a\x19.batchspec.v1.DraftResult(\x01\x30\x01\x12\x42\n\x08\x44\x65scribe\x12\x1d.batchspec.v1.DescribeRequest\x1a\x17.batchspec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61tchspec/v1/draft.proto\x12\x0c\x62\x61tchspec.v1\x1a\x18\x62\x61tchspec/v1/cache.proto\"\xc0\x01\n\x0cProposeEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x65xpected_cache_len\x18\x02 \x01(\r\x12\x10\n\x08keep_len\x18\x03 \x01(\r\x12\x18\n\x10\x61ppend_token_ids\x18\x04 \x03(\x05\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.batchspec.v1.SamplingParams\x12(\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x16.batchspec.v1.Features\"\x86\x01\n\x0eProposeCommand\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\r\x12\x0f\n\x07realign\x18\x02 \x01(\x08\x12+\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x1a.batchspec.v1.ProposeEntry\x12\x1c\n\x14min_draft_confidence\x18\x04 \x01(\x02\"p\n\x12ProposeResultEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12\x11\n\tcache_len\x18\x04 \x01(\r\x12\x0b\n\x03\x63ut\x18\x05 \x01(\x08J\x04\x08\x03\x10\x04R\x0b\x64raft_probs\"o\n\rProposeResult\x12\x31\n\x07\x65ntries\x18\x01 \x03(\x0b\x32 .batchspec.v1.ProposeResultEntry\x12+\n\x06timing\x18\x02 \x01(\x0b\x32\x1b.batchspec.v1.CommandTiming\"\xff\x01\n\x0c\x44raftCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12/\n\x07prefill\x18\x02 \x01(\x0b\x32\x1c.batchspec.v1.PrefillCommandH\x00\x12/\n\x07propose\x18\x03 \x01(\x0b\x32\x1c.batchspec.v1.ProposeCommandH\x00\x12)\n\x04trim\x18\x04 \x01(\x0b\x32\x19.batchspec.v1.TrimCommandH\x00\x12/\n\x07release\x18\x05 \x01(\x0b\x32\x1c.batchspec.v1.ReleaseCommandH\x00\x42\t\n\x07\x63ommand\"\x92\x02\n\x0b\x44raftResult\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.batchspec.v1.CommandErrorH\x00\x12.\n\x07prefill\x18\x03 \x01(\x0b\x32\x1b.batchspec.v1.PrefillResultH\x00\x12.\n\x07propose\x18\x04 \x01(\x0b\x32\x1b.batchspec.v1.ProposeResultH\x00\x12(\n\x04trim\x18\x05 \x01(\x0b\x32\x18.batchspec.v1.TrimResultH\x00\x12.\n\x07release\x18\x06 \x01(\x0b\x32\x1b.batchspec.v1.ReleaseResultH\x00\x42\x08\n\x06result2\x9c\x01\n\x0c\x44raftService\x12H\n\x0bRunCommands\x12\x1a.batchspec.v1.DraftCommand\x1a\x19.batchspec.v1.DraftResult(\x01\x30\x01\x12\x42\n\x08\x44\x65scribe\x12\x1d.batchspec.v1.DescribeRequest\x1a\x17.batchspec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,16 +36,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSEENTRY']._serialized_end=261
   _globals['_PROPOSECOMMAND']._serialized_start=264
   _globals['_PROPOSECOMMAND']._serialized_end=398
-  _globals['_SPARSEPROBS']._serialized_start=400
-  _globals['_SPARSEPROBS']._serialized_end=451
-  _globals['_PROPOSERESULTENTRY']._serialized_start=454
-  _globals['_PROPOSERESULTENTRY']._serialized_end=595
-  _globals['_PROPOSERESULT']._serialized_start=597
-  _globals['_PROPOSERESULT']._serialized_end=708
-  _globals['_DRAFTCOMMAND']._serialized_start=711
-  _globals['_DRAFTCOMMAND']._serialized_end=966
-  _globals['_DRAFTRESULT']._serialized_start=969
-  _globals['_DRAFTRESULT']._serialized_end=1243
-  _globals['_DRAFTSERVICE']._serialized_start=1246
-  _globals['_DRAFTSERVICE']._serialized_end=1402
+  _globals['_PROPOSERESULTENTRY']._serialized_start=400
+  _globals['_PROPOSERESULTENTRY']._serialized_end=512
+  _globals['_PROPOSERESULT']._serialized_start=514
+  _globals['_PROPOSERESULT']._serialized_end=625
+  _globals['_DRAFTCOMMAND']._serialized_start=628
+  _globals['_DRAFTCOMMAND']._serialized_end=883
+  _globals['_DRAFTRESULT']._serialized_start=886
+  _globals['_DRAFTRESULT']._serialized_end=1160
+  _globals['_DRAFTSERVICE']._serialized_start=1163
+  _globals['_DRAFTSERVICE']._serialized_end=1319
 # @@protoc_insertion_point(module_scope)

@@ -35,27 +35,17 @@ class ProposeCommand(_message.Message):
     min_draft_confidence: float
     def __init__(self, num_draft_tokens: _Optional[int] = ..., realign: _Optional[bool] = ..., entries: _Optional[_Iterable[_Union[ProposeEntry, _Mapping]]] = ..., min_draft_confidence: _Optional[float] = ...) -> None: ...
 
-class SparseProbs(_message.Message):
-    __slots__ = ("token_ids", "probs_f16")
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    PROBS_F16_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    probs_f16: bytes
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs_f16: _Optional[bytes] = ...) -> None: ...
-
 class ProposeResultEntry(_message.Message):
-    __slots__ = ("seq_id", "draft_token_ids", "draft_probs", "cache_len", "cut")
+    __slots__ = ("seq_id", "draft_token_ids", "cache_len", "cut")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     CUT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    draft_probs: _containers.RepeatedCompositeFieldContainer[SparseProbs]
     cache_len: int
     cut: bool
-    def __init__(self, seq_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseProbs, _Mapping]]] = ..., cache_len: _Optional[int] = ..., cut: _Optional[bool] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., cut: _Optional[bool] = ...) -> None: ...
 
 class ProposeResult(_message.Message):
     __slots__ = ("entries", "timing")

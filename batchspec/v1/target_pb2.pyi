@@ -1,5 +1,4 @@
 from batchspec.v1 import cache_pb2 as _cache_pb2
-from batchspec.v1 import draft_pb2 as _draft_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -9,12 +8,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyEntry(_message.Message):
-    __slots__ = ("seq_id", "expected_cache_len", "append_token_ids", "draft_token_ids", "draft_probs", "sampling", "logprobs", "token_masks")
+    __slots__ = ("seq_id", "expected_cache_len", "append_token_ids", "draft_token_ids", "sampling", "logprobs", "token_masks")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
@@ -22,11 +20,10 @@ class VerifyEntry(_message.Message):
     expected_cache_len: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    draft_probs: _containers.RepeatedCompositeFieldContainer[_draft_pb2.SparseProbs]
     sampling: _cache_pb2.SamplingParams
     logprobs: _cache_pb2.LogprobsSpec
     token_masks: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_draft_pb2.SparseProbs, _Mapping]]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[_cache_pb2.LogprobsSpec, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[_cache_pb2.LogprobsSpec, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class VerifyCommand(_message.Message):
     __slots__ = ("realign", "entries", "return_features")

@@ -45,13 +45,16 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[rank - 1]
 
 
-def stream(stub, prompt: list[int], max_new_tokens: int, trace: Trace) -> None:
-    """One request, streamed into `trace` (its arrival set by the caller)."""
+def stream(stub, prompt: list[int], max_new_tokens: int, trace: Trace,
+           fields: dict | None = None) -> None:
+    """One request, streamed into `trace` (its arrival set by the caller); `fields`: more
+    GenerateRequest fields (sampling settings and seed)."""
     from batchspec.v1 import generate_pb2
 
     last = None
     for response in stub.Generate(generate_pb2.GenerateRequest(
-            prompt_token_ids=prompt, max_new_tokens=max_new_tokens), timeout=3600):
+            prompt_token_ids=prompt, max_new_tokens=max_new_tokens, **(fields or {})),
+            timeout=3600):
         now = time.perf_counter()
         n = len(response.token_ids)
         if n and trace.first_token is None:
@@ -86,10 +89,11 @@ def run_load(stub, prompts: list[list[int]], max_new_tokens: int,
 
 
 def run_closed_loop(stub, prompts: list[list[int]], max_new_tokens: int,
-                    concurrency: int) -> tuple[list[Trace], float]:
+                    concurrency: int, fields=None) -> tuple[list[Trace], float]:
     """`concurrency` clients share the prompts in order: each sends the next one as soon as
-    its last answer ended, until every prompt is answered. Returns the traces (in prompt
-    order) and the seconds from the first request to the last answer."""
+    its last answer ended, until every prompt is answered. fields: prompt index -> more
+    GenerateRequest fields (None: greedy). Returns the traces (in prompt order) and the
+    seconds from the first request to the last answer."""
     traces = [Trace(0.0) for _ in prompts]
     order = iter(range(len(prompts)))
     lock, stop = threading.Lock(), threading.Event()
@@ -101,7 +105,7 @@ def run_closed_loop(stub, prompts: list[list[int]], max_new_tokens: int,
             if i is None:
                 return
             traces[i].arrival = time.perf_counter()
-            stream(stub, prompts[i], max_new_tokens, traces[i])
+            stream(stub, prompts[i], max_new_tokens, traces[i], fields(i) if fields else None)
 
     _run_all(client, min(concurrency, len(prompts)), min(concurrency, len(prompts)), stop)
     return traces, _span(traces)

@@ -11,7 +11,10 @@ turn, and the whole sweep `repeat` times, the methods' order reversed every othe
 machine whose speed drifts moves every method alike. Each row is a method at a concurrency: the
 median run's throughput with every run's figure, medians of TTFT and ITL p50/p99, exactness
 against the target alone, and its speed over `grpc_target_only` (the same server without
-drafts): the ratio of the medians, and the spread of the per-round ratios. Each run also records
+drafts): the ratio of the medians, and the spread of the per-round ratios. Sampled runs
+(--temperature) seed request i with i, so every method is asked the same requests, and their
+exactness is against the plain server's answers (a seeded request's tokens are the target's
+whatever was drafted). Each run also records
 the CPU seconds every process used while it was timed (target, drafts, its coordinator, the
 clients): the target's over the run's seconds is how many cores it kept busy, and what it left
 idle is time spent waiting on the coordinator, the drafts or the round trips.
@@ -35,7 +38,8 @@ def methods_of(config, grpc_drafts: dict) -> list[str]:
 
 def sweep(stack, workload, config, reference, grpc_drafts: dict,
           grpc_flags: dict) -> list[dict]:
-    """One row per (method, concurrency); [] without --concurrency."""
+    """One row per (method, concurrency); [] without --concurrency. `reference`: the target
+    alone's greedy answers (not used for sampled runs)."""
     from tqdm import tqdm
 
     if not config.concurrency:
@@ -44,10 +48,19 @@ def sweep(stack, workload, config, reference, grpc_drafts: dict,
     warm_up(stack, workload, config, methods, grpc_drafts, grpc_flags)
     rounds = turns(config.repeat, config.concurrency, methods)
     runs: dict[tuple[str, int], list[dict]] = {}
+    outputs: dict[tuple[str, int], list[list[int]]] = {}  # each setting's first run's answers
     for round_, concurrency, method in tqdm(rounds, desc="closed-loop clients", unit="run"):
         extra = grpc_flags.get(method, ()) + step_log(config, f"{method}-c{concurrency}-r{round_}")
-        runs.setdefault((method, concurrency), []).append(one_run(
-            stack, workload, config, method, concurrency, grpc_drafts[method], reference, extra))
+        row, answers = one_run(stack, workload, config, method, concurrency,
+                               grpc_drafts[method], None if workload.sampling else reference,
+                               extra)
+        runs.setdefault((method, concurrency), []).append(row)
+        outputs.setdefault((method, concurrency), answers)
+    if workload.sampling:
+        for (method, concurrency), found in runs.items():
+            plain = outputs[(PLAIN, concurrency)]
+            for row in found:
+                row["exact_match"] = exact(outputs[(method, concurrency)], plain)
     rows = [summarise(method, concurrency, found) for (method, concurrency), found in runs.items()]
     add_plain_ratios(rows, runs)
     return rows
@@ -72,7 +85,8 @@ def warm_up(stack, workload, config, methods: list[str], grpc_drafts: dict,
     for method in methods:
         extra = grpc_flags.get(method, ()) + step_log(config, f"{method}-c{clients}-warm")
         with served(stack, workload, config, grpc_drafts[method], extra) as stub:
-            arrivals.run_closed_loop(stub, prompts, workload.max_new_tokens, clients)
+            arrivals.run_closed_loop(stub, prompts, workload.max_new_tokens, clients,
+                                     workload.request_fields)
 
 
 @contextlib.contextmanager
@@ -98,22 +112,29 @@ def step_log(config, name: str, category: str | None = None) -> tuple[str, ...]:
     return "--step-log", str(folder / f"{name}{'-' + category if category else ''}.jsonl")
 
 
+def exact(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    """The share of answers equal to the reference's, in order."""
+    return round(sum(o == r for o, r in zip(outputs, reference)) / len(reference), 4)
+
+
 def one_run(stack, workload, config, method: str, concurrency: int, drafts, reference,
-            extra=()) -> dict:
+            extra=()) -> tuple[dict, list[list[int]]]:
+    """The run's row and its answers, in prompt order."""
     k = config.ks[-1]
     with served(stack, workload, config, drafts, extra) as stub:
         arrivals.run_closed_loop(stub, workload.prompts[:concurrency], WARM_UP_TOKENS,
-                                 concurrency)
+                                 concurrency, workload.request_fields)
         before = cpu_now(stack)
         traces, seconds = arrivals.run_closed_loop(stub, workload.prompts,
-                                                   workload.max_new_tokens, concurrency)
+                                                   workload.max_new_tokens, concurrency,
+                                                   workload.request_fields)
         spent = cpu_spent(before, cpu_now(stack))
     row = {"method": method, "concurrency": concurrency, "batch_size": config.load_batch_size,
            "k": k if drafts else None, **arrivals.summarise(traces, seconds),
            "steady_tokens_per_s": arrivals.steady_tokens_per_s(traces), "cpu_s": spent}
     if reference:
         row["exact_match"] = arrivals.exact_share(traces, reference)
-    return row
+    return row, [t.token_ids for t in traces]
 
 
 def cpu_now(stack) -> dict[str, float | None]:

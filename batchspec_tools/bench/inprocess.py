@@ -2,7 +2,7 @@
 engine, minus serialisation and RPC (for the benchmark's in-process methods)."""
 import time
 
-from batchspec.runtime import features_wire, models, probs_wire
+from batchspec.runtime import features_wire, models
 from batchspec.runtime import runner as runner_lib
 from coordinator.clients import ModelInfo, Proposal, Timing, VerifyOutcome
 from draft_service import proposer
@@ -78,8 +78,7 @@ class InProcessDraft(_InProcess):
                 for s in specs]
         proposals, group = proposer.propose(self.runner, rows, num_drafts, realign=realign,
                                             min_confidence=min_confidence)
-        return [Proposal(p.seq_id, p.draft_token_ids, p.draft_probs, p.cache_len,
-                         sum(len(b) + 4 * len(i) for i, b in p.draft_probs), p.cut)
+        return [Proposal(p.seq_id, p.draft_token_ids, p.cache_len, p.cut)
                 for p in proposals], _timing(group, started)
 
 
@@ -102,21 +101,11 @@ class InProcessTarget(_InProcess):
                 for f in self.runner.features([t for _, t in prefixes])]
 
     def verify(self, realign, specs, timeout=None, return_features=None):
-        import torch
-
         if return_features is None:
             return_features = self.features_for_drafts
         started = time.perf_counter()
-        vocab = self.runner.vocab_size
-        rows = []
-        for s in specs:
-            probs = None
-            if s.draft_probs:
-                probs = torch.stack([probs_wire.decode(ids, payload, vocab)
-                                     for ids, payload in s.draft_probs])
-            rows.append(verifier.VerifyRow(s.seq_id, s.expected_cache_len,
-                                           list(s.append_token_ids), list(s.draft_token_ids),
-                                           probs, s.sampling))
+        rows = [verifier.VerifyRow(s.seq_id, s.expected_cache_len, list(s.append_token_ids),
+                                   list(s.draft_token_ids), s.sampling) for s in specs]
         outcomes, group = verifier.verify(self.runner, rows, realign=realign,
                                           keep_features=return_features)
         return [VerifyOutcome(o.seq_id, o.num_accepted, o.output_token_ids, o.cache_len,

@@ -94,6 +94,9 @@ class BenchConfig:
     # run the whole sweep this many times, in turn, and report each setting's median run:
     # a machine whose speed drifts then moves every method alike
     repeat: int = 1
+    # sampled requests in the closed-loop runs (temperature 0: greedy); request i is seeded i
+    temperature: float = 0.0
+    top_p: float = 1.0
 
     def __post_init__(self):
         unknown = set(self.methods) - set(METHODS)
@@ -110,6 +113,13 @@ class BenchConfig:
         if self.by_category and (self.arrival_rates or self.concurrency):
             raise ValueError("--arrival-rates and --concurrency load the whole prompt set: run "
                              "them without --by-category")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("--temperature must be >= 0 and --top-p in (0, 1]")
+        if self.temperature > 0 and (not self.concurrency or self.arrival_rates or set(
+                self.methods) - set(GRPC_DRAFTS)):
+            raise ValueError("--temperature samples in the closed-loop runs: give --concurrency "
+                             "and only gRPC methods (--methods grpc_router,grpc_target_only, "
+                             "...), without --arrival-rates")
         if self.prompts is not None and not pathlib.Path(self.prompts).is_file():
             raise ValueError(f"--prompts {self.prompts}: no such file")
         from batchspec.runtime import models
@@ -133,6 +143,11 @@ class Workload:
     categories: list[str] = dataclasses.field(default_factory=list)  # one per prompt
     device: str = "cpu"  # of both models, in every method
     draft_dtype: str | None = None  # the served model draft's (BenchConfig.draft_dtype)
+    sampling: dict = dataclasses.field(default_factory=dict)  # temperature, top_p; {}: greedy
+
+    def request_fields(self, i: int) -> dict:
+        """GenerateRequest fields of prompt i's request: its sampling settings, seeded i."""
+        return dict(self.sampling, seed=i) if self.sampling else {}
 
     @property
     def draft_service_dtype(self) -> str:
@@ -251,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="methods to run, comma-separated (default: all of them; the "
                              "report lists them)")
     parser.add_argument("--out", default="bench-out", help="report directory")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample the closed-loop runs' requests at this temperature "
+                             "(request i seeded i; exactness then against the plain server's "
+                             "answers); default: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="the sampled requests' top_p")
     parser.add_argument("--min-draft-confidence", type=float,
                         default=EngineConfig.min_draft_confidence,
                         help="cut greedy drafts where the draft's confidence falls below "
@@ -274,7 +295,8 @@ def config_from_args(args) -> BenchConfig:
                                                if x),
                            load_batch_size=args.load_batch_size, dtype=args.dtype,
                            concurrency=ints(args.concurrency), step_logs=args.step_logs,
-                           device=args.device)
+                           device=args.device, temperature=args.temperature,
+                           top_p=args.top_p)
     return BenchConfig(target=args.target, draft=args.draft, draft_layers=args.draft_layers,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                        batch_sizes=batch_sizes, ks=ks,
@@ -286,11 +308,19 @@ def config_from_args(args) -> BenchConfig:
                        prompts=args.prompts, by_category=args.by_category,
                        repeat=args.repeat, concurrency=ints(args.concurrency),
                        step_logs=args.step_logs, device=args.device,
-                       draft_dtype=args.draft_dtype)
+                       draft_dtype=args.draft_dtype, temperature=args.temperature,
+                       top_p=args.top_p)
 
 
 # ---- the workload ------------------------------------------------------------------------------
 def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
+    workload = _workload(config, scratch)
+    if config.temperature > 0:
+        workload.sampling = {"temperature": config.temperature, "top_p": config.top_p}
+    return workload
+
+
+def _workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
     from batchspec.runtime import models
 
     if config.quick:
@@ -844,6 +874,15 @@ def served_draft_note(found: dict) -> str:
     return f" (served draft {served})" if served not in (None, found["dtype"]) else ""
 
 
+def sampled_note(config: dict) -> str:
+    """How the closed-loop requests sampled, where they did."""
+    if not config.get("temperature"):
+        return ""
+    return (f"; closed-loop requests sampled at temperature {config['temperature']:g}, top_p "
+            f"{config['top_p']:g}, request i seeded i (exact: equal to the plain server's "
+            "answers)")
+
+
 def markdown(report: dict) -> str:
     cut = report["config"]["min_draft_confidence"]
     cut = "at break-even" if cut is None else cut
@@ -858,7 +897,8 @@ def markdown(report: dict) -> str:
              f"min_draft_confidence {cut} "
              "(K is the most drafted per step)"
              + (f"; each row the median of {report['config']['repeat']} runs taken in turn"
-                if report["config"].get("repeat", 1) > 1 else ""), "",
+                if report["config"].get("repeat", 1) > 1 else "")
+             + sampled_note(report["config"]), "",
              "| category | method | batch | K | tok/s | vs stock batched | vs stock batch 1 "
              "| vs batched | vs batch 1 | accept rate | accept len "
              "| target passes/tok | realigned steps "

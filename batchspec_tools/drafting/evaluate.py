@@ -3,6 +3,10 @@
 - agreement: teacher-forced on the target's own greedy answers to the benchmark prompts (which
   no draft is trained on), the share of answer positions where the draft's argmax is the
   target's token;
+- sampled agreement (--temperature, --top-p): on the same answers, the share of positions where
+  the draft's seeded sample is the target's (both Gumbel-max samples with the noise of one
+  seed and that position, as the services draw them: batchspec.runtime.sampling), which is
+  how often a sampled request accepts a draft token there;
 - cost: the median time of one decode step (one token, batch 1, a 200-token cache) of the
   draft over that of the target, measured the same way in the same process, both with the CPU
   kernel plans the services use (batchspec.runtime.fastlinear.tune).
@@ -49,6 +53,29 @@ def agreement(draft, pairs) -> float:
     return matches / max(1, total)
 
 
+def sampled_agreement(target, draft, pairs, params) -> float:
+    """The share of answer positions where the draft's seeded choice under `params` (a
+    SamplingParams; pair i seeded i) is the target's, both teacher-forced on the answers."""
+    import dataclasses
+
+    import torch
+
+    from batchspec.runtime import sampling
+
+    matches = total = 0
+    with torch.inference_mode():
+        for i, (prompt_ids, answer) in enumerate(pairs):
+            ids = torch.tensor([prompt_ids + answer])
+            span = slice(len(prompt_ids) - 1, len(prompt_ids) + len(answer) - 1)
+            row = [dataclasses.replace(params, seed=i)]
+            first = [len(prompt_ids)]  # the position of the answer's first token
+            wanted = sampling.choose(target(ids).logits[:, span], row, first)
+            drafted = sampling.choose(draft(ids).logits[:, span], row, first)
+            matches += int((wanted == drafted).sum())
+            total += len(answer)
+    return matches / max(1, total)
+
+
 def decode_step_seconds(model, context: int = 200, repeats: int = 40) -> float:
     import torch
 
@@ -82,7 +109,8 @@ def training_pairs(directory: str, max_new_tokens: int, every: int = 14):
 
 def evaluate(target_spec: str, draft_spec: str, *, num_layers: int | None = None,
              max_new_tokens: int = 64, num_prompts: int | None = None,
-             training_data: str | None = None) -> dict:
+             training_data: str | None = None, temperature: float = 0.0,
+             top_p: float = 1.0) -> dict:
     from batchspec.runtime import models
 
     target = models.load_causal_lm(target_spec)
@@ -97,7 +125,14 @@ def evaluate(target_spec: str, draft_spec: str, *, num_layers: int | None = None
     for model in (target, draft):  # the kernel plans the services and the benchmark use
         fastlinear.tune(model, models.kernel_plans_file())
     target_s, draft_s = decode_step_seconds(target), decode_step_seconds(draft)
-    return {"target": target_spec, "draft": draft_spec, "draft_num_layers": num_layers,
+    sampled = {}
+    if temperature > 0:
+        from batchspec.params import SamplingParams
+
+        params = SamplingParams(temperature=temperature, top_p=top_p)
+        sampled = {"temperature": temperature, "top_p": top_p,
+                   "sampled_agreement": round(sampled_agreement(target, draft, pairs, params), 4)}
+    return {**sampled,"target": target_spec, "draft": draft_spec, "draft_num_layers": num_layers,
             "prompts": training_data or "benchmark",
             "num_prompts": len(pairs), "num_answer_tokens": sum(len(a) for _, a in pairs),
             "greedy_agreement": round(agreement(draft, pairs), 4),
@@ -117,6 +152,11 @@ def build_parser():
     parser.add_argument("--training-data", default=None, metavar="DIR",
                         help="measure agreement on every 14th sequence a distill directory "
                              "trained on, instead of the held-out benchmark prompts")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="also measure agreement of seeded samples at this temperature "
+                             "(what a sampled request accepts)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="the sampled agreement's top_p")
     parser.add_argument("--record", action="store_true",
                         help="store the result in the draft directory's manifest")
     return parser
@@ -132,12 +172,15 @@ def main(argv=None) -> int:
     if args.record and args.training_data:
         parser.error("--record stores the held-out figure in the manifest; it does not go "
                      "with --training-data")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        parser.error("--temperature must be >= 0 and --top-p in (0, 1]")
     if args.record and not draft_model.is_draft_dir(draft_dir):
         parser.error(f"--record needs a distilled draft directory, not {args.draft!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s evaluate %(message)s")
     result = evaluate(args.target, args.draft, num_layers=args.num_layers,
                       max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
-                      training_data=args.training_data)
+                      training_data=args.training_data, temperature=args.temperature,
+                      top_p=args.top_p)
     print(json.dumps(result, indent=2))
     if args.record:
         manifest = pathlib.Path(draft_dir) / draft_model.MANIFEST
