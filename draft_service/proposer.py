@@ -40,10 +40,10 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
     request's seed and the draft's position, which the target's choice there shares.
 
     min_confidence > 0 cuts each row's draft before its first token at which the draft's
-    probability of the whole draft so far (the product of its tokens' probabilities under the
-    row's distribution, which tracks how often the target accepts all of them) falls below
-    min_confidence; a row may propose nothing. The forwards stop once every row is cut.
-    Draft-side information only, so outputs are unchanged."""
+    confidence in the whole draft so far (the product of each position's top probability, the
+    softmax of its logits, which tracks how often the target accepts all of them, greedy or
+    sampled) falls below min_confidence; a row may propose nothing. The forwards stop once
+    every row is cut. Draft-side information only, so outputs are unchanged."""
     if num_drafts < 1:
         raise errors.InvalidArgument("num_draft_tokens must be >= 1")
     if not 0.0 <= min_confidence <= 1.0:
@@ -65,13 +65,9 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
         logits = group.step(next_input, num_logits=1, features=features)  # [batch, 1, vocab]
         if features is not None:
             features = group.hidden[:, -1:]
-        positions = [p + j for p in first_position]
+        token_ids = sampling.choose(logits, params, [p + j for p in first_position])[:, 0].cpu()
         if cut.open_any:
-            token_ids, sure = sampling.choose_with_confidence(logits, params, positions)
-            cut.after(j, sure[:, 0])
-        else:
-            token_ids = sampling.choose(logits, params, positions)
-        token_ids = token_ids[:, 0].cpu()
+            cut.after(j, top_probability(logits[:, -1].float()))
         drafts.append(token_ids)
         next_input = token_ids[:, None]
         if cut.done:
@@ -84,13 +80,21 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
     return proposals, group
 
 
+def top_probability(logits: torch.Tensor) -> torch.Tensor:
+    """[batch, vocab] logits -> [batch] probability of the argmax token. The draft's
+    confidence at a position, for sampled rows too: on held-out chat the shipped head's first
+    sampled drafts (temperature 0.8, top-p 0.95) were accepted about as often as this says,
+    where the processed probability of the sampled token itself said far less."""
+    return 1.0 / torch.exp(logits - logits.max(-1, keepdim=True).values).sum(-1)
+
+
 class _Cut:
     """Where each row's draft ends under min_confidence (see `propose`)."""
 
     def __init__(self, rows: list[ProposeRow], num_drafts: int, min_confidence: float):
         self.lengths = [num_drafts] * len(rows)  # invariant: a row's draft is d[:length]
         self.min_confidence = min_confidence
-        self.sure = torch.ones(len(rows))  # the product of each row's drafts' probabilities
+        self.sure = torch.ones(len(rows))  # the product of each row's drafts' confidences
         self.open = [min_confidence > 0.0] * len(rows)  # rows not cut yet
 
     @property
@@ -103,7 +107,7 @@ class _Cut:
         return self.min_confidence > 0.0 and not self.open_any
 
     def after(self, j: int, probabilities: torch.Tensor) -> None:
-        """Weigh draft j of every row, given each draft's probability [batch]."""
+        """Weigh draft j of every row, given the draft's confidence there [batch]."""
         self.sure *= probabilities.float().cpu()
         for i in torch.nonzero(self.sure < self.min_confidence).flatten().tolist():
             if self.open[i]:

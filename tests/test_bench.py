@@ -199,6 +199,27 @@ def test_closed_loop_clients_against_the_same_server_without_drafts(tmp_path):
     assert warm[0] < warm[1] < started("grpc_router-c1-r0.jsonl")
 
 
+def test_closed_loop_clients_sampling_get_the_plain_servers_answers(tmp_path):
+    """--temperature: request i is seeded i, so the default server's sampled answers are the
+    plain server's token for token (its exactness), and drafts were verified and accepted."""
+    out = tmp_path / "report"
+    done = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--quick", "--out",
+                           str(out), "--methods", "grpc_router", "--concurrency", "2",
+                           "--batch-sizes", "4", "--ks", "2", "--temperature", "0.8",
+                           "--top-p", "0.95"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "results.json").read_text())
+    rows = {r["method"]: r for r in report["serving"]}
+    assert rows["grpc_router"]["exact_match"] == rows["grpc_target_only"]["exact_match"] == 1.0
+    assert rows["grpc_router"]["num_drafted"] > 0 and rows["grpc_router"]["acceptance_rate"] > 0
+    assert rows["grpc_target_only"]["num_drafted"] == 0
+    assert "sampled at temperature 0.8, top_p 0.95" in (out / "results.md").read_text()
+    refused = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--quick",
+                              "--temperature", "0.8"], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode != 0 and "--concurrency" in refused.stderr
+
+
 def test_closed_loop_rounds_take_the_methods_in_turn_their_order_reversed_every_other_round():
     from batchspec_tools.bench import closed_loop
 

@@ -113,16 +113,6 @@ def test_a_draft_sampling_with_the_same_noise_is_accepted_by_coupling():
     assert accepted > 1.5 * independent
 
 
-def test_choose_with_confidence_gives_each_choices_probability():
-    logits = torch.log(torch.tensor([[[0.6, 0.3, 0.1]], [[0.6, 0.3, 0.1]]]))
-    params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=2, seed=4)]
-    choices, sure = sampling.choose_with_confidence(logits, params, [0, 0])
-    assert choices[0, 0].item() == 0
-    torch.testing.assert_close(sure[0, 0], torch.tensor(0.6))
-    kept = torch.tensor([2 / 3, 1 / 3])  # top_k 2 renormalised
-    torch.testing.assert_close(sure[1, 0], kept[choices[1, 0]])
-
-
 def test_processed_logprobs_applies_temperature_top_k_and_top_p():
     logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]])).repeat(3, 1, 1)
     probs = sampling.processed_logprobs(logits, torch.tensor([1.0, 1.0, 1.0]),

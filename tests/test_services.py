@@ -110,7 +110,7 @@ def test_unsure_greedy_drafts_stop_early_and_sampled_ones_do_not(draft):
     proposals, _ = client.propose(4, False, specs, min_confidence=1.0)
     assert [p.draft_token_ids for p in proposals] == [[], []]
     assert [p.cache_len for p in proposals] == [4, 4] == [runner.caches[s].length for s in (1, 2)]
-    # a sampled row is cut alike, by the probability of its sampled tokens
+    # a sampled row is cut alike, by the draft's confidence at each position
     sampled = SamplingParams(temperature=1.0, seed=3)
     proposals, _ = client.propose(4, False, [ProposeSpec(1, 4, 3, [11], sampled)],
                                   min_confidence=1.0)

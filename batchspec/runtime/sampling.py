@@ -90,22 +90,6 @@ def choose(logits: torch.Tensor, params, first_positions: list[int],
     return choices
 
 
-def choose_with_confidence(logits: torch.Tensor, params,
-                           first_positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`choose`, and the probability of each choice under its row's distribution ([batch, T]
-    float32): the softmax of the logits for a greedy row, the processed distribution for a
-    sampled one."""
-    choices = choose(logits, params, first_positions)
-    logprobs = torch.empty(choices.shape, dtype=torch.float32, device=logits.device)
-    sampled = torch.tensor([not p.greedy for p in params], device=logits.device)
-    plain = logits.float().log_softmax(-1).gather(-1, choices[..., None])[..., 0]
-    if bool(sampled.any()):
-        processed = rows_logprobs(logits[sampled], [p for p in params if not p.greedy])
-        logprobs[sampled] = processed.gather(-1, choices[sampled][..., None])[..., 0]
-    logprobs[~sampled] = plain[~sampled]
-    return choices, logprobs.exp()
-
-
 def _sampled_scores(logits: torch.Tensor, params, first_positions: list[int]) -> torch.Tensor:
     """log p' + g for sampled rows, [batch, T, vocab]: -inf outside each distribution's
     support, so the argmax is a token the request may output."""

@@ -34,6 +34,9 @@ class Trace:
     gaps: list[float] = dataclasses.field(default_factory=list)  # per token, after the first
     finished: float | None = None
     arrived_at: list[float] = dataclasses.field(default_factory=list)  # when each token came
+    # from the request's closing stats: draft tokens verified for it, and accepted
+    num_drafted: int = 0
+    num_accepted: int = 0
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -65,6 +68,9 @@ def stream(stub, prompt: list[int], max_new_tokens: int, trace: Trace,
             last = now
         trace.token_ids += response.token_ids
         trace.arrived_at += [now] * n
+        if response.HasField("stats"):
+            trace.num_drafted = response.stats.num_drafted_tokens
+            trace.num_accepted = response.stats.num_accepted_tokens
     trace.finished = time.perf_counter()
 
 
@@ -147,7 +153,10 @@ def summarise(traces: list[Trace], seconds: float) -> dict:
     gaps = [g for t in traces for g in t.gaps]
     tokens = sum(len(t.token_ids) for t in traces)
     ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
+    drafted, accepted = sum(t.num_drafted for t in traces), sum(t.num_accepted for t in traces)
     return {"num_requests": len(traces), "num_tokens": tokens, "seconds": round(seconds, 3),
+            "num_drafted": drafted,
+            "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
             "tokens_per_s": round(tokens / seconds, 2),
             "ttft_p50_ms": ms(percentile(ttft, 50)), "ttft_p99_ms": ms(percentile(ttft, 99)),
             "itl_p50_ms": ms(percentile(gaps, 50)), "itl_p99_ms": ms(percentile(gaps, 99))}

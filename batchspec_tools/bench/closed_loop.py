@@ -189,8 +189,10 @@ def markdown(rows: list[dict]) -> list[str]:
              "within each round. \"Steady\" counts only the time while every client is busy "
              "(until the last request is sent), leaving out the final drain.", "",
              "| method | clients | tok/s (median) | runs | vs plain | range | steady tok/s "
-             "| steady vs plain | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | exact |",
-             "| --- | ---: | ---: | --- | ---: | --- | ---: | ---: | --- | --- | ---: |"]
+             "| steady vs plain | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | drafted / token "
+             "| accepted | exact |",
+             "| --- | ---: | ---: | --- | ---: | --- | ---: | ---: | --- | --- | ---: | ---: "
+             "| ---: |"]
     for r in sorted(rows, key=lambda r: (r["concurrency"], r["method"] != PLAIN, r["method"])):
         spread = r.get("vs_plain_runs")
         ratio = f"{r['vs_plain']:.2f}x" if "vs_plain" in r else ""
@@ -198,11 +200,20 @@ def markdown(rows: list[dict]) -> list[str]:
         runs = " / ".join(f"{v:.1f}" for v in r["tokens_per_s_runs"])
         steady = r.get("steady_tokens_per_s") or ""
         steady_ratio = f"{r['steady_vs_plain']:.2f}x" if "steady_vs_plain" in r else ""
+        accepted = f"{r['acceptance_rate']:.0%}" if r.get("acceptance_rate") is not None else ""
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {runs} "
                      f"| {ratio} | {within} | {steady} | {steady_ratio} | "
                      f"{r['ttft_p50_ms']} / {r['ttft_p99_ms']} | "
-                     f"{r['itl_p50_ms']} / {r['itl_p99_ms']} | {r.get('exact_match', 0):.0%} |")
+                     f"{r['itl_p50_ms']} / {r['itl_p99_ms']} | {drafted_per_token(r)} | "
+                     f"{accepted} | {r.get('exact_match', 0):.0%} |")
     return lines + [""] + cpu_markdown(rows)
+
+
+def drafted_per_token(row: dict) -> str:
+    """Draft tokens verified per generated token in the median run ('' for the plain server)."""
+    if not row.get("num_drafted") or not row.get("num_tokens"):
+        return ""
+    return f"{row['num_drafted'] / row['num_tokens']:.2f}"
 
 
 CPU_ROLES = (("target", "target"), ("model", "model draft"), ("ngram", "n-gram draft"),
