@@ -114,8 +114,6 @@ class _Step:
     """One step's drafting in progress, every map keyed by row index."""
 
     seqs: list[Sequence]
-    # a cheap probe from aside: its rows are planned at the policy's optimistic acceptance
-    probe: bool = False
     called: set[int] = dataclasses.field(default_factory=set)  # kinds asked this step
     # kind index -> row -> what the kind, asked before planning, offered (non-empty only)
     offers: dict[int, dict[int, Proposal]] = dataclasses.field(default_factory=dict)
@@ -223,8 +221,7 @@ class Drafter:
         the cohort then decodes plainly and no draft is asked."""
         if self._aside(seqs):
             return DraftedCohort([RowDraft(seq, aside=True) for seq in seqs])
-        step = _Step(seqs, self.evidence is not None
-                     and self.evidence.probing(len(seqs), sampled(seqs)))
+        step = _Step(seqs)
         early = self._ask_first(step, timeout)
         plan, missed = self.plan(step), False
         for kind in sorted(self.kinds, key=lambda kind: kind.unit_cost):
@@ -406,7 +403,7 @@ class Drafter:
             # a cold row (the draft holds nothing of it) is prefilled there if picked
             choice = self.policy.choice(state.spec, s.draft_append_need(kind.index),
                                         kind.index, cold=state.cache_len is None,
-                                        prefill=s.committed_len - 1, probe=step.probe)
+                                        prefill=s.committed_len - 1)
             choices[kind.index] = dataclasses.replace(choice, offered=tokens) \
                 if tokens else choice
         forced_kind, forced_k = step.drafted.get(i, (0, None))

@@ -219,13 +219,6 @@ class Evidence:
         return self.config.probe_every * (self.config.clear_factor if clear else 1) \
             * bucket.backoff
 
-    def probing(self, rows: int, sampled: bool = False) -> bool:
-        """Whether a cohort of `rows` the evidence lets plan is a cheap probe from aside (a
-        bucket of at most cheap_probe_rows rows): its rows should then draft, so the probe
-        measures drafting, not a plan that a stretch of rejections left at K = 0."""
-        bucket = (self.sampled_buckets if sampled else self.buckets).get(bucket_of(rows))
-        return bucket is not None and bucket.aside and rows <= self.config.cheap_probe_rows
-
     def ratio(self, rows: int, sampled: bool = False) -> float | None:
         """Drafted over plain tokens per second in the bucket of `rows`, as its pairs of
         adjacent steps measured them (None: no pair yet)."""

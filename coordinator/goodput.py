@@ -419,19 +419,15 @@ class GoodputPolicy:
         return min(1.5, max(0.25, got / hoped))
 
     def choice(self, state: RowState, catch_up: int, kind: int, cold: bool = False,
-               prefill: int = 0, probe: bool = False) -> Choice:
+               prefill: int = 0) -> Choice:
         """One row's standing with one kind (the rules: the module's docstring and
         GoodputConfig). Not forced but optimistic when idle, since forcing one row widens its
         whole cohort's verify. cold: the draft holds nothing of the row yet (picking it costs
         a prefill of `prefill` tokens, kept only then); plan() lets at most one cold row per
-        kind explore, none if a held row does. probe: the step is a cheap probe of drafting
-        from aside, planned at `optimism` like a row idle for long (its estimate froze while
-        its cohort stepped aside)."""
+        kind explore, none if a held row does."""
         short = self._means.get((kind, state.band), (0.0, 0.0))[1] < self.config.min_evidence
         starved = self._plans_since.get(kind, 0) >= self.config.starve_every
         acceptance = self.acceptance(state, kind)
-        if probe:
-            acceptance = max(acceptance, self.config.optimism)
         if cold:
             return Choice(acceptance, 1, explore=short or starved, cold=True, prefill=prefill)
         idle = state.idle_steps >= self.config.explore_every

@@ -285,26 +285,21 @@ def test_a_lone_row_steps_aside_where_more_tokens_come_too_slowly():
     assert choices[-200:].count(Choice.PLAIN) > 0.85 * 200
 
 
-def test_a_cheap_probe_from_aside_is_planned_to_draft():
-    """A lone row's bucket aside probes drafting every few steps; where a stretch of
-    rejections left the row's estimate low, a probe planned from it would draft nothing and
-    measure nothing. A probe of a bucket of at most cheap_probe_rows rows plans its rows at the
-    policy's optimistic acceptance; a larger bucket's probe, or a bucket not aside, plans as
-    usual (a probe drafting K for every row of a large batch would cost several steps)."""
-    from coordinator import goodput
-
+def test_cohorts_with_a_sampled_row_keep_their_own_buckets():
+    """A draft matches sampled choices less often than greedy ones: a lone greedy row's
+    bucket stepping aside leaves the sampled rows' bucket of the same size as it was, and
+    their steps decide it alone."""
     evidence = Evidence()
-    run_lone_row(evidence, 300, [1, 2], drafted_seconds=0.068)  # steps aside
-    assert evidence.buckets[bucket_of(1)].aside and evidence.probing(1)
-    assert not evidence.probing(1, sampled=True)  # sampled cohorts' own bucket: not aside
-    for _ in range(120):  # a 16-row bucket where drafting loses
-        drafted = evidence.choose(16) is Choice.PLAN
-        evidence.observe(16, drafted, tokens=20 if drafted else 16,
-                         seconds=0.2 if drafted else 0.1)
-    assert evidence.buckets[bucket_of(16)].aside and not evidence.probing(16)
-    policy = goodput.GoodputPolicy(goodput.GoodputConfig(), [], None)
-    rejected = goodput.RowState(rejected=20.0)
-    assert policy.choice(rejected, 1, 0).acceptance < 0.2
-    assert policy.choice(rejected, 1, 0, probe=True).acceptance == policy.config.optimism
-    assert policy.choice(rejected, 1, 0, cold=True, probe=True).acceptance == \
-        policy.config.optimism
+    run_lone_row(evidence, 300, [1, 2], drafted_seconds=0.068)  # greedy: steps aside
+    assert evidence.buckets[bucket_of(1)].aside
+    assert bucket_of(1) not in evidence.sampled_buckets and evidence.ratio(1, sampled=True) is None
+    choices = []
+    for _ in range(300):  # sampled: 2 or 3 tokens a drafted step in 1.2x a plain one's time
+        choice = evidence.choose(1, sampled=True)
+        choices.append(choice)
+        drafted = choice is Choice.PLAN
+        evidence.observe(1, drafted, tokens=3 if drafted and len(choices) % 2 else 1 + drafted,
+                         seconds=0.048 if drafted else 0.04, sampled=True)
+    assert not evidence.sampled_buckets[bucket_of(1)].aside
+    assert evidence.ratio(1, sampled=True) > 1.05
+    assert evidence.buckets[bucket_of(1)].aside  # the greedy bucket untouched
