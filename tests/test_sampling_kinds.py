@@ -155,29 +155,32 @@ def test_sampled_output_through_a_feature_head_is_the_targets(feature_heads, hea
 
 
 def test_a_cohort_mixing_greedy_and_sampled_rows_keeps_both_exact(model_dirs):
-    """Greedy and sampled requests stepped together (every fourth request greedy, 32 at a
-    time into cohorts of 16): the greedy ones are target-alone greedy decoding, the sampled
-    ones follow the target's distribution, and both had drafts accepted."""
+    """Greedy and sampled requests stepped together (every fourth request greedy, on one of
+    20 prompts, 32 at a time into cohorts of 16): the greedy ones are target-alone greedy
+    decoding, the sampled ones follow the target's distribution, and both had drafts
+    accepted."""
     target_dir, near_dir = model_dirs["llama"]
     prompt = lookup_prompt(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir)
-    greedy = tuple(tiny.greedy_ignoring_eos(model, prompt, NUM_POSITIONS))
+    greedy_prompts = [[20 + p, 21, 22, 23, 24] for p in range(20)]
+    greedy = [tuple(tiny.greedy_ignoring_eos(model, p, NUM_POSITIONS)) for p in greedy_prompts]
 
     def one(stub, i):
         fields = {} if i % 4 == 0 else {"temperature": TEMPERATURE, "top_p": TOP_P, "seed": i}
+        asked = greedy_prompts[i // 4 % 20] if i % 4 == 0 else prompt
         responses = list(stub.Generate(generate_pb2.GenerateRequest(
-            prompt_token_ids=prompt, max_new_tokens=NUM_POSITIONS, ignore_eos=True, **fields),
+            prompt_token_ids=asked, max_new_tokens=NUM_POSITIONS, ignore_eos=True, **fields),
             timeout=120))
-        return (i % 4 == 0, tuple(t for r in responses for t in r.token_ids),
+        return (i, tuple(t for r in responses for t in r.token_ids),
                 responses[-1].stats.num_accepted_tokens)
 
     with running_stack(target_dir, near_dir, drafts=("ngram", "model"), batch_size=16,
                        num_draft_tokens=3) as stack:
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
             results = list(pool.map(lambda i: one(stack.stub(), i), range(4 * NUM_SAMPLES // 3)))
-    greedy_rows = [r for r in results if r[0]]
-    sampled_rows = [r for r in results if not r[0]]
-    assert all(tokens == greedy for _, tokens, _ in greedy_rows)
+    greedy_rows = [r for r in results if r[0] % 4 == 0]
+    sampled_rows = [r for r in results if r[0] % 4]
+    assert all(tokens == greedy[i // 4 % 20] for i, tokens, _ in greedy_rows)
     assert sum(a for _, _, a in greedy_rows) > 0 and sum(a for _, _, a in sampled_rows) > 0
     assert_follows_the_target([tokens for _, tokens, _ in sampled_rows[:NUM_SAMPLES]],
                               target_dir, prompt)
