@@ -132,9 +132,11 @@ def _span(traces: list[Trace]) -> float:
     return max(t.finished for t in traces) - min(t.arrival for t in traces)
 
 
-def exact_share(traces: list[Trace], reference: list[list[int]]) -> float:
-    """The share of requests whose tokens equal the reference outputs, in order."""
-    return round(sum(t.token_ids == r for t, r in zip(traces, reference)) / len(reference), 4)
+def exact_share(outputs: list, reference: list[list[int]]) -> float:
+    """The share of requests whose tokens (traces, or token lists) equal the reference
+    outputs, in order."""
+    tokens = [o.token_ids if isinstance(o, Trace) else o for o in outputs]
+    return round(sum(t == r for t, r in zip(tokens, reference)) / len(reference), 4)
 
 
 def steady_tokens_per_s(traces: list[Trace]) -> float | None:

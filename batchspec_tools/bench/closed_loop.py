@@ -60,7 +60,7 @@ def sweep(stack, workload, config, reference, grpc_drafts: dict,
         for (method, concurrency), found in runs.items():
             plain = outputs[(PLAIN, concurrency)]
             for row in found:
-                row["exact_match"] = exact(outputs[(method, concurrency)], plain)
+                row["exact_match"] = arrivals.exact_share(outputs[(method, concurrency)], plain)
     rows = [summarise(method, concurrency, found) for (method, concurrency), found in runs.items()]
     add_plain_ratios(rows, runs)
     return rows
@@ -110,11 +110,6 @@ def step_log(config, name: str, category: str | None = None) -> tuple[str, ...]:
     folder = pathlib.Path(config.step_logs)
     folder.mkdir(parents=True, exist_ok=True)
     return "--step-log", str(folder / f"{name}{'-' + category if category else ''}.jsonl")
-
-
-def exact(outputs: list[list[int]], reference: list[list[int]]) -> float:
-    """The share of answers equal to the reference's, in order."""
-    return round(sum(o == r for o, r in zip(outputs, reference)) / len(reference), 4)
 
 
 def one_run(stack, workload, config, method: str, concurrency: int, drafts, reference,
