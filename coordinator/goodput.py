@@ -43,7 +43,8 @@ from batchspec import packing
 
 # A packed verify of B rows, c of them drafting, costs plain + (wide - plain) * (c / B) ** this:
 # the first drafting rows cost most. Verifies of SmolLM2-135M on a 2-core EPYC (K = 1,
-# scripts/verify_width.py) paid these shares of the full-width extra: 0.85 for 1 row of 8, 0.96
+# scripts/verify_width.py at d840292)
+# paid these shares of the full-width extra: 0.85 for 1 row of 8, 0.96
 # for 3 of 8; 0.52 for 1 of 16, 0.71 for 4 of 16; 0.21 for 1 of 32, 0.46 for 8 of 32. 0.35
 # fits them as a whole (0.48, 0.71; 0.38, 0.62; 0.30, 0.62) better than a square root did
 # (0.35, 0.61; 0.25, 0.50; 0.18, 0.50), which priced a few drafting rows at about half their

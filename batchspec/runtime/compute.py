@@ -6,7 +6,7 @@ parallel region gets its own team of workers, and libgomp lets workers spin betw
 OpenMP threads than cores. A model loaded on the main thread and then run from a gRPC handler
 thread makes two teams, and from then on every worker sleeps between regions: a decode step
 runs measurably slower on a second thread after a warm-up on the main one than when one thread
-does everything (`python3 scripts/thread_cost.py` measures it on the machine at hand). So a
+does everything (scripts/thread_cost.py at commit d840292 measured it). So a
 service loads, tunes and runs its model on this one thread, and its handler threads hand their
 commands to it.
 

@@ -4,8 +4,7 @@ through a oneDNN-packed copy of the weight, or as usual.
 With the MKL build of CPU torch (float32), `x @ W.T` for a handful of rows (one decode step, a
 K+1-token verify) costs about one matrix-vector product *per row*, while the same product taken
 as `(W @ x.T).T` costs little more for 2 to 64 rows than for one: verifying K+1 tokens then
-costs about what decoding one does (`python3 scripts/step_times.py` measures it on the machine
-at hand; docs/benchmarks.md has figures).
+costs about what decoding one does (docs/benchmarks.md has figures).
 
 The kernel's speed also jumps with the row count, and not monotonically: some row counts cost
 more than the next larger one. So `tune(model)` (run by each service and by the benchmark at

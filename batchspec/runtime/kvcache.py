@@ -128,7 +128,7 @@ def to_model_cache(layers: list[LayerKV] | None) -> DynamicCache:
 
     (DynamicCache(ddp_cache_data=layers) would copy every tensor, as big a copy as a
     realignment: it appends the data to empty layers with torch.cat; scripts/group_steps.py
-    times both.)"""
+    at commit d840292 timed both.)"""
     cache = DynamicCache()
     cache.layer_class_to_replicate = AppendLayer
     buffers = getattr(layers, "buffers", None) or [None] * len(layers or ())
