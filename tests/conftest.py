@@ -54,9 +54,9 @@ class Stack:
         return generate_pb2_grpc.CoordinatorStub(channel)
 
 
-def start_target(model_dir, port=0):
+def start_target(model_dir, port=0, dtype="float32"):
     return service.start_model_service(service.ServiceConfig(model=model_dir, port=port,
-                                                             device=TEST_DEVICE),
+                                                             device=TEST_DEVICE, dtype=dtype),
                                        TargetServicer,
                                        target_pb2_grpc.add_TargetServiceServicer_to_server,
                                        TARGET_NAME)
@@ -94,11 +94,12 @@ def wait_for(predicate, timeout=10.0):
 @contextlib.contextmanager
 def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, metrics_port=None,
                   stall_timeout_s=120.0, drafts=("model",), tokenizer=None, http_port=None,
-                  api_key_file=None, draft_dtype="float32", **engine_kwargs):
+                  api_key_file=None, draft_dtype="float32", target_dtype="float32",
+                  **engine_kwargs):
     """Target, drafts and coordinator servers in this process, on free loopback ports.
     drafts: the draft services, in order: "model" (the draft_dir model, in draft_dtype) or
     "ngram"."""
-    target_server, target_port, _, target_runner = start_target(target_dir)
+    target_server, target_port, _, target_runner = start_target(target_dir, dtype=target_dtype)
     started = [start_ngram() if kind == "ngram" else start_draft(draft_dir, dtype=draft_dtype)
                for kind in drafts]
     draft_server, draft_port, _, draft_runner = started[0]

@@ -25,9 +25,10 @@ PACKAGED_DRAFT = DRAFTS_DIR / SMOLLM2_DRAFT
 # served benchmarks against `--draft-model none` measured, docs/benchmarks.md).
 BEST_SHIPPED = {SMOLLM2: (SMOLLM2_EAGLE, SMOLLM2_DRAFT)}
 DTYPES = ("float32", "bfloat16", "float16")
-# a draft service's --dtype may also be AUTO (see draft_dtype)
+# --dtype may also be AUTO: for a target, float32 with a GGUF file's linear layers
+# multiplied by its blocks as stored (gguf_blocks; the default); for a draft, see draft_dtype
 AUTO = "auto"
-DRAFT_DTYPES = (AUTO,) + DTYPES
+DRAFT_DTYPES = TARGET_DTYPES = (AUTO,) + DTYPES
 # a hub id: NAME or OWNER/NAME
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 # a torch device a service may be pinned to
@@ -102,7 +103,7 @@ def draft_service_dtype(dtype: str, draft_dtype: str | None = None) -> str:
     --draft-dtype where given; else AUTO where the models run in float32, --dtype otherwise."""
     if draft_dtype is not None:
         return draft_dtype
-    return AUTO if dtype == "float32" else dtype
+    return AUTO if dtype in ("float32", AUTO) else dtype
 
 
 def served_draft_dtype(flag: str, spec: str, device: str) -> str:
@@ -140,13 +141,17 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
                    num_layers: int | None = None, stock: bool = False):
     """Load a causal LM for inference; `num_layers` keeps only the first layers (a cheap draft);
     `stock` leaves transformers' own linear layers and attention in place (the benchmark's
-    unpatched baseline: what a user of transformers runs)."""
+    unpatched baseline: what a user of transformers runs). dtype AUTO: float32, where a GGUF
+    file's linear layers (on a CPU) also multiply by its blocks as stored (gguf_blocks)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
-    from batchspec.runtime import attention, draft_model, fastlinear
+    if dtype not in TARGET_DTYPES:
+        raise ValueError(f"dtype must be one of {TARGET_DTYPES}, not {dtype!r}")
+    # AUTO: float32, and a GGUF file's linear layers multiply by its blocks as stored
+    as_stored = dtype == AUTO
+    dtype = "float32" if as_stored else dtype
+    from batchspec.runtime import attention, draft_model, fastlinear, gguf_blocks
 
     spec = model_path(spec)
     if draft_model.is_draft_dir(spec):
@@ -164,6 +169,8 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
     if num_layers is not None:
         truncate_layers(model, num_layers)
     if not stock:
+        if as_stored and source.gguf_file and torch.device(device).type == "cpu":
+            gguf_blocks.attach(model, str(pathlib.Path(source.path) / source.gguf_file))
         fastlinear.patch_linears(model)
         fastlinear.patch_feed_forwards(model)
         attention.install(model)

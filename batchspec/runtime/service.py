@@ -259,8 +259,8 @@ class ServiceConfig:
         models.check_device(self.device)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], not {self.port}")
-        if self.dtype not in models.DTYPES:
-            raise ValueError(f"dtype must be one of {models.DTYPES}, not {self.dtype!r}")
+        if self.dtype not in models.TARGET_DTYPES:
+            raise ValueError(f"dtype must be one of {models.TARGET_DTYPES}, not {self.dtype!r}")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError("num_layers must be >= 1")
         if self.max_sequences < 0 or self.max_cached_tokens < 0:
@@ -312,8 +312,11 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int,
                                  "on a CPU that multiplies bfloat16 natively, else float32; "
                                  "drafts never change the output)")
     else:
-        parser.add_argument("--dtype", default="float32", choices=models.DTYPES,
-                            help="parameter dtype")
+        parser.add_argument("--dtype", default=models.AUTO, choices=models.TARGET_DTYPES,
+                            help="parameter dtype (default auto: float32, where a GGUF "
+                                 "model's linear layers multiply by its Q4_1/Q8_0 blocks as "
+                                 "stored on a CPU; float32: dequantized weights only)")
+    parser.set_defaults(role=role)
     parser.add_argument("--num-layers", type=int, default=None,
                         help="keep only the model's first N layers (a cheap draft)")
     parser.add_argument("--grace", type=float, default=30.0,
@@ -338,7 +341,8 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int,
 
 def config_from_args(args) -> ServiceConfig:
     return ServiceConfig(model=args.model, host=args.host, port=args.port, device=args.device,
-                         dtype=models.served_draft_dtype(args.dtype, args.model, args.device),
+                         dtype=models.served_draft_dtype(args.dtype, args.model, args.device)
+                         if args.role == "draft" else args.dtype,
                          num_layers=args.num_layers, grace_s=args.grace,
                          metrics_port=args.metrics_port, max_sequences=args.max_sequences,
                          max_cached_tokens=args.max_cached_tokens, threads=args.threads,

@@ -122,3 +122,60 @@ def save_feature_head(target_dir: str, out: pathlib.Path, *, exact: bool = False
                                        "feature_width": head.feature_width,
                                        "training": {"command": "untrained (tests)"}})
     return str(out)
+
+
+def save_gguf(root: pathlib.Path, seed: int = 5) -> str:
+    """The tiny Llama-style target written as a GGUF file the way llama.cpp writes one: q and k
+    rows permuted for its rotary layout, every linear weight in Q4_1, the embedding and the
+    output head in Q8_0, norms in float32. Returns the file's path."""
+    import gguf
+
+    model = llama(seed)
+    config = model.config
+    path = root / "tiny-llama.Q4_1.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(getattr(config, "rope_theta", 10000.0) or 10000.0))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(pick_eos(model))
+
+    def add(name: str, weight: torch.Tensor, kind) -> None:
+        data = weight.detach().float().numpy()
+        if kind != gguf.GGMLQuantizationType.F32:
+            data = gguf.quants.quantize(data, kind)
+        writer.add_tensor(name, data, raw_dtype=kind)
+
+    def permuted(weight: torch.Tensor, heads: int) -> torch.Tensor:  # llama.cpp's q/k layout
+        rows = weight.shape[0]
+        return weight.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(rows, -1)
+
+    q4, q8, f32 = (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0,
+                   gguf.GGMLQuantizationType.F32)
+    add("token_embd.weight", model.model.embed_tokens.weight, q8)
+    add("output_norm.weight", model.model.norm.weight, f32)
+    add("output.weight", model.lm_head.weight, q8)
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight, f32)
+        add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight, f32)
+        add(f"blk.{i}.attn_q.weight", permuted(attn.q_proj.weight, config.num_attention_heads),
+            q4)
+        add(f"blk.{i}.attn_k.weight", permuted(attn.k_proj.weight, config.num_key_value_heads),
+            q4)
+        add(f"blk.{i}.attn_v.weight", attn.v_proj.weight, q4)
+        add(f"blk.{i}.attn_output.weight", attn.o_proj.weight, q4)
+        add(f"blk.{i}.ffn_gate.weight", mlp.gate_proj.weight, q4)
+        add(f"blk.{i}.ffn_up.weight", mlp.up_proj.weight, q4)
+        add(f"blk.{i}.ffn_down.weight", mlp.down_proj.weight, q4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)

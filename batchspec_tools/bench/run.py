@@ -83,7 +83,7 @@ class BenchConfig:
     # (instead of the batch sweep for those methods)
     concurrency: tuple[int, ...] = ()
     step_logs: str | None = None  # a directory: each gRPC run's coordinator logs its steps
-    dtype: str = "float32"  # of both models, in every method
+    dtype: str = "auto"  # of both models, in every method (models.load_causal_lm)
     # the served model draft's --dtype (None: as `batchspec serve` gives it, see
     # models.draft_service_dtype); the in-process methods keep `dtype`
     draft_dtype: str | None = None
@@ -139,7 +139,7 @@ class Workload:
     # adaptive draft length (methods 3 to 6 alike; None: the server's default)
     min_draft_confidence: float | None = None
     draft_policy: str = EngineConfig.draft_policy  # methods 4-6
-    dtype: str = "float32"
+    dtype: str = "auto"
     categories: list[str] = dataclasses.field(default_factory=list)  # one per prompt
     device: str = "cpu"  # of both models, in every method
     draft_dtype: str | None = None  # the served model draft's (BenchConfig.draft_dtype)
@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--by-category", action="store_true",
                         help="run every method once per prompt category and report each "
                              "category's speed and acceptance apart")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+    parser.add_argument("--dtype", default=models.AUTO, choices=models.TARGET_DTYPES,
                         help="dtype of both models in every method; `exact` then compares with "
                              "the target alone at batch 1 in the same dtype")
     parser.add_argument("--draft-dtype", default=None, choices=models.DRAFT_DTYPES,

@@ -1,0 +1,367 @@
+// Linear layers over GGUF weight blocks as stored (Q4_1, Q8_0): y = x @ W.T, where W is
+// never materialised in float32. Each block of 32 weights is dequantized in registers
+// exactly as gguf-py does it (d * q + m for Q4_1, d * q for Q8_0: a product and a sum, each
+// rounded to float32, never fused) and accumulated with fused multiply-adds in float32.
+//
+// Invariants:
+// - Output (r, o) is the dot product of input row r with dequantized weight row o, summed in
+//   one fixed order (eight lanes over the blocks in turn, then the lanes pairwise), whatever
+//   the number of rows, the threads or the row's place in the batch: a row's result does not
+//   depend on the batch it is in.
+// - AVX2 + FMA + F16C code runs only where the CPU has them (checked at run time); elsewhere
+//   a scalar loop with the same summation order runs.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kQ4_1Bytes = 20;  // half d, half m, 16 bytes of nibbles
+constexpr int64_t kQ8_0Bytes = 34;  // half d, 32 signed bytes
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f;
+  uint32_t mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int shift = 0;
+      while (!(mantissa & 0x400)) {
+        mantissa <<= 1;
+        ++shift;
+      }
+      mantissa &= 0x3ff;
+      bits = sign | static_cast<uint32_t>(127 - 15 - shift + 1) << 23 | mantissa << 13;
+    }
+  } else if (exponent == 31) {
+    bits = sign | 0x7f800000u | mantissa << 13;
+  } else {
+    bits = sign | (exponent + 127 - 15) << 23 | mantissa << 13;
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+uint16_t read_half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return h;
+}
+
+// One block's 32 weights, as gguf-py dequantizes them.
+void dequantize_scalar(bool q4_1, const uint8_t* block, float* w) {
+  const float d = half_to_float(read_half(block));
+  if (q4_1) {
+    const float m = half_to_float(read_half(block + 2));
+    const uint8_t* qs = block + 4;
+    for (int j = 0; j < 16; ++j) {
+      volatile float lo = d * static_cast<float>(qs[j] & 0x0f);  // rounded before the sum
+      volatile float hi = d * static_cast<float>(qs[j] >> 4);
+      w[j] = lo + m;
+      w[j + 16] = hi + m;
+    }
+  } else {
+    const int8_t* qs = reinterpret_cast<const int8_t*>(block + 2);
+    for (int j = 0; j < 32; ++j) w[j] = static_cast<float>(qs[j]) * d;
+  }
+}
+
+// Scalar path: eight lanes as the vector path keeps them, then summed pairwise the same way.
+float lanes_sum(const float* lane) {
+  const float a = lane[0] + lane[4], b = lane[1] + lane[5];
+  const float c = lane[2] + lane[6], e = lane[3] + lane[7];
+  return (a + c) + (b + e);
+}
+
+void rows_scalar(bool q4_1, const uint8_t* wrow, int64_t blocks, const float* x, int64_t in,
+                 int64_t rows, float* out, int64_t out_stride) {
+  const int64_t bytes = q4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  float w[kBlock];
+  for (int64_t r = 0; r < rows; ++r) {
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const float* xr = x + r * in;
+    for (int64_t b = 0; b < blocks; ++b) {
+      dequantize_scalar(q4_1, wrow + b * bytes, w);
+      for (int v = 0; v < 4; ++v)
+        for (int l = 0; l < 8; ++l)
+          lane[l] = std::fma(w[v * 8 + l], xr[b * kBlock + v * 8 + l], lane[l]);
+    }
+    out[r * out_stride] = lanes_sum(lane);
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 v) {
+  // lanes (0+4, 1+5, 2+6, 3+7), then (a + c) + (b + e) as lanes_sum
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));  // (a + c, b + e)
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline void dequantize_avx2(bool q4_1,
+                                                                     const uint8_t* block,
+                                                                     __m256 w[4]) {
+  const __m256 d = _mm256_set1_ps(_cvtsh_ss(read_half(block)));
+  if (q4_1) {
+    const __m256 m = _mm256_set1_ps(_cvtsh_ss(read_half(block + 2)));
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(packed, mask);                     // weights 0..15
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);  // weights 16..31
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int v = 0; v < 4; ++v) {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[v]));
+      w[v] = _mm256_add_ps(_mm256_mul_ps(d, q), m);
+    }
+  } else {
+    for (int v = 0; v < 4; ++v) {
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * v));
+      w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d);
+    }
+  }
+}
+
+// Output rows [o0, o0 + O) against input rows [r0, r0 + R): one accumulator per pair, so
+// O * R independent chains of fused multiply-adds; each chain sums its blocks in order.
+template <int O, int R>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(bool q4_1, const uint8_t* wp,
+                                                        int64_t blocks, const float* x,
+                                                        int64_t in, int64_t o0, int64_t r0,
+                                                        float* out, int64_t out_stride) {
+  const int64_t bytes = q4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  __m256 acc[O][R];
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) acc[o][r] = _mm256_setzero_ps();
+  alignas(32) float w[O][kBlock];
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int o = 0; o < O; ++o) {
+      __m256 v[4];
+      dequantize_avx2(q4_1, wp + ((o0 + o) * blocks + b) * bytes, v);
+      for (int j = 0; j < 4; ++j) _mm256_store_ps(w[o] + 8 * j, v[j]);
+    }
+    for (int j = 0; j < 4; ++j) {
+      __m256 xs[R];
+      for (int r = 0; r < R; ++r) xs[r] = _mm256_loadu_ps(x + (r0 + r) * in + b * kBlock + 8 * j);
+      for (int o = 0; o < O; ++o) {
+        const __m256 wv = _mm256_load_ps(w[o] + 8 * j);
+        for (int r = 0; r < R; ++r) acc[o][r] = _mm256_fmadd_ps(wv, xs[r], acc[o][r]);
+      }
+    }
+  }
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) out[(r0 + r) * out_stride + o0 + o] = hsum(acc[o][r]);
+}
+
+// Output rows [begin, end) for every input row, in tiles.
+__attribute__((target("avx2,fma,f16c"))) void outputs_avx2(bool q4_1, const uint8_t* wp,
+                                                           int64_t blocks, const float* x,
+                                                           int64_t in, int64_t rows,
+                                                           int64_t begin, int64_t end,
+                                                           float* out, int64_t out_stride) {
+  int64_t o = begin;
+  if (rows == 1) {
+    for (; o + 8 <= end; o += 8) tile_avx2<8, 1>(q4_1, wp, blocks, x, in, o, 0, out, out_stride);
+  } else {
+    for (; o + 4 <= end; o += 4) {
+      int64_t r = 0;
+      for (; r + 2 <= rows; r += 2)
+        tile_avx2<4, 2>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+      if (r < rows) tile_avx2<4, 1>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+    }
+  }
+  for (; o < end; ++o)
+    for (int64_t r = 0; r < rows; ++r)
+      tile_avx2<1, 1>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+}
+
+// The AVX-512 kernels: a block is two 16-lane vectors. A Q4_1 block's 16 possible weights
+// (d * q + m for q = 0..15, each rounded as gguf-py rounds it) are computed once and its
+// nibbles pick from them with one permute per 16 weights.
+__attribute__((target("avx512f,f16c"))) inline void dequantize_avx512(bool q4_1,
+                                                                      const uint8_t* block,
+                                                                      __m512 w[2]) {
+  const __m512 d = _mm512_set1_ps(_cvtsh_ss(read_half(block)));
+  if (q4_1) {
+    const __m512 m = _mm512_set1_ps(_cvtsh_ss(read_half(block + 2)));
+    const __m512 table = _mm512_add_ps(
+        _mm512_mul_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)), m);
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    w[0] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, mask)), table);
+    w[1] = _mm512_permutexvar_ps(
+        _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask)), table);
+  } else {
+    for (int v = 0; v < 2; ++v) {
+      const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * v));
+      w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8)), d);
+    }
+  }
+}
+
+__attribute__((target("avx512f"))) inline float hsum512(__m512 v) {
+  // (lanes i + i+8), then the eight as hsum does
+  const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  const __m128 t = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+template <int O, int R>
+__attribute__((target("avx512f,f16c"))) void tile_avx512(bool q4_1, const uint8_t* wp,
+                                                         int64_t blocks, const float* x,
+                                                         int64_t in, int64_t o0, int64_t r0,
+                                                         float* out, int64_t out_stride) {
+  const int64_t bytes = q4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  __m512 acc[O][R];
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 xs[R][2];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 2; ++v) xs[r][v] = _mm512_loadu_ps(x + (r0 + r) * in + b * kBlock + 16 * v);
+    for (int o = 0; o < O; ++o) {
+      __m512 w[2];
+      dequantize_avx512(q4_1, wp + ((o0 + o) * blocks + b) * bytes, w);
+      for (int r = 0; r < R; ++r) {
+        acc[o][r] = _mm512_fmadd_ps(w[0], xs[r][0], acc[o][r]);
+        acc[o][r] = _mm512_fmadd_ps(w[1], xs[r][1], acc[o][r]);
+      }
+    }
+  }
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) out[(r0 + r) * out_stride + o0 + o] = hsum512(acc[o][r]);
+}
+
+__attribute__((target("avx512f,f16c"))) void outputs_avx512(bool q4_1, const uint8_t* wp,
+                                                             int64_t blocks, const float* x,
+                                                             int64_t in, int64_t rows,
+                                                             int64_t begin, int64_t end,
+                                                             float* out, int64_t out_stride) {
+  int64_t o = begin;
+  for (; o + 4 <= end; o += 4) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) tile_avx512<4, 4>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+    for (; r < rows; ++r) tile_avx512<4, 1>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+  }
+  for (; o < end; ++o)
+    for (int64_t r = 0; r < rows; ++r)
+      tile_avx512<1, 1>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+}
+
+bool has_avx512() {
+  static const bool found = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
+  return found;
+}
+
+bool has_avx2() {
+  static const bool found = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                            __builtin_cpu_supports("f16c");
+  return found;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t in_features,
+                  bool q4_1) {
+  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "gguf linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "gguf linear: float32 inputs only");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2,
+              "gguf linear: blocks must be uint8 [out_features, bytes per row]");
+  TORCH_CHECK(in_features % kBlock == 0, "gguf linear: in_features must be a multiple of 32");
+  TORCH_CHECK(x.size(-1) == in_features, "gguf linear: x's last dimension is not in_features");
+  const int64_t blocks_per_row = in_features / kBlock;
+  const int64_t bytes = q4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  TORCH_CHECK(blocks.size(1) == blocks_per_row * bytes && blocks.is_contiguous(),
+              "gguf linear: blocks do not hold in_features weights per row");
+  const int64_t out_features = blocks.size(0);
+  const at::Tensor flat = x.reshape({-1, in_features}).contiguous();
+  const int64_t rows = flat.size(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  const float* xp = flat.data_ptr<float>();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const bool wide = has_avx512();
+  const bool vector = has_avx2();
+  // about 64k multiply-adds per task, so that small layers are not split to nothing
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, in_features * rows));
+  at::parallel_for(0, out_features, grain, [&](int64_t begin, int64_t end) {
+    if (wide) {
+      outputs_avx512(q4_1, wp, blocks_per_row, xp, in_features, rows, begin, end, op,
+                     out_features);
+      return;
+    }
+    if (vector) {
+      outputs_avx2(q4_1, wp, blocks_per_row, xp, in_features, rows, begin, end, op,
+                   out_features);
+      return;
+    }
+    for (int64_t o = begin; o < end; ++o)
+      rows_scalar(q4_1, wp + o * blocks_per_row * bytes, blocks_per_row, xp, in_features,
+                  rows, op + o, out_features);
+  });
+  return out.reshape(sizes);
+}
+
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t in_features) {
+  return linear(x, blocks, in_features, true);
+}
+
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t in_features) {
+  return linear(x, blocks, in_features, false);
+}
+
+// The weights themselves, [out_features, in_features] float32 (for tests and large batches).
+at::Tensor dequantize(const at::Tensor& blocks, int64_t in_features, bool q4_1) {
+  const int64_t blocks_per_row = in_features / kBlock;
+  const int64_t bytes = q4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  TORCH_CHECK(blocks.size(1) == blocks_per_row * bytes && blocks.is_contiguous(),
+              "gguf dequantize: blocks do not hold in_features weights per row");
+  at::Tensor out = at::empty({blocks.size(0), in_features}, at::kFloat);
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, blocks.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t b = 0; b < blocks_per_row; ++b)
+        dequantize_scalar(q4_1, wp + (o * blocks_per_row + b) * bytes,
+                          op + o * in_features + b * kBlock);
+  });
+  return out;
+}
+
+at::Tensor dequantize_q4_1(const at::Tensor& blocks, int64_t in_features) {
+  return dequantize(blocks, in_features, true);
+}
+
+at::Tensor dequantize_q8_0(const at::Tensor& blocks, int64_t in_features) {
+  return dequantize(blocks, in_features, false);
+}
+
+bool vectorized() { return has_avx2(); }
+
+}  // namespace
+
+TORCH_LIBRARY(batchspec_gguf, m) {
+  m.def("q4_1_linear(Tensor x, Tensor blocks, int in_features) -> Tensor");
+  m.def("q8_0_linear(Tensor x, Tensor blocks, int in_features) -> Tensor");
+  m.def("dequantize_q4_1(Tensor blocks, int in_features) -> Tensor");
+  m.def("dequantize_q8_0(Tensor blocks, int in_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(batchspec_gguf, CPU, m) {
+  m.impl("q4_1_linear", q4_1_linear);
+  m.impl("q8_0_linear", q8_0_linear);
+  m.impl("dequantize_q4_1", dequantize_q4_1);
+  m.impl("dequantize_q8_0", dequantize_q8_0);
+}
+
+extern "C" int batchspec_gguf_vectorized() { return vectorized() ? 1 : 0; }

@@ -1,0 +1,248 @@
+"""Linear layers that multiply by a GGUF file's weight blocks as stored (Q4_1, Q8_0).
+
+A GGUF model loads as float32 (transformers dequantizes every tensor). Served with
+`--dtype auto`, its linear layers then also keep the file's own blocks and, for a handful of
+rows (a decode step, a verify of a few drafts), multiply by them through the C++ kernels of
+`csrc/gguf_linear.cpp`: each block is dequantized in registers exactly as it was when the
+model loaded and accumulated in float32, so the product is the float32 product of the same
+weights up to summation order, reading a quarter to a fifth of the bytes. Larger products
+(prefill, wide verifies) take the float32 weights as before.
+
+Invariants:
+- A layer gets blocks only where they dequantize to its float32 weight bit for bit (checked
+  at load), so both paths multiply by the same model.
+- The kernels are built once per machine (source, torch version) into the user cache and
+  loaded by every process; a machine that cannot build them (no compiler) serves float32
+  with one warning.
+"""
+import fcntl
+import hashlib
+import logging
+import pathlib
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "gguf_linear.cpp"
+# The block types the kernels read: name -> (op name, bytes per 32 weights)
+KINDS = {"Q4_1": ("q4_1", 20), "Q8_0": ("q8_0", 34)}
+# GGUF tensor names of a Llama-family model's linear layers, by module name suffix
+_LLAMA = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+# -fopenmp: at::parallel_for runs on torch's OpenMP threads (the libgomp torch loaded);
+# -ffp-contract=off: a dequantized weight is a product and a sum, never fused (as gguf-py)
+FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+_loaded: bool | None = None
+
+
+def build_dir() -> pathlib.Path:
+    """Where the kernels are built: keyed by their source and the torch version."""
+    from batchspec.runtime import models
+
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
+                         + torch.__version__.encode()).hexdigest()[:16]
+    return models.user_cache_dir() / "kernels" / key
+
+
+def load() -> bool:
+    """Build (once per machine, under a lock) and load the kernels; False where they cannot
+    be built here, logged once."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _build_and_load()
+    return _loaded
+
+
+def _build_and_load() -> bool:
+    from torch.utils import cpp_extension
+
+    out = build_dir()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # services starting together build it once
+            built = list(out.glob("batchspec_gguf*.so"))
+            if not built:
+                log.info("building the GGUF block kernels once into %s", out)
+            cpp_extension.load(name="batchspec_gguf", sources=[str(SOURCE)],
+                               extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                               build_directory=str(out), is_python_module=False,
+                               verbose=False)
+        return True
+    except Exception as error:  # no compiler, no headers, a read-only cache: serve float32
+        log.warning("cannot build the GGUF block kernels (%s): GGUF models are served in "
+                    "float32", str(error).splitlines()[0] if str(error) else type(error).__name__)
+        return False
+
+
+def product(flat: torch.Tensor, quantized: tuple) -> torch.Tensor:
+    """flat [rows, in] float32 @ W.T by the blocks `quantized` holds (see attach)."""
+    op, blocks, in_features = quantized[:3]
+    return getattr(torch.ops.batchspec_gguf, f"{op}_linear")(flat, blocks, in_features)
+
+
+def dequantize(quantized: tuple) -> torch.Tensor:
+    """The [out, in] float32 weight the blocks hold."""
+    op, blocks, in_features = quantized[:3]
+    return getattr(torch.ops.batchspec_gguf, f"dequantize_{op}")(blocks, in_features)
+
+
+def quantized_of(weight: torch.Tensor) -> tuple | None:
+    """(op, blocks, in_features, max_rows) attached to a linear weight, or None."""
+    return getattr(weight, "_batchspec_gguf", None)
+
+
+def attach(model: torch.nn.Module, gguf_path: str) -> int:
+    """Give every linear layer of a Llama-family model loaded from `gguf_path` the file's
+    blocks for its weight, where they are of a kind the kernels read and dequantize to the
+    layer's weight exactly; returns how many layers got them (0 where the kernels cannot be
+    loaded or the model is of another family)."""
+    import gguf
+    import numpy as np
+
+    if not load():
+        return 0
+    config = model.config
+    if getattr(config, "model_type", None) not in ("llama", "mistral", "qwen2"):
+        log.info("GGUF blocks: no kernels for model type %s; serving float32",
+                 getattr(config, "model_type", None))
+        return 0
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+    attached, skipped, found = 0, [], []
+    name_of = {id(m): n for n, m in model.named_modules()}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module.bias is not None:
+            continue
+        tensor, heads = _tensor_for(name, tensors, config)
+        if tensor is None or tensor.tensor_type.name not in KINDS:
+            skipped.append(name)
+            continue
+        op, _ = KINDS[tensor.tensor_type.name]
+        blocks = np.array(tensor.data)
+        if heads:  # llama.cpp stores q and k with each head's rotary halves interleaved
+            blocks = _unpermute(blocks, heads)
+        quantized = (op, torch.from_numpy(np.ascontiguousarray(blocks)),
+                     module.in_features)
+        if tuple(quantized[1].shape[:1]) != (module.out_features,) or \
+                module.in_features % 32 or not torch.equal(dequantize(quantized),
+                                                           module.weight.detach()):
+            skipped.append(name)
+            continue
+        found.append((module, quantized))
+    for module, quantized, max_rows in _timed(found):
+        if max_rows:
+            module.weight._batchspec_gguf = quantized + (max_rows,)
+            attached += 1
+        else:
+            skipped.append(name_of[id(module)])
+    log.info("GGUF blocks: %d linear layers multiply by the file's blocks (%s) up to %s rows; "
+             "%d keep float32%s", attached, ", ".join(sorted(KINDS)),
+             sorted({q[3] for q in (quantized_of(m.weight) for m, _ in found) if q}),
+             len(skipped), f" ({', '.join(skipped[:3])}...)" if skipped else "")
+    return attached
+
+
+# Row counts timed for each shape: a layer multiplies by its blocks up to the largest count
+# from which on every smaller one they were faster than its float32 weight.
+TIMED_ROWS = (1, 2, 4, 8, 16)
+TIMING_TURNS = 3
+
+
+@torch.inference_mode()
+def _timed(found: list):
+    """(module, quantized, max_rows) for each: the most rows its blocks multiply faster than
+    its float32 weight does (0: never), timed over every layer of its shape and kind in turn
+    (as a forward reads them: not from the CPU cache), the least of a few turns."""
+    from batchspec.runtime import fastlinear, models
+
+    if found:  # the float32 products as the model will run them (timed once per machine)
+        fastlinear.tune(_holder(found), models.kernel_plans_file())
+    if sum(m.weight.numel() * 4 for m, _ in found) < fastlinear.MIN_TIMED_BYTES:
+        # a model that lives in the CPU cache is not worth timing (as fastlinear.tune)
+        yield from ((m, q, TIMED_ROWS[-1]) for m, q in found)
+        return
+    groups: dict[tuple, list] = {}
+    for module, quantized in found:
+        groups.setdefault((quantized[0], *module.weight.shape), []).append((module, quantized))
+    for members in groups.values():
+        best = 0
+        for rows in TIMED_ROWS:
+            x = torch.randn(rows, members[0][0].in_features)
+            blocks = _least(lambda: [product(x, q) for _, q in members])
+            floats = _least(lambda: [fastlinear.weight_major(x, m.weight) for m, _ in members])
+            if blocks >= floats:
+                break
+            best = rows
+        for module, quantized in members:
+            yield module, quantized, best
+
+
+def _holder(found: list) -> torch.nn.Module:
+    """A module holding the found layers (what fastlinear.tune takes)."""
+    return torch.nn.ModuleList([module for module, _ in found])
+
+
+def _least(run) -> float:
+    import time
+
+    run()  # warm-up
+    times = []
+    for _ in range(TIMING_TURNS):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def _tensor_for(name: str, tensors: dict, config):
+    """The GGUF tensor holding module `name`'s weight and, for q and k, the head count
+    its rows are permuted by (None otherwise)."""
+    if name == "lm_head":
+        return tensors.get("output.weight", tensors.get("token_embd.weight")), None
+    parts = name.split(".")
+    if len(parts) < 5 or parts[:2] != ["model", "layers"]:
+        return None, None
+    suffix = ".".join(parts[3:])
+    short = _LLAMA.get(suffix)
+    if short is None:
+        return None, None
+    heads = {"attn_q": config.num_attention_heads,
+             "attn_k": getattr(config, "num_key_value_heads", None)
+             or config.num_attention_heads}.get(short)
+    return tensors.get(f"blk.{parts[2]}.{short}.weight"), heads
+
+
+def _unpermute(rows, heads: int):
+    """Undo llama.cpp's rotary permutation of q or k rows (whole rows of blocks move; what
+    transformers does to the dequantized weights when it loads the file)."""
+    dim = rows.shape[0] // heads // 2
+    return rows.reshape(heads, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+
+
+def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of blocks a decode step reads, bytes of float32 weights they stand for)."""
+    blocks = floats = 0
+    seen = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            quantized = quantized_of(module.weight)
+            if quantized is not None:
+                blocks += quantized[1].numel()
+                floats += module.weight.numel() * 4
+    return blocks, floats
+
+
+def main() -> None:
+    """Build the kernels now (what scripts/install.sh runs), and say whether they loaded."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ok = load()
+    print(f"GGUF block kernels: {'ready' if ok else 'unavailable'} ({build_dir()})")
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Linear layers over GGUF blocks as stored (batchspec.runtime.gguf_blocks): the kernels against
+the float product of the dequantized weights, and a GGUF target served with them against
+transformers' float32 model of the same file."""
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchspec.runtime import fastlinear, gguf_blocks, models, tiny
+from batchspec.v1 import generate_pb2
+
+import tiny_models
+from conftest import running_stack
+from test_exactness import generate_all, random_requests
+
+pytestmark = pytest.mark.skipif(not gguf_blocks.load(), reason="no C++ compiler to build the "
+                                "GGUF kernels (the float32 path serves instead)")
+
+KINDS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+
+def random_blocks(kind: str, out_features: int, in_features: int, seed: int):
+    """(blocks [out, bytes] uint8, their float32 weights as gguf-py dequantizes them)."""
+    rng = np.random.default_rng(seed)
+    weights = (rng.standard_normal((out_features, in_features)) * rng.uniform(0.01, 3)
+               + rng.uniform(-1, 1)).astype(np.float32)
+    blocks = gguf.quants.quantize(weights, KINDS[kind])
+    dequantized = gguf.quants.dequantize(blocks, KINDS[kind]).reshape(out_features, in_features)
+    return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(dequantized.copy())
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("out_features,in_features", [(1, 32), (5, 96), (13, 160), (64, 576)])
+def test_each_product_is_the_float_product_of_the_dequantized_weights(kind, out_features,
+                                                                      in_features):
+    blocks, weights = random_blocks(kind, out_features, in_features, seed=out_features)
+    quantized = (kind, blocks, in_features)
+    assert torch.equal(gguf_blocks.dequantize(quantized), weights)  # bit for bit, as loaded
+    x = torch.randn(64, in_features)
+    every = gguf_blocks.product(x, quantized)
+    reference = x.double() @ weights.double().T
+    # float32 rounding of a sum in another order: bounded by the sum of absolute terms
+    bound = 1e-5 * (x.double().abs() @ weights.double().abs().T) + 1e-30
+    assert ((every.double() - reference).abs() <= bound).all()
+    for rows in (1, 2, 3, 5, 16, 17):  # a row's result never depends on the rows beside it
+        assert torch.equal(gguf_blocks.product(x[:rows], quantized), every[:rows])
+    assert torch.equal(gguf_blocks.product(x[40:41], quantized), every[40:41])
+
+
+def test_bad_blocks_are_refused_with_a_clear_error():
+    blocks, _ = random_blocks("q4_1", 4, 64, seed=1)
+    with pytest.raises(RuntimeError, match="in_features"):
+        gguf_blocks.product(torch.randn(2, 96), ("q4_1", blocks, 96))
+    with pytest.raises(RuntimeError, match="float32"):
+        gguf_blocks.product(torch.randn(2, 64, dtype=torch.float64), ("q4_1", blocks, 64))
+
+
+@pytest.fixture(scope="module")
+def gguf_target(tmp_path_factory):
+    return tiny.save_gguf(tmp_path_factory.mktemp("gguf"))
+
+
+def test_a_gguf_model_at_its_stored_precision_multiplies_by_its_blocks(gguf_target):
+    stored = models.load_causal_lm(gguf_target, dtype="auto")
+    dequantized = models.load_causal_lm(gguf_target, dtype="float32")
+    linears = [m for m in stored.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(gguf_blocks.quantized_of(m.weight) is not None for m in linears)
+    assert not any(gguf_blocks.quantized_of(m.weight) is not None
+                   for m in dequantized.modules() if isinstance(m, torch.nn.Linear))
+    ids = torch.tensor([[5, 9, 17, 33, 8, 2, 71]])
+    with torch.inference_mode():
+        a, b = stored(ids).logits, dequantized(ids).logits
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    read, floats = gguf_blocks.weight_bytes(stored)
+    assert 0 < read < floats / 4  # what a step reads: the blocks, not float32 weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch_size,num_draft_tokens", [(1, 3), (8, 4)])
+def test_a_gguf_target_is_served_token_for_token_as_transformers_decodes_it(
+        gguf_target, model_dirs, batch_size, num_draft_tokens):
+    """Served at its stored precision (the kernels up to 16 rows, float32 past them: a verify
+    of 8 rows of 5 tokens takes both), greedy output equals transformers' float32 model of
+    the same file at batch 1."""
+    import pathlib
+
+    path = pathlib.Path(gguf_target)
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
+    requests = random_requests(seed=batch_size + 100, count=16)
+    with running_stack(gguf_target, model_dirs["llama"][1], batch_size=batch_size,
+                       num_draft_tokens=num_draft_tokens, target_dtype="auto",
+                       drafts=("ngram", "model")) as stack:
+        layer = stack.target_runner.model.model.layers[0].mlp.up_proj
+        assert gguf_blocks.quantized_of(layer.weight) is not None
+        assert fastlinear.patched(stack.target_runner.model)
+        results = generate_all(stack.stub(), requests)
+    for (prompt, max_new), (tokens, last) in zip(requests, results):
+        assert tokens == tiny_models.reference_greedy(reference, prompt, max_new)
+    finishes = {last.finish_reason for _, last in results}
+    assert generate_pb2.FINISH_REASON_LENGTH in finishes
