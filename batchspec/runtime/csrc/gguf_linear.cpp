@@ -226,15 +226,14 @@ __attribute__((target("avx512f,f16c"))) void tile_avx512(bool q4_1, const uint8_
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512 xs[R][2];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 2; ++v) xs[r][v] = _mm512_loadu_ps(x + (r0 + r) * in + b * kBlock + 16 * v);
-    for (int o = 0; o < O; ++o) {
-      __m512 w[2];
-      dequantize_avx512(q4_1, wp + ((o0 + o) * blocks + b) * bytes, w);
-      for (int r = 0; r < R; ++r) {
-        acc[o][r] = _mm512_fmadd_ps(w[0], xs[r][0], acc[o][r]);
-        acc[o][r] = _mm512_fmadd_ps(w[1], xs[r][1], acc[o][r]);
+    __m512 w[O][2];
+    for (int o = 0; o < O; ++o) dequantize_avx512(q4_1, wp + ((o0 + o) * blocks + b) * bytes, w[o]);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + (r0 + r) * in + b * kBlock;
+      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+      for (int o = 0; o < O; ++o) {
+        acc[o][r] = _mm512_fmadd_ps(w[o][0], x0, acc[o][r]);
+        acc[o][r] = _mm512_fmadd_ps(w[o][1], x1, acc[o][r]);
       }
     }
   }
@@ -242,20 +241,47 @@ __attribute__((target("avx512f,f16c"))) void tile_avx512(bool q4_1, const uint8_
     for (int r = 0; r < R; ++r) out[(r0 + r) * out_stride + o0 + o] = hsum512(acc[o][r]);
 }
 
+// Output rows [begin, end) for every input row: tiles of 4 outputs by up to 4 rows, or
+// past 4 rows of 2 outputs by up to 8 (a block dequantized once for more rows).
+template <int O>
+__attribute__((target("avx512f,f16c"))) void tiles_avx512(bool q4_1, const uint8_t* wp,
+                                                           int64_t blocks, const float* x,
+                                                           int64_t in, int64_t o, int64_t r,
+                                                           int64_t n, float* out,
+                                                           int64_t out_stride) {
+  switch (n) {
+    case 1: return tile_avx512<O, 1>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+    case 2: return tile_avx512<O, 2>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+    case 3: return tile_avx512<O, 3>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+    case 4: return tile_avx512<O, 4>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+    case 5: return tile_avx512<O, 5>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+    case 6: return tile_avx512<O, 6>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+    case 7: return tile_avx512<O, 7>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+    default: return tile_avx512<O, 8>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+  }
+}
+
 __attribute__((target("avx512f,f16c"))) void outputs_avx512(bool q4_1, const uint8_t* wp,
                                                              int64_t blocks, const float* x,
                                                              int64_t in, int64_t rows,
                                                              int64_t begin, int64_t end,
                                                              float* out, int64_t out_stride) {
+  const int64_t per_pass = rows <= 4 ? 4 : 8;
   int64_t o = begin;
-  for (; o + 4 <= end; o += 4) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) tile_avx512<4, 4>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
-    for (; r < rows; ++r) tile_avx512<4, 1>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+  for (; o + 2 <= end; o += rows <= 4 ? 4 : 2) {
+    if (rows <= 4 && o + 4 > end) break;
+    for (int64_t r = 0; r < rows; r += per_pass) {
+      const int64_t n = std::min(per_pass, rows - r);
+      if (rows <= 4)
+        tiles_avx512<4>(q4_1, wp, blocks, x, in, o, r, n, out, out_stride);
+      else
+        tiles_avx512<2>(q4_1, wp, blocks, x, in, o, r, n, out, out_stride);
+    }
   }
   for (; o < end; ++o)
-    for (int64_t r = 0; r < rows; ++r)
-      tile_avx512<1, 1>(q4_1, wp, blocks, x, in, o, r, out, out_stride);
+    for (int64_t r = 0; r < rows; r += 8)
+      tiles_avx512<1>(q4_1, wp, blocks, x, in, o, r, std::min<int64_t>(8, rows - r), out,
+                      out_stride);
 }
 
 bool has_avx512() {
