@@ -107,8 +107,8 @@ def serve_parser() -> argparse.ArgumentParser:
                              "stored on a CPU)")
     parser.add_argument("--draft-dtype", default=None, choices=models.DRAFT_DTYPES,
                         help="overrides --dtype for the draft models (default: auto where "
-                             "--dtype is auto or float32: bfloat16 for a feature head on a CPU that "
-                             "multiplies bfloat16 natively, float32 otherwise)")
+                             "--dtype is auto or float32: bfloat16 for a feature head on a "
+                             "CPU that multiplies bfloat16 natively, float32 otherwise)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds to wait for each service to become healthy")
     coordinator = parser.add_argument_group("coordinator (as `batchspec coordinator`)")

@@ -30,22 +30,37 @@ def random_blocks(kind: str, out_features: int, in_features: int, seed: int):
     return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(dequantized.copy())
 
 
+# every instruction set this CPU runs: the scalar loop, AVX2 and AVX-512 where present
+ISAS = gguf_blocks.ISAS[:gguf_blocks.ISAS.index(gguf_blocks.best_isa()) + 1]
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("out_features,in_features", [(1, 32), (5, 96), (13, 160), (64, 576)])
-def test_each_product_is_the_float_product_of_the_dequantized_weights(kind, out_features,
+def test_each_product_is_the_float_product_of_the_dequantized_weights(isa, kind, out_features,
                                                                       in_features):
     blocks, weights = random_blocks(kind, out_features, in_features, seed=out_features)
     quantized = (kind, blocks, in_features)
     assert torch.equal(gguf_blocks.dequantize(quantized), weights)  # bit for bit, as loaded
     x = torch.randn(64, in_features)
-    every = gguf_blocks.product(x, quantized)
+    every = gguf_blocks.product_with(x, quantized, isa)
     reference = x.double() @ weights.double().T
     # float32 rounding of a sum in another order: bounded by the sum of absolute terms
     bound = 1e-5 * (x.double().abs() @ weights.double().abs().T) + 1e-30
     assert ((every.double() - reference).abs() <= bound).all()
-    for rows in (1, 2, 3, 5, 16, 17):  # a row's result never depends on the rows beside it
-        assert torch.equal(gguf_blocks.product(x[:rows], quantized), every[:rows])
-    assert torch.equal(gguf_blocks.product(x[40:41], quantized), every[40:41])
+    for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17):  # a row's result never depends on the others
+        assert torch.equal(gguf_blocks.product_with(x[:rows], quantized, isa), every[:rows])
+    assert torch.equal(gguf_blocks.product_with(x[40:41], quantized, isa), every[40:41])
+    if isa == gguf_blocks.best_isa():
+        assert torch.equal(gguf_blocks.product(x, quantized), every)  # what a layer runs
+
+
+def test_an_instruction_set_the_cpu_lacks_is_refused():
+    blocks, _ = random_blocks("q4_1", 4, 64, seed=1)
+    with pytest.raises(RuntimeError, match="not available"):
+        gguf_blocks.product_with(torch.randn(1, 64), ("q4_1", blocks, 64), "avx512") \
+            if gguf_blocks.best_isa() != "avx512" else \
+            torch.ops.batchspec_gguf.linear_with(torch.randn(1, 64), blocks, 64, True, 3)
 
 
 def test_bad_blocks_are_refused_with_a_clear_error():

@@ -64,9 +64,11 @@ def _build_and_load() -> bool:
         out.mkdir(parents=True, exist_ok=True)
         with open(out.with_suffix(".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # services starting together build it once
-            built = list(out.glob("batchspec_gguf*.so"))
-            if not built:
-                log.info("building the GGUF block kernels once into %s", out)
+            built = out / "batchspec_gguf.so"
+            if built.is_file():  # built before (for this source, flags and torch)
+                torch.ops.load_library(str(built))
+                return True
+            log.info("building the GGUF block kernels once into %s", out)
             cpp_extension.load(name="batchspec_gguf", sources=[str(SOURCE)],
                                extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                                build_directory=str(out), is_python_module=False,
@@ -82,6 +84,22 @@ def product(flat: torch.Tensor, quantized: tuple) -> torch.Tensor:
     """flat [rows, in] float32 @ W.T by the blocks `quantized` holds (see attach)."""
     op, blocks, in_features = quantized[:3]
     return getattr(torch.ops.batchspec_gguf, f"{op}_linear")(flat, blocks, in_features)
+
+
+# The instruction sets the kernels are written for (csrc/gguf_linear.cpp's Isa), best last.
+ISAS = ("scalar", "avx2", "avx512")
+
+
+def best_isa() -> str:
+    """The best of ISAS this CPU runs (what every product uses)."""
+    return ISAS[torch.ops.batchspec_gguf.best_isa()]
+
+
+def product_with(flat: torch.Tensor, quantized: tuple, isa: str) -> torch.Tensor:
+    """product, computed with the instruction set `isa` (one of ISAS up to best_isa())."""
+    op, blocks, in_features = quantized[:3]
+    return torch.ops.batchspec_gguf.linear_with(flat, blocks, in_features, op == "q4_1",
+                                               ISAS.index(isa))
 
 
 def dequantize(quantized: tuple) -> torch.Tensor:

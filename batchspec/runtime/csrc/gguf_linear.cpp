@@ -295,8 +295,15 @@ bool has_avx2() {
   return found;
 }
 
+// The instruction sets a product can run with, best last.
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+int64_t best_isa() { return has_avx512() ? kAvx512 : has_avx2() ? kAvx2 : kScalar; }
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t in_features,
-                  bool q4_1) {
+                  bool q4_1, int64_t isa) {
+  TORCH_CHECK(isa >= kScalar && isa <= best_isa(),
+              "gguf linear: instruction set ", isa, " is not available on this CPU");
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "gguf linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gguf linear: float32 inputs only");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2,
@@ -316,8 +323,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t in_feat
   const float* xp = flat.data_ptr<float>();
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const bool wide = has_avx512();
-  const bool vector = has_avx2();
+  const bool wide = isa == kAvx512;
+  const bool vector = isa == kAvx2;
   // about 64k multiply-adds per task, so that small layers are not split to nothing
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, in_features * rows));
   at::parallel_for(0, out_features, grain, [&](int64_t begin, int64_t end) {
@@ -339,11 +346,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t in_feat
 }
 
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t in_features) {
-  return linear(x, blocks, in_features, true);
+  return linear(x, blocks, in_features, true, best_isa());
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t in_features) {
-  return linear(x, blocks, in_features, false);
+  return linear(x, blocks, in_features, false, best_isa());
+}
+
+// A product with a given instruction set (Isa; the tests check each one the CPU has).
+at::Tensor linear_with(const at::Tensor& x, const at::Tensor& blocks, int64_t in_features,
+                       bool q4_1, int64_t isa) {
+  return linear(x, blocks, in_features, q4_1, isa);
 }
 
 // The weights themselves, [out_features, in_features] float32 (for tests and large batches).
@@ -372,8 +385,6 @@ at::Tensor dequantize_q8_0(const at::Tensor& blocks, int64_t in_features) {
   return dequantize(blocks, in_features, false);
 }
 
-bool vectorized() { return has_avx2(); }
-
 }  // namespace
 
 TORCH_LIBRARY(batchspec_gguf, m) {
@@ -381,6 +392,8 @@ TORCH_LIBRARY(batchspec_gguf, m) {
   m.def("q8_0_linear(Tensor x, Tensor blocks, int in_features) -> Tensor");
   m.def("dequantize_q4_1(Tensor blocks, int in_features) -> Tensor");
   m.def("dequantize_q8_0(Tensor blocks, int in_features) -> Tensor");
+  m.def("linear_with(Tensor x, Tensor blocks, int in_features, bool q4_1, int isa) -> Tensor");
+  m.def("best_isa() -> int");
 }
 
 TORCH_LIBRARY_IMPL(batchspec_gguf, CPU, m) {
@@ -388,6 +401,7 @@ TORCH_LIBRARY_IMPL(batchspec_gguf, CPU, m) {
   m.impl("q8_0_linear", q8_0_linear);
   m.impl("dequantize_q4_1", dequantize_q4_1);
   m.impl("dequantize_q8_0", dequantize_q8_0);
+  m.impl("linear_with", linear_with);
 }
 
-extern "C" int batchspec_gguf_vectorized() { return vectorized() ? 1 : 0; }
+TORCH_LIBRARY_IMPL(batchspec_gguf, CompositeExplicitAutograd, m) { m.impl("best_isa", best_isa); }

@@ -1,0 +1,120 @@
+"""Servers started with different flags, served the same prompts in turns: tokens a second
+of each, its speed over the first server round by round, and whether its answers equal the
+first server's.
+
+    python3 scripts/ab_servers.py --server plain-f32="--draft-model none --dtype float32" \
+        --server plain="--draft-model none" --server default="" --concurrency 1,8 --rounds 3
+
+Every server is `batchspec serve` with its flags, started once and kept; at each client count
+every server first answers one untimed request per client, then each round serves the whole
+prompt set to C closed-loop clients (each sends its next request when its last one ended),
+the servers taken in turn and their order reversed every other round, so a machine whose
+speed drifts moves them alike. Greedy requests, chat prompts through the target's template.
+"""
+import argparse
+import shlex
+import statistics
+import subprocess
+import sys
+
+from batchspec import cliargs
+
+
+def parse_server(text: str) -> tuple[str, list[str]]:
+    name, sep, flags = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--server takes NAME=FLAGS, not {text!r}")
+    return name, shlex.split(flags)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--server", type=parse_server, action="append", required=True,
+                        help="NAME=FLAGS of `batchspec serve` (repeat; the first is the "
+                             "yardstick)")
+    parser.add_argument("--concurrency", default="1", help="client counts, comma-separated")
+    parser.add_argument("--rounds", type=cliargs.positive_int, default=3)
+    parser.add_argument("--prompts", default=None,
+                        help="JSONL file of {\"prompt\": ...} (default: the packaged set)")
+    parser.add_argument("--num-prompts", type=cliargs.positive_int, default=16)
+    parser.add_argument("--max-new-tokens", type=cliargs.positive_int, default=64)
+    parser.add_argument("--target", default="smollm2", help="the tokenizer's model")
+    args = parser.parse_args()
+    clients = [int(c) for c in args.concurrency.split(",") if c]
+    names = [name for name, _ in args.server]
+    if len(set(names)) != len(names):
+        parser.error("each --server needs its own name")
+
+    from batchspec.runtime import models
+    from batchspec_tools.bench import arrivals
+    from batchspec_tools.data import bench_prompts
+    from batchspec_tools.processes import free_port, wait_healthy
+
+    tokenizer = models.load_tokenizer(args.target)
+    prompts = [models.chat_ids(tokenizer, r["prompt"])
+               for r in bench_prompts(args.num_prompts, args.prompts)]
+    procs, ports = {}, {}
+    try:
+        for name, flags in args.server:
+            ports[name] = free_port()
+            procs[name] = subprocess.Popen(
+                ["batchspec", "serve", "--port", str(ports[name]), *flags],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wait_healthy(f"127.0.0.1:{ports[name]}", "batchspec.v1.Coordinator", 900,
+                         [procs[name]])
+            print(f"started {name}: batchspec serve {shlex.join(flags)}", flush=True)
+        runs = measure(ports, names, prompts, clients, args, arrivals)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(timeout=60)
+    report(runs, names, clients, arrivals)
+    return 0
+
+
+def measure(ports: dict, names: list[str], prompts, clients, args, arrivals) -> dict:
+    """{(name, clients): [(tok/s, answers) per round]}."""
+    import grpc
+
+    from batchspec.v1 import generate_pb2_grpc
+
+    channels = {n: grpc.insecure_channel(f"127.0.0.1:{ports[n]}") for n in names}
+    stubs = {n: generate_pb2_grpc.CoordinatorStub(c) for n, c in channels.items()}
+    runs: dict[tuple[str, int], list] = {}
+    for count in clients:
+        for name in names:  # untimed: a request per client
+            arrivals.run_closed_loop(stubs[name], prompts[:count], args.max_new_tokens, count)
+        for round_ in range(args.rounds):
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                traces, seconds = arrivals.run_closed_loop(stubs[name], prompts,
+                                                           args.max_new_tokens, count)
+                rate = sum(len(t.token_ids) for t in traces) / seconds
+                runs.setdefault((name, count), []).append((rate, traces))
+                print(f"{name} clients {count} round {round_}: {rate:.1f} tok/s", flush=True)
+    for channel in channels.values():
+        channel.close()
+    return runs
+
+
+def report(runs: dict, names: list[str], clients: list[int], arrivals) -> None:
+    first = names[0]
+    print(f"\n| server | clients | tok/s (median; rounds) | over {first} (median; range) "
+          f"| answers equal to {first}'s |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for count in clients:
+        base = runs[(first, count)]
+        reference = [t.token_ids for t in base[0][1]]
+        for name in names:
+            found = runs[(name, count)]
+            rates = [r for r, _ in found]
+            ratios = [r / b for (r, _), (b, _) in zip(found, base)]
+            equal = min(arrivals.exact_share(traces, reference) for _, traces in found)
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+            print(f"| {name} | {count} | {statistics.median(rates):.1f}; "
+                  f"{', '.join(f'{r:.1f}' for r in rates)} | "
+                  f"{statistics.median(ratios):.2f}x; {spread} | {equal:.0%} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
