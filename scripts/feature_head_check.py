@@ -21,7 +21,7 @@ import time
 import torch
 
 from batchspec.params import SamplingParams
-from batchspec.runtime import fastlinear, features_wire, models
+from batchspec.runtime import cache_dir, fastlinear, features_wire, models
 from batchspec.runtime import runner as runner_lib
 from batchspec_tools.data import bench_prompts
 from draft_service import proposer
@@ -110,7 +110,7 @@ def main(argv=None):
     target_model = models.load_causal_lm(args.target)
     head_model = models.load_causal_lm(args.head, dtype=args.head_dtype)
     for model in (target_model, head_model):  # the kernels the services use
-        fastlinear.tune(model, models.kernel_plans_file())
+        fastlinear.tune(model, cache_dir.kernel_plans_file())
     target, head = runner_of(target_model, "target"), runner_of(head_model, "head")
     rows = bench_prompts(args.num_prompts, args.prompts)
     stats = {"head_s": [], "verify_s": [], "tried": [0] * args.k, "accepted": [0] * args.k,

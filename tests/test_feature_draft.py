@@ -291,10 +291,12 @@ def test_auto_picks_bfloat16_for_a_feature_head_on_a_cpu_that_multiplies_it(
     assert models.draft_service_dtype("float32") == "auto"
     assert models.draft_service_dtype("bfloat16") == "bfloat16"
     assert models.draft_service_dtype("float32", "float32") == "float32"
+    assert models.draft_service_dtype("auto") == "auto"  # serve's default
     target = argparse.ArgumentParser()
     add_service_arguments(target, 0)
-    with pytest.raises(SystemExit):  # a target has no auto
-        target.parse_args(["--dtype", "auto"])
+    # a target's auto (its default) is its own: a GGUF file's blocks as stored, not a draft's
+    assert config_from_args(target.parse_args(["--model", head_dir])).dtype == "auto"
+    assert config_from_args(target.parse_args(["--dtype", "float32"])).dtype == "float32"
 
 
 def test_a_restarted_feature_draft_is_refilled_from_the_targets_features(heads, monkeypatch):

@@ -40,11 +40,11 @@ _loaded: bool | None = None
 
 def build_dir() -> pathlib.Path:
     """Where the kernels are built: keyed by their source and the torch version."""
-    from batchspec.runtime import models
+    from batchspec.runtime import cache_dir
 
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
-    return models.user_cache_dir() / "kernels" / key
+    return cache_dir.user_cache_dir() / "kernels" / key
 
 
 def load() -> bool:
@@ -174,10 +174,10 @@ def _timed(found: list):
     """(module, quantized, max_rows) for each: the most rows its blocks multiply faster than
     its float32 weight does (0: never), timed over every layer of its shape and kind in turn
     (as a forward reads them: not from the CPU cache), the least of a few turns."""
-    from batchspec.runtime import fastlinear, models
+    from batchspec.runtime import cache_dir, fastlinear
 
     if found:  # the float32 products as the model will run them (timed once per machine)
-        fastlinear.tune(_holder(found), models.kernel_plans_file())
+        fastlinear.tune(_holder(found), cache_dir.kernel_plans_file())
     if sum(m.weight.numel() * 4 for m, _ in found) < fastlinear.MIN_TIMED_BYTES:
         # a model that lives in the CPU cache is not worth timing (as fastlinear.tune)
         yield from ((m, q, TIMED_ROWS[-1]) for m, q in found)

