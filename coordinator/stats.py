@@ -95,6 +95,8 @@ class Recorder:
             "verify_s": round(record.verify_s, 5),
             "draft_compute_s": round(draft.compute_seconds, 5) if draft else 0.0,
             "verify_compute_s": round(record.verify_timing.compute_seconds, 5),
+            "draft_forward_s": round(draft.forward_seconds, 5) if draft else 0.0,
+            "verify_forward_s": round(record.verify_timing.forward_seconds, 5),
             "realign_s": round(record.verify_timing.realign_seconds
                                + (draft.realign_seconds if draft else 0.0), 5),
             "prefill_target_s": round(self._prefill_s["target"], 5),

@@ -386,3 +386,31 @@ def test_the_warm_up_takes_a_feature_head_as_its_draft(model_dirs, tmp_path):
     runners = {"target": runner(target, "target"), "draft": runner(head, "head")}
     bench.warm_up({"target": target, "draft": head}, runners, workload)
     assert not runners["target"].caches and not runners["draft"].caches  # all released
+
+
+@pytest.mark.slow
+def test_overhead_times_each_stage_of_plain_and_drafted_steps_of_a_free_model(tmp_path):
+    out = tmp_path / "overhead"
+    done = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--overhead",
+                           "--max-new-tokens", "16", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "results.json").read_text())
+    rows = {(r["kind"], r["clients"]): r for r in report["rows"]}
+    assert set(rows) == {(k, c) for k in ("plain", "drafted") for c in (1, 16)}
+    k = report["num_draft_tokens"]
+    for (kind, clients), row in rows.items():
+        assert row["rows"] == clients and row["steps"] > 0
+        stages = row["stages_ms"]
+        assert all(value >= 0 for value in stages.values()), row
+        assert stages["verify forward"] > 0 and row["step_ms"] >= stages["verify forward"]
+        if kind == "plain":
+            assert row["committed"] == clients  # a token a row
+            assert stages["draft forwards"] == stages["draft RPC"] == 0
+        else:  # the model is its own draft: every draft accepted, K + 1 tokens a row (but
+            # where a row has fewer left to commit)
+            assert clients * k < row["committed"] <= clients * (k + 1)
+            assert rows[("drafted", 1)]["committed"] == k + 1
+            assert stages["draft forwards"] > 0
+    markdown = (out / "results.md").read_text()
+    assert "| drafted | 16 |" in markdown and "over plain" in markdown

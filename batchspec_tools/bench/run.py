@@ -97,6 +97,8 @@ class BenchConfig:
     # sampled requests in the closed-loop runs (temperature 0: greedy); request i is seeded i
     temperature: float = 0.0
     top_p: float = 1.0
+    # instead of the sweep: a free model's steps stage by stage (batchspec_tools.bench.overhead)
+    overhead: bool = False
 
     def __post_init__(self):
         unknown = set(self.methods) - set(METHODS)
@@ -187,8 +189,10 @@ def main(argv=None) -> int:
     # stopped with SIGTERM (kill, a CI's timeout), unwind as on Ctrl-C, so that the services
     # it started are stopped too (by default the signal ends it at once and leaves them)
     signal.signal(signal.SIGTERM, _stop)
-    report = run(config)
-    paths = write_report(report, pathlib.Path(config.out))
+    if config.overhead:
+        paths = write_overhead(config)
+    else:
+        paths = write_report(run(config), pathlib.Path(config.out))
     print("\n".join(f"wrote {p}" for p in paths))
     return 0
 
@@ -272,6 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "answers); default: greedy")
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="the sampled requests' top_p")
+    parser.add_argument("--overhead", action="store_true",
+                        help="instead of the sweep: the served stack over a model that costs "
+                             "almost nothing, plain and drafted (K = 4, all accepted) at 1 and "
+                             "16 clients, each stage of a step in ms (coordinator, each RPC, "
+                             "service work, forwards); with --max-new-tokens")
     parser.add_argument("--min-draft-confidence", type=float,
                         default=EngineConfig.min_draft_confidence,
                         help="cut greedy drafts where the draft's confidence falls below "
@@ -296,7 +305,7 @@ def config_from_args(args) -> BenchConfig:
                            load_batch_size=args.load_batch_size, dtype=args.dtype,
                            concurrency=ints(args.concurrency), step_logs=args.step_logs,
                            device=args.device, temperature=args.temperature,
-                           top_p=args.top_p)
+                           top_p=args.top_p, overhead=args.overhead)
     return BenchConfig(target=args.target, draft=args.draft, draft_layers=args.draft_layers,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                        batch_sizes=batch_sizes, ks=ks,
@@ -309,7 +318,7 @@ def config_from_args(args) -> BenchConfig:
                        repeat=args.repeat, concurrency=ints(args.concurrency),
                        step_logs=args.step_logs, device=args.device,
                        draft_dtype=args.draft_dtype, temperature=args.temperature,
-                       top_p=args.top_p)
+                       top_p=args.top_p, overhead=args.overhead)
 
 
 # ---- the workload ------------------------------------------------------------------------------
@@ -865,6 +874,21 @@ def write_report(report: dict, out: pathlib.Path) -> list[pathlib.Path]:
     if report["rows"]:  # a closed-loop-only run has no batch sweep to plot
         paths.append(out / "throughput.png")
         plot(report, paths[2])
+    return paths
+
+
+def write_overhead(config: BenchConfig) -> list[pathlib.Path]:
+    """Run `--overhead` and write its report (results.json, results.md) under config.out."""
+    from batchspec_tools.bench import overhead
+
+    report = overhead.run(config.max_new_tokens)
+    report.update(machine=machine(), date=datetime.datetime.now(
+        datetime.timezone.utc).isoformat(timespec="seconds"))
+    out = pathlib.Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "results.md"]
+    paths[0].write_text(json.dumps(report, indent=2))
+    paths[1].write_text(overhead.markdown(report))
     return paths
 
 

@@ -1,0 +1,124 @@
+"""`batchspec bench --overhead`: what a step costs beside the model's own work.
+
+The served stack (target, model draft and n-gram draft services, a coordinator per setting)
+over a model that costs almost nothing: a 2-layer, 64-wide random Llama, the target and its
+own draft, so every draft is accepted. Plain (no draft) and drafted (K drafts for every row,
+`--draft-policy fixed --step-aside off --min-draft-confidence 0`) steps at each client count,
+closed-loop clients asking for `max_new_tokens` each past any end-of-sequence. From the
+coordinator's step log, the median of each stage of a step (prefills left out):
+
+- coordinator: the step less its round trips (scheduling, bookkeeping, streaming);
+- draft / verify RPC: a command's round trip less the service's own account of it;
+- draft / verify service: the service's time beside its forwards (decoding the command,
+  checks, cache bookkeeping, sampling, encoding the answer);
+- draft / verify forwards: the forwards themselves.
+
+Whatever a step costs here is what speculation must pay for on any model: with a real model,
+add its forwards.
+"""
+import json
+import pathlib
+import random
+import statistics
+import tempfile
+
+CLIENTS = (1, 16)
+NUM_DRAFT_TOKENS = 4
+# (column, how it is found from a step-log line), in a step's order
+STAGES = (
+    ("coordinator", lambda s: s["step_s"] - s["draft_s"] - s["verify_s"]),
+    ("draft RPC", lambda s: s["draft_s"] - s["draft_compute_s"]),
+    ("draft service", lambda s: s["draft_compute_s"] - s["draft_forward_s"]),
+    ("draft forwards", lambda s: s["draft_forward_s"]),
+    ("verify RPC", lambda s: s["verify_s"] - s["verify_compute_s"]),
+    ("verify service", lambda s: s["verify_compute_s"] - s["verify_forward_s"]),
+    ("verify forward", lambda s: s["verify_forward_s"]),
+)
+
+
+def free_model(root: pathlib.Path) -> str:
+    """The free model's directory: the tests' tiny Llama."""
+    from batchspec.runtime import tiny
+
+    model = tiny.llama(seed=0)
+    path = root / "free-llama"
+    model.save_pretrained(path)
+    return str(path)
+
+
+def run(max_new_tokens: int = 96, clients=CLIENTS, requests_per_client: int = 2) -> dict:
+    """Serve the free model plain and drafted at each client count; the report's rows."""
+    from batchspec.runtime import tiny
+    from batchspec_tools.bench import arrivals
+    from batchspec_tools.bench.closed_loop import served
+    from batchspec_tools.bench.run import BenchConfig, GrpcStack, Workload
+
+    rng = random.Random(0)
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        root = pathlib.Path(scratch)
+        model = free_model(root)
+        prompts = [[rng.randrange(4, tiny.VOCAB) for _ in range(12)]
+                   for _ in range(max(clients) * requests_per_client)]
+        workload = Workload(model, model, None, prompts, max_new_tokens, [tiny.EOS],
+                            min_draft_confidence=0.0, draft_policy="fixed", dtype="float32")
+        config = BenchConfig(target=model, draft=model, ks=(NUM_DRAFT_TOKENS,),
+                             load_batch_size=max(clients))
+        stack = GrpcStack(workload, together=True)
+        try:
+            for kind, drafts in (("plain", ()), ("drafted", ("model",))):
+                for count in clients:
+                    log = root / f"{kind}-c{count}.jsonl"
+                    extra = ("--step-aside", "off", "--step-log", str(log))
+                    with served(stack, workload, config, drafts, extra) as stub:
+                        ask = prompts[:count * requests_per_client]
+                        fields = lambda i: {"ignore_eos": True}  # noqa: E731
+                        arrivals.run_closed_loop(stub, ask[:count], 8, count, fields)
+                        log.write_text("")  # the warm-up's steps are not timed
+                        arrivals.run_closed_loop(stub, ask, max_new_tokens, count, fields)
+                    rows.append(summarise(kind, count, read_steps(log)))
+        finally:
+            stack.close()
+    return {"max_new_tokens": max_new_tokens, "num_draft_tokens": NUM_DRAFT_TOKENS,
+            "rows": rows}
+
+
+def read_steps(path: pathlib.Path) -> list[dict]:
+    """The logged steps that prefilled nothing."""
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [s for s in steps if not s["prefill_target_s"] and not s["prefill_draft_s"]]
+
+
+def summarise(kind: str, clients: int, steps: list[dict]) -> dict:
+    """Median milliseconds of a step and of each stage over the steps of a run's full cohort
+    (the most rows a step of it had), and the tokens such a step committed."""
+    if not steps:
+        raise RuntimeError(f"{kind} at {clients} clients logged no step without a prefill")
+    rows = max(s["rows"] for s in steps)
+    full = [s for s in steps if s["rows"] == rows]
+    median_ms = lambda f: round(1000 * statistics.median(f(s) for s in full), 3)  # noqa: E731
+    return {"kind": kind, "clients": clients, "rows": rows, "steps": len(full),
+            "committed": statistics.median(s["committed"] for s in full),
+            "step_ms": median_ms(lambda s: s["step_s"]),
+            "stages_ms": {name: median_ms(f) for name, f in STAGES}}
+
+
+def markdown(report: dict) -> str:
+    names = [name for name, _ in STAGES]
+    lines = [f"# batchspec bench --overhead ({report['date']})", "",
+             f"A free model (2-layer, 64-wide random Llama, its own draft: every draft "
+             f"accepted), K = {report['num_draft_tokens']}, {report['max_new_tokens']} new "
+             f"tokens a request; median ms over the steps of a full cohort. Machine: "
+             f"{report['machine']['cpu']}, {report['machine']['cpu_count']} cores, "
+             f"torch {report['machine']['torch']}.", "",
+             "| step | clients | tokens a step | step ms | " + " | ".join(names)
+             + " | over plain |",
+             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " | ---: |"]
+    plain = {r["clients"]: r["step_ms"] for r in report["rows"] if r["kind"] == "plain"}
+    for row in report["rows"]:
+        ratio = row["step_ms"] / plain[row["clients"]] if plain.get(row["clients"]) else None
+        lines.append(f"| {row['kind']} | {row['clients']} | {row['committed']:g} | "
+                     f"{row['step_ms']:.2f} | "
+                     + " | ".join(f"{row['stages_ms'][n]:.2f}" for n in names)
+                     + f" | {'-' if ratio is None else f'{ratio:.2f}x'} |")
+    return "\n".join(lines) + "\n"
