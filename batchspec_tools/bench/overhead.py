@@ -46,12 +46,15 @@ def free_model(root: pathlib.Path) -> str:
     return str(path)
 
 
-def run(max_new_tokens: int = 96, clients=CLIENTS, requests_per_client: int = 2) -> dict:
-    """Serve the free model plain and drafted at each client count; the report's rows."""
+def run(start, max_new_tokens: int = 96, clients=CLIENTS, requests_per_client: int = 2) -> dict:
+    """Serve the free model plain and drafted at each client count; the report's rows.
+    start(model_dir, prompts) -> (stack, workload): the benchmark's services over the model
+    (bench.run.GrpcStack) and their workload."""
+    import grpc
+
     from batchspec.runtime import tiny
+    from batchspec.v1 import generate_pb2_grpc
     from batchspec_tools.bench import arrivals
-    from batchspec_tools.bench.closed_loop import served
-    from batchspec_tools.bench.run import BenchConfig, GrpcStack, Workload
 
     rng = random.Random(0)
     rows = []
@@ -60,17 +63,16 @@ def run(max_new_tokens: int = 96, clients=CLIENTS, requests_per_client: int = 2)
         model = free_model(root)
         prompts = [[rng.randrange(4, tiny.VOCAB) for _ in range(12)]
                    for _ in range(max(clients) * requests_per_client)]
-        workload = Workload(model, model, None, prompts, max_new_tokens, [tiny.EOS],
-                            min_draft_confidence=0.0, draft_policy="fixed", dtype="float32")
-        config = BenchConfig(target=model, draft=model, ks=(NUM_DRAFT_TOKENS,),
-                             load_batch_size=max(clients))
-        stack = GrpcStack(workload, together=True)
+        stack, workload = start(model, prompts)
         try:
             for kind, drafts in (("plain", ()), ("drafted", ("model",))):
                 for count in clients:
                     log = root / f"{kind}-c{count}.jsonl"
                     extra = ("--step-aside", "off", "--step-log", str(log))
-                    with served(stack, workload, config, drafts, extra) as stub:
+                    with stack.coordinator(workload, max(clients), NUM_DRAFT_TOKENS, drafts,
+                                           extra) as (port, _), \
+                            grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                        stub = generate_pb2_grpc.CoordinatorStub(channel)
                         ask = prompts[:count * requests_per_client]
                         fields = lambda i: {"ignore_eos": True}  # noqa: E731
                         arrivals.run_closed_loop(stub, ask[:count], 8, count, fields)

@@ -879,9 +879,15 @@ def write_report(report: dict, out: pathlib.Path) -> list[pathlib.Path]:
 
 def write_overhead(config: BenchConfig) -> list[pathlib.Path]:
     """Run `--overhead` and write its report (results.json, results.md) under config.out."""
+    from batchspec.runtime import tiny
     from batchspec_tools.bench import overhead
 
-    report = overhead.run(config.max_new_tokens)
+    def start(model: str, prompts: list[list[int]]):
+        workload = Workload(model, model, None, prompts, config.max_new_tokens, [tiny.EOS],
+                            min_draft_confidence=0.0, draft_policy="fixed", dtype="float32")
+        return GrpcStack(workload, together=True), workload
+
+    report = overhead.run(start, config.max_new_tokens)
     report.update(machine=machine(), date=datetime.datetime.now(
         datetime.timezone.utc).isoformat(timespec="seconds"))
     out = pathlib.Path(config.out)
