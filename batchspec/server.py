@@ -164,7 +164,10 @@ def run_until_signalled(server, health_servicer, names, *, grace_s: float = 10.0
 
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
-    stop.wait()
+    # Python runs a handler on the main thread only, when it next runs bytecode: a signal the
+    # kernel delivered to another thread (gRPC's) never wakes a wait without a timeout
+    while not stop.wait(0.5):
+        pass
     end = time.monotonic() + grace_s
     set_serving(health_servicer, names, serving=False)
     if on_stop is not None:

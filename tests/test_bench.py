@@ -200,13 +200,16 @@ def test_closed_loop_clients_against_the_same_server_without_drafts(tmp_path):
 
 
 def test_closed_loop_clients_sampling_get_the_plain_servers_answers(tmp_path):
-    """--temperature: request i is seeded i, so the default server's sampled answers are the
-    plain server's token for token (its exactness), and drafts were verified and accepted."""
+    """--temperature: request i is seeded i, so the server's sampled answers are the plain
+    server's token for token (its exactness), and drafts were verified and accepted (every
+    step drafts: whether drafting pays for tiny models is not what is checked here)."""
     out = tmp_path / "report"
     done = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--quick", "--out",
                            str(out), "--methods", "grpc_router", "--concurrency", "2",
                            "--batch-sizes", "4", "--ks", "2", "--temperature", "0.8",
-                           "--top-p", "0.95"], capture_output=True, text=True, timeout=300)
+                           "--top-p", "0.95", "--draft-policy", "fixed",
+                           "--min-draft-confidence", "0"],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "results.json").read_text())
     rows = {r["method"]: r for r in report["serving"]}

@@ -305,7 +305,8 @@ def config_from_args(args) -> BenchConfig:
                            load_batch_size=args.load_batch_size, dtype=args.dtype,
                            concurrency=ints(args.concurrency), step_logs=args.step_logs,
                            device=args.device, temperature=args.temperature,
-                           top_p=args.top_p, overhead=args.overhead)
+                           top_p=args.top_p, overhead=args.overhead,
+                           min_draft_confidence=args.min_draft_confidence)
     return BenchConfig(target=args.target, draft=args.draft, draft_layers=args.draft_layers,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                        batch_sizes=batch_sizes, ks=ks,
