@@ -101,11 +101,11 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-device", default=None, help="overrides --device for the target")
     parser.add_argument("--draft-device", default=None,
                         help="overrides --device for the draft models")
-    parser.add_argument("--dtype", default=models.AUTO, choices=models.TARGET_DTYPES,
+    parser.add_argument("--dtype", default=models.AUTO, choices=models.DTYPE_CHOICES,
                         help="parameter dtype of the models (default auto: float32, where a "
                              "GGUF target's linear layers multiply by its Q4_1/Q8_0 blocks as "
                              "stored on a CPU)")
-    parser.add_argument("--draft-dtype", default=None, choices=models.DRAFT_DTYPES,
+    parser.add_argument("--draft-dtype", default=None, choices=models.DTYPE_CHOICES,
                         help="overrides --dtype for the draft models (default: auto where "
                              "--dtype is auto or float32: bfloat16 for a feature head on a "
                              "CPU that multiplies bfloat16 natively, float32 otherwise)")

@@ -46,7 +46,6 @@ def main() -> int:
         parser.error("each --server needs its own name")
 
     from batchspec.runtime import models
-    from batchspec_tools.bench import arrivals
     from batchspec_tools.data import bench_prompts
     from batchspec_tools.processes import free_port, wait_healthy
 
@@ -63,21 +62,22 @@ def main() -> int:
             wait_healthy(f"127.0.0.1:{ports[name]}", "batchspec.v1.Coordinator", 900,
                          [procs[name]])
             print(f"started {name}: batchspec serve {shlex.join(flags)}", flush=True)
-        runs = measure(ports, names, prompts, clients, args, arrivals)
+        runs = measure(ports, names, prompts, clients, args)
     finally:
         for proc in procs.values():
             proc.terminate()
         for proc in procs.values():
             proc.wait(timeout=60)
-    report(runs, names, clients, arrivals)
+    report(runs, names, clients)
     return 0
 
 
-def measure(ports: dict, names: list[str], prompts, clients, args, arrivals) -> dict:
-    """{(name, clients): [(tok/s, answers) per round]}."""
+def measure(ports: dict, names: list[str], prompts, clients, args) -> dict:
+    """{(name, clients): [(tok/s, traces) per round]}."""
     import grpc
 
     from batchspec.v1 import generate_pb2_grpc
+    from batchspec_tools.bench import arrivals
 
     channels = {n: grpc.insecure_channel(f"127.0.0.1:{ports[n]}") for n in names}
     stubs = {n: generate_pb2_grpc.CoordinatorStub(c) for n, c in channels.items()}
@@ -97,7 +97,9 @@ def measure(ports: dict, names: list[str], prompts, clients, args, arrivals) -> 
     return runs
 
 
-def report(runs: dict, names: list[str], clients: list[int], arrivals) -> None:
+def report(runs: dict, names: list[str], clients: list[int]) -> None:
+    from batchspec_tools.bench import arrivals
+
     first = names[0]
     print(f"\n| server | clients | tok/s (median; rounds) | over {first} (median; range) "
           f"| answers equal to {first}'s |")

@@ -417,3 +417,6 @@ def test_overhead_times_each_stage_of_plain_and_drafted_steps_of_a_free_model(tm
             assert stages["draft forwards"] > 0
     markdown = (out / "results.md").read_text()
     assert "| drafted | 16 |" in markdown and "over plain" in markdown
+    refused = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--overhead",
+                              "--concurrency", "8"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--overhead serves its own" in refused.stderr

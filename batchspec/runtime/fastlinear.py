@@ -365,13 +365,10 @@ def weight_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if index is not None and index.numel() < rows:
         return _scatter(weight_major(_gather(x, index), weight), index, x.shape[:-1])
     flat = x.reshape(rows, x.shape[-1])
-    # (op, blocks, in_features, max_rows): see gguf_blocks.attach
-    quantized = getattr(weight, "_batchspec_gguf", None)
-    if quantized is not None and rows <= quantized[3] and x.dtype == torch.float32 \
+    blocks = getattr(weight, "_batchspec_gguf", None)  # gguf_blocks.Blocks (see its attach)
+    if blocks is not None and rows <= blocks.max_rows and x.dtype == torch.float32 \
             and not (torch.is_grad_enabled() and x.requires_grad):
-        op, blocks, in_features, _ = quantized
-        return getattr(torch.ops.batchspec_gguf, f"{op}_linear")(
-            flat, blocks, in_features).reshape(*x.shape[:-1], weight.shape[0])
+        return blocks.product(flat).reshape(*x.shape[:-1], weight.shape[0])
     method = plan(weight.shape[0], weight.shape[1], weight.dtype, rows)
     if rows > MAX_ROWS and method != PACKED:
         return x @ weight.T

@@ -15,6 +15,7 @@ Invariants:
   loaded by every process; a machine that cannot build them (no compiler) serves float32
   with one warning.
 """
+import dataclasses
 import fcntl
 import hashlib
 import logging
@@ -25,8 +26,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "gguf_linear.cpp"
-# The block types the kernels read: name -> (op name, bytes per 32 weights)
-KINDS = {"Q4_1": ("q4_1", 20), "Q8_0": ("q8_0", 34)}
+# The block types the kernels read: GGUF type name -> Blocks.kind
+KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
 # GGUF tensor names of a Llama-family model's linear layers, by module name suffix
 _LLAMA = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -80,12 +81,6 @@ def _build_and_load() -> bool:
         return False
 
 
-def product(flat: torch.Tensor, quantized: tuple) -> torch.Tensor:
-    """flat [rows, in] float32 @ W.T by the blocks `quantized` holds (see attach)."""
-    op, blocks, in_features = quantized[:3]
-    return getattr(torch.ops.batchspec_gguf, f"{op}_linear")(flat, blocks, in_features)
-
-
 # The instruction sets the kernels are written for (csrc/gguf_linear.cpp's Isa), best last.
 ISAS = ("scalar", "avx2", "avx512")
 
@@ -95,21 +90,35 @@ def best_isa() -> str:
     return ISAS[torch.ops.batchspec_gguf.best_isa()]
 
 
-def product_with(flat: torch.Tensor, quantized: tuple, isa: str) -> torch.Tensor:
-    """product, computed with the instruction set `isa` (one of ISAS up to best_isa())."""
-    op, blocks, in_features = quantized[:3]
-    return torch.ops.batchspec_gguf.linear_with(flat, blocks, in_features, op == "q4_1",
-                                               ISAS.index(isa))
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """A linear weight as its GGUF file stores it: `data` [out_features, bytes a row] uint8
+    blocks of `kind` (a KINDS value). A layer's products of up to `max_rows` rows multiply
+    by them (fastlinear.weight_major); 0: none does."""
+
+    kind: str
+    data: torch.Tensor
+    in_features: int
+    max_rows: int = 0
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat [rows, in] float32 @ W.T, W the float32 weight the blocks hold."""
+        return getattr(torch.ops.batchspec_gguf, f"{self.kind}_linear")(
+            flat, self.data, self.in_features)
+
+    def product_with(self, flat: torch.Tensor, isa: str) -> torch.Tensor:
+        """product, computed with the instruction set `isa` (one of ISAS up to best_isa())."""
+        return torch.ops.batchspec_gguf.linear_with(flat, self.data, self.in_features,
+                                                   self.kind == "q4_1", ISAS.index(isa))
+
+    def dequantize(self) -> torch.Tensor:
+        """The [out, in] float32 weight the blocks hold."""
+        return getattr(torch.ops.batchspec_gguf, f"dequantize_{self.kind}")(
+            self.data, self.in_features)
 
 
-def dequantize(quantized: tuple) -> torch.Tensor:
-    """The [out, in] float32 weight the blocks hold."""
-    op, blocks, in_features = quantized[:3]
-    return getattr(torch.ops.batchspec_gguf, f"dequantize_{op}")(blocks, in_features)
-
-
-def quantized_of(weight: torch.Tensor) -> tuple | None:
-    """(op, blocks, in_features, max_rows) attached to a linear weight, or None."""
+def blocks_of(weight: torch.Tensor) -> Blocks | None:
+    """The Blocks attached to a linear weight (see attach), or None."""
     return getattr(weight, "_batchspec_gguf", None)
 
 
@@ -138,27 +147,27 @@ def attach(model: torch.nn.Module, gguf_path: str) -> int:
         if tensor is None or tensor.tensor_type.name not in KINDS:
             skipped.append(name)
             continue
-        op, _ = KINDS[tensor.tensor_type.name]
-        blocks = np.array(tensor.data)
+        data = np.array(tensor.data)
         if heads:  # llama.cpp stores q and k with each head's rotary halves interleaved
-            blocks = _unpermute(blocks, heads)
-        quantized = (op, torch.from_numpy(np.ascontiguousarray(blocks)),
-                     module.in_features)
-        if tuple(quantized[1].shape[:1]) != (module.out_features,) or \
-                module.in_features % 32 or not torch.equal(dequantize(quantized),
-                                                           module.weight.detach()):
+            data = _unpermute(data, heads)
+        blocks = Blocks(KINDS[tensor.tensor_type.name],
+                        torch.from_numpy(np.ascontiguousarray(data)), module.in_features)
+        if blocks.data.shape[0] != module.out_features or module.in_features % 32 or \
+                not torch.equal(blocks.dequantize(), module.weight.detach()):
             skipped.append(name)
             continue
-        found.append((module, quantized))
-    for module, quantized, max_rows in _timed(found):
+        found.append((module, blocks))
+    for module, blocks, max_rows in _timed(found):
         if max_rows:
-            module.weight._batchspec_gguf = quantized + (max_rows,)
+            module.weight._batchspec_gguf = dataclasses.replace(blocks, max_rows=max_rows)
             attached += 1
         else:
             skipped.append(name_of[id(module)])
-    log.info("GGUF blocks: %d linear layers multiply by the file's blocks (%s) up to %s rows; "
-             "%d keep float32%s", attached, ", ".join(sorted(KINDS)),
-             sorted({q[3] for q in (quantized_of(m.weight) for m, _ in found) if q}),
+    read, floats = weight_bytes(model)
+    log.info("GGUF blocks: %d linear layers multiply by the file's blocks (%s) up to %s rows, "
+             "%.0f MB read for %.0f MB of float32 weights; %d keep float32%s", attached,
+             ", ".join(sorted(KINDS)), sorted({b.max_rows for b in map(blocks_of, (
+                 m.weight for m, _ in found)) if b}), read / 1e6, floats / 1e6,
              len(skipped), f" ({', '.join(skipped[:3])}...)" if skipped else "")
     return attached
 
@@ -171,7 +180,7 @@ TIMING_TURNS = 3
 
 @torch.inference_mode()
 def _timed(found: list):
-    """(module, quantized, max_rows) for each: the most rows its blocks multiply faster than
+    """(module, blocks, max_rows) for each: the most rows its blocks multiply faster than
     its float32 weight does (0: never), timed over every layer of its shape and kind in turn
     (as a forward reads them: not from the CPU cache), the least of a few turns."""
     from batchspec.runtime import cache_dir, fastlinear
@@ -183,19 +192,19 @@ def _timed(found: list):
         yield from ((m, q, TIMED_ROWS[-1]) for m, q in found)
         return
     groups: dict[tuple, list] = {}
-    for module, quantized in found:
-        groups.setdefault((quantized[0], *module.weight.shape), []).append((module, quantized))
+    for module, blocks in found:
+        groups.setdefault((blocks.kind, *module.weight.shape), []).append((module, blocks))
     for members in groups.values():
         best = 0
         for rows in TIMED_ROWS:
             x = torch.randn(rows, members[0][0].in_features)
-            blocks = _least(lambda: [product(x, q) for _, q in members])
+            by_blocks = _least(lambda: [b.product(x) for _, b in members])
             floats = _least(lambda: [fastlinear.weight_major(x, m.weight) for m, _ in members])
-            if blocks >= floats:
+            if by_blocks >= floats:
                 break
             best = rows
-        for module, quantized in members:
-            yield module, quantized, best
+        for module, blocks in members:
+            yield module, blocks, best
 
 
 def _holder(found: list) -> torch.nn.Module:
@@ -247,9 +256,9 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
             seen.add(id(module.weight))
-            quantized = quantized_of(module.weight)
-            if quantized is not None:
-                blocks += quantized[1].numel()
+            found = blocks_of(module.weight)
+            if found is not None:
+                blocks += found.data.numel()
                 floats += module.weight.numel() * 4
     return blocks, floats
 

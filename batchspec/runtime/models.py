@@ -30,7 +30,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # --dtype may also be AUTO: for a target, float32 with a GGUF file's linear layers
 # multiplied by its blocks as stored (gguf_blocks; the default); for a draft, see draft_dtype
 AUTO = "auto"
-DRAFT_DTYPES = TARGET_DTYPES = (AUTO,) + DTYPES
+DTYPE_CHOICES = (AUTO,) + DTYPES
 # a hub id: NAME or OWNER/NAME
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 # a torch device a service may be pinned to
@@ -148,8 +148,8 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
     import torch
     from transformers import AutoModelForCausalLM
 
-    if dtype not in TARGET_DTYPES:
-        raise ValueError(f"dtype must be one of {TARGET_DTYPES}, not {dtype!r}")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, not {dtype!r}")
     # AUTO: float32, and a GGUF file's linear layers multiply by its blocks as stored
     as_stored = dtype == AUTO
     dtype = "float32" if as_stored else dtype

@@ -259,8 +259,8 @@ class ServiceConfig:
         models.check_device(self.device)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], not {self.port}")
-        if self.dtype not in models.TARGET_DTYPES:
-            raise ValueError(f"dtype must be one of {models.TARGET_DTYPES}, not {self.dtype!r}")
+        if self.dtype not in models.DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {models.DTYPE_CHOICES}, not {self.dtype!r}")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError("num_layers must be >= 1")
         if self.max_sequences < 0 or self.max_cached_tokens < 0:
@@ -307,12 +307,12 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int,
     parser.add_argument("--port", type=int, default=default_port, help="port; 0 picks a free one")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     if role == "draft":
-        parser.add_argument("--dtype", default=models.AUTO, choices=models.DRAFT_DTYPES,
+        parser.add_argument("--dtype", default=models.AUTO, choices=models.DTYPE_CHOICES,
                             help="parameter dtype (default auto: bfloat16 for a feature head "
                                  "on a CPU that multiplies bfloat16 natively, else float32; "
                                  "drafts never change the output)")
     else:
-        parser.add_argument("--dtype", default=models.AUTO, choices=models.TARGET_DTYPES,
+        parser.add_argument("--dtype", default=models.AUTO, choices=models.DTYPE_CHOICES,
                             help="parameter dtype (default auto: float32, where a GGUF "
                                  "model's linear layers multiply by its Q4_1/Q8_0 blocks as "
                                  "stored on a CPU; float32: dequantized weights only)")

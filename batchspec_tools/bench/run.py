@@ -122,6 +122,10 @@ class BenchConfig:
             raise ValueError("--temperature samples in the closed-loop runs: give --concurrency "
                              "and only gRPC methods (--methods grpc_router,grpc_target_only, "
                              "...), without --arrival-rates")
+        if self.overhead and (self.quick or self.concurrency or self.arrival_rates
+                              or self.temperature > 0 or self.by_category or self.prompts):
+            raise ValueError("--overhead serves its own free model and prompts: give it only "
+                             "--max-new-tokens and --out")
         if self.prompts is not None and not pathlib.Path(self.prompts).is_file():
             raise ValueError(f"--prompts {self.prompts}: no such file")
         from batchspec.runtime import models
@@ -255,10 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--by-category", action="store_true",
                         help="run every method once per prompt category and report each "
                              "category's speed and acceptance apart")
-    parser.add_argument("--dtype", default=models.AUTO, choices=models.TARGET_DTYPES,
+    parser.add_argument("--dtype", default=models.AUTO, choices=models.DTYPE_CHOICES,
                         help="dtype of both models in every method; `exact` then compares with "
                              "the target alone at batch 1 in the same dtype")
-    parser.add_argument("--draft-dtype", default=None, choices=models.DRAFT_DTYPES,
+    parser.add_argument("--draft-dtype", default=None, choices=models.DTYPE_CHOICES,
                         help="the served model draft's dtype, as `batchspec serve "
                              "--draft-dtype` (default: what serve gives it)")
     parser.add_argument("--device", default="cpu",
