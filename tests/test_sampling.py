@@ -2,6 +2,8 @@
 wanted token)."""
 import math
 
+import numpy as np
+import pytest
 import torch
 
 from batchspec.params import SamplingParams
@@ -69,15 +71,47 @@ def test_a_sampled_choice_depends_only_on_seed_and_position():
 
 
 def test_gumbel_noise_is_standard_gumbel_and_keyed_by_position():
-    noise = sampling.gumbel_noise(7, range(40), 5000)
+    noise = torch.from_numpy(sampling.gumbel(7, np.arange(40)[:, None], np.arange(5000)))
     assert noise.shape == (40, 5000) and bool(torch.isfinite(noise).all())
     assert abs(noise.mean().item() - 0.5772) < 0.01  # Euler's constant
     assert abs(noise.var().item() - math.pi ** 2 / 6) < 0.05
-    assert torch.equal(sampling.gumbel_noise(7, [13], 5000)[0], noise[13])
+    assert noise.max().item() <= sampling.G_MAX + 1e-5
+    # a cell's variable depends on (seed, position, token) alone, not on what else is asked
+    assert torch.equal(torch.from_numpy(sampling.gumbel(7, [13], np.arange(5000))), noise[13])
+    assert sampling.gumbel(7, 13, 4321) == noise[13, 4321]
     assert not torch.equal(noise[13], noise[14])
-    assert not torch.equal(sampling.gumbel_noise(8, [13], 5000)[0], noise[13])
-    assert torch.equal(sampling.gumbel_noise(2**64 - 1, [3], 10),
-                       sampling.gumbel_noise(2**64 - 1, [3], 10))  # any uint64 seed
+    assert not torch.equal(torch.from_numpy(sampling.gumbel(8, [13], np.arange(5000))),
+                           noise[13])
+    assert np.array_equal(sampling.gumbel(2**64 - 1, [3], np.arange(10)),
+                          sampling.gumbel(2**64 - 1, [3], np.arange(10)))  # any uint64 seed
+    # neighbouring cells are not correlated
+    assert abs(np.corrcoef(noise[:, :-1].flatten(), noise[:, 1:].flatten())[0, 1]) < 0.02
+    assert abs(np.corrcoef(noise[:-1].flatten(), noise[1:].flatten())[0, 1]) < 0.02
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.95), (0.3, 1.0), (5.0, 1.0),
+                                               (1.0, 0.999)])
+def test_gumbel_max_is_the_argmax_over_the_whole_vocabulary(temperature, top_p):
+    """The sampler computes noise only for tokens that can win; its choice is the argmax of
+    logit / temperature + g over the whole support of p', for peaked and flat distributions
+    alike, and for a row alone as in a batch of rows of other settings."""
+    generator = torch.Generator().manual_seed(5)
+    vocab = 3000
+    for scale in (0.5, 4.0, 12.0):
+        logits = torch.randn(1, 6, vocab, generator=generator) * scale
+        params = SamplingParams(temperature=temperature, top_p=top_p, seed=int(scale * 10))
+        support = sampling.rows_logprobs(logits, [params])[0] > float("-inf")
+        noise = torch.from_numpy(sampling.gumbel(params.seed, np.arange(40, 46)[:, None],
+                                                 np.arange(vocab)))
+        whole = (logits[0] / temperature + noise).masked_fill(~support, float("-inf"))
+        whole = whole.argmax(-1)
+        assert torch.equal(sampling.choose(logits, [params], [40])[0], whole)
+        others = torch.randn(3, 6, vocab, generator=generator) * scale
+        mates = [SamplingParams(temperature=1.0, top_k=7, seed=1), SamplingParams(),
+                 SamplingParams(temperature=0.7, top_p=0.5, seed=2)]
+        batch = sampling.choose(torch.cat([others[:2], logits, others[2:]]),
+                                mates[:2] + [params] + mates[2:], [9, 9, 40, 9])
+        assert torch.equal(batch[2], whole)
 
 
 def test_sampled_choices_follow_the_processed_distribution():

@@ -25,13 +25,11 @@ speculative decoding", 2024: it matches with probability at least (1 - TV) / (1 
 Everything here is a pure function of tensors, settings and seeds; no model, no gRPC.
 """
 import dataclasses
+import math
 
 import numpy as np
 import torch
 
-# A uniform is never below this (its Gumbel variable stays finite): numpy's float32 uniforms
-# are multiples of 2**-24 in [0, 1).
-_SMALLEST_UNIFORM = 2.0 ** -25
 # processed_logprobs looks for the end of a top-k / top-p set among this many most likely
 # tokens first (a partial sort), and among four times as many where it lies further.
 _FIRST_CANDIDATES = 64
@@ -76,41 +74,169 @@ def choose(logits: torch.Tensor, params, first_positions: list[int],
     logits: [batch, T, vocab]; params: one SamplingParams per row; first_positions: the
     sequence position of each row's first logits row (position j of row i outputs the token
     at first_positions[i] + j). Greedy rows take the argmax; sampled rows the Gumbel-max
-    sample of their processed distribution with the noise of (seed, position). lengths: how
-    many leading positions of each row are read (None: all T); past them a sampled row holds
-    the argmax, which costs no noise.
+    sample of their processed distribution with the noise of (seed, position), every sampled
+    position of the batch at once. lengths: how many leading positions of each row are read
+    (None: all T); past them a sampled row holds the argmax, which costs no noise.
     """
+    batch, width, vocab = logits.shape
+    cells = [(i, j) for i, p in enumerate(params) if not p.greedy
+             for j in range(width if lengths is None else min(width, lengths[i]))]
+    if not cells:
+        return logits.argmax(-1)
+    positions = np.array([first_positions[i] + j for i, j in cells], dtype=np.uint64)
+    sampled = [params[i] for i, _ in cells]
+    if len(cells) == batch * width:  # every cell sampled: no argmax, no copy
+        return gumbel_max(logits.reshape(batch * width, vocab), sampled,
+                          positions).reshape(batch, width)
     choices = logits.argmax(-1)
-    width = logits.shape[1]
-    for i, p in enumerate(params):
-        if not p.greedy:
-            n = width if lengths is None else min(width, lengths[i])
-            scores = _sampled_scores(logits[i:i + 1, :n], [p], [first_positions[i]])
-            choices[i, :n] = scores[0].argmax(-1)
+    rows, columns = (torch.tensor(c, device=logits.device) for c in zip(*cells))
+    choices[rows, columns] = gumbel_max(logits[rows, columns], sampled, positions)
     return choices
 
 
-def _sampled_scores(logits: torch.Tensor, params, first_positions: list[int]) -> torch.Tensor:
-    """log p' + g for sampled rows, [batch, T, vocab]: -inf outside each distribution's
-    support, so the argmax is a token the request may output."""
-    batch, width, vocab = logits.shape
-    noise = torch.stack([gumbel_noise(p.seed, range(first, first + width), vocab)
-                         for p, first in zip(params, first_positions)])
-    return rows_logprobs(logits, params) + noise.to(logits.device)
+# The largest Gumbel variable `gumbel` returns: its uniforms are (k + 1/2) / 2**24 for a
+# 24-bit k, so none exceeds -log(-log(1 - 2**-25)) (about 17.33).
+G_MAX = -math.log(-math.log1p(-2.0 ** -25))
+# Scores are float32 sums: a token left out by a margin this much wider than G_MAX cannot
+# reach the winner's score after rounding either.
+_SLACK = 1.0
 
 
-def gumbel_noise(seed: int, positions, vocab: int) -> torch.Tensor:
-    """[len(positions), vocab] float32 standard Gumbel variables that depend only on (seed,
-    position) and the token index: the same in every process, on every device, whatever the
-    batch. A counter-based generator (Philox) keyed by both, so no two (seed, position) pairs
-    share a stream."""
-    rows = []
-    for position in positions:
-        key = (int(seed) & (2**64 - 1)) | (int(position) << 64)
-        uniforms = np.random.Generator(np.random.Philox(key=key)).random(vocab, dtype=np.float32)
-        rows.append(torch.from_numpy(uniforms))
-    u = torch.stack(rows).clamp_(min=_SMALLEST_UNIFORM)
-    return u.log_().neg_().log_().neg_()
+def gumbel_max(logits: torch.Tensor, params, positions: np.ndarray) -> torch.Tensor:
+    """[N] long: for N logits rows [N, vocab], each with its SamplingParams and sequence
+    position, the argmax over the row's kept set (its processed distribution's support) of
+    logit / temperature + gumbel(seed, position, token); the lowest token on a tie. log p'
+    differs from logit / temperature by a constant per row, so this is the Gumbel-max
+    sample of p'; and each score is one division and one sum, whatever else the batch holds.
+
+    Noise is computed only where it can win. The most likely tokens are scored first; `best`,
+    the largest score of those kept, bounds the rest: a token whose scaled logit is below
+    best - G_MAX scores below it whatever its noise. Under top-k, or top-p that keeps a few
+    tokens, the kept set lies among the first; elsewhere only the tokens above that bound are
+    scored, not the vocabulary. Each row's logits are read whole about twice: for its most
+    likely tokens, and for top-p's mass or that bound."""
+    device, (num_rows, vocab) = logits.device, logits.shape
+    seeds = np.array([int(p.seed) & (2**64 - 1) for p in params], dtype=np.uint64)
+    temperature, top_k, top_p = (torch.tensor([getattr(p, name) for p in params], device=device)
+                                 for name in ("temperature", "top_k", "top_p"))
+    limit = torch.where(top_k > 0, top_k.clamp_max(vocab), torch.full_like(top_k, vocab))
+    count = min(vocab, max([_FIRST_CANDIDATES] + limit[limit < vocab].tolist()))
+    values, ids = logits.topk(count, dim=-1)  # [N, count], descending (as when scaled)
+    values = values.float() / temperature[:, None]
+    whole = (limit >= vocab) & (top_p >= 1)  # rows that keep every token
+    keep = whole[:, None].expand(-1, count)
+    norm = None
+    if not bool(whole.all()):
+        norm = _norms(logits, values, limit, temperature)
+        keep = keep | kept_prefix(values, norm, limit, top_p,
+                                  torch.arange(count, device=device))
+    noise = torch.from_numpy(gumbel(seeds[:, None], positions[:, None], ids.cpu().numpy()))
+    scores = (values + noise.to(device)).masked_fill(~keep, float("-inf"))
+    best = scores.max(-1, keepdim=True).values
+    out = ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+    tied = (scores == best).sum(-1) > 1
+    if bool(tied.any()):  # the lowest token of those tied, as below
+        out = torch.where(tied, ids.masked_fill(scores < best, _NO_TOKEN).min(-1).values, out)
+    # rows whose kept set may run past the candidates (never under top-k: count covers it)
+    beyond = keep[:, -1] & (limit >= vocab) & (count < vocab)
+    if bool(beyond.any()):
+        rows = beyond.nonzero().squeeze(1)
+        t = temperature[rows, None]
+        cells = (logits[rows] >= (best[rows] - (G_MAX + _SLACK)) * t).nonzero(as_tuple=True)
+        scaled = logits[rows][cells].float() / t[cells[0], 0]
+        kept = _kept_cells(scaled, cells[0], None if norm is None else norm[rows],
+                           top_p[rows])
+        taken = rows.cpu().numpy()
+        out[rows] = _argmax_cells(len(rows), cells[0][kept], cells[1][kept], scaled[kept],
+                                  seeds[taken], positions[taken])
+    return out
+
+
+_NO_TOKEN = torch.iinfo(torch.long).max
+
+
+def _norms(logits: torch.Tensor, values: torch.Tensor, limit: torch.Tensor,
+           temperature: torch.Tensor) -> torch.Tensor:
+    """[N, 1] the logsumexp of scaled logits that top-p weighs by: over the top-k set (the
+    first `limit` of values, scaled already), or over the whole vocabulary where top-k keeps
+    all (logits / temperature)."""
+    by_k = limit < logits.shape[-1]
+    ranks = torch.arange(values.shape[-1], device=values.device)
+    within = values.masked_fill(ranks[None, :] >= limit[:, None], float("-inf"))
+    if bool(by_k.all()):
+        return within.logsumexp(-1, True)
+    return torch.where(by_k[:, None], within.logsumexp(-1, True),
+                       (logits.float() / temperature[:, None]).logsumexp(-1, keepdim=True))
+
+
+def kept_prefix(values: torch.Tensor, norm: torch.Tensor, limit: torch.Tensor,
+                top_p: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """[N, C] bool: which of each row's most likely tokens (values [N, C], descending, of
+    ranks [C] in the vocabulary's descending order) top-k and top-p keep: the first limit
+    tokens (top-k), and of those the ones the mass before which is below top_p (top-p, the
+    mass renormalised by norm [N, 1]; 1: all, as float32 sums can reach 1 early)."""
+    probs = (values - norm).exp()
+    return (ranks[None, :] < limit[:, None]) & ((probs.cumsum(-1) - probs < top_p[:, None])
+                                                | (top_p >= 1)[:, None])
+
+
+def _kept_cells(scaled: torch.Tensor, rows: torch.Tensor, norm: torch.Tensor | None,
+                top_p: torch.Tensor) -> torch.Tensor:
+    """Which cells (each of row rows[c], scaled logit scaled[c]) of rows without top-k are in
+    their top-p set (norm [rows, 1] its logsumexp; None: every row keeps all). A cell's mass
+    before it is that of the tokens above it, all of them cells too (cells are every token
+    above a bound), so sorting each row's cells gives it exactly."""
+    kept = torch.ones_like(rows, dtype=torch.bool)
+    for r in (top_p < 1).nonzero().squeeze(1).tolist():
+        mine = (rows == r).nonzero().squeeze(1)
+        values, order = scaled[mine].sort(descending=True, stable=True)
+        ranks = torch.arange(len(mine), device=scaled.device)
+        kept[mine[order]] = kept_prefix(values[None], norm[r:r + 1], ranks[-1:] + 1,
+                                        top_p[r:r + 1], ranks)[0]
+    return kept
+
+
+def _argmax_cells(num_rows: int, rows: torch.Tensor, tokens: torch.Tensor,
+                  scaled: torch.Tensor, seeds: np.ndarray, positions: np.ndarray):
+    """[num_rows] the token of greatest scaled + gumbel among each row's cells (rows[c],
+    tokens[c], scaled[c]), the lowest token on a tie; every row has a cell."""
+    taken = rows.cpu().numpy()
+    scores = scaled + torch.from_numpy(
+        gumbel(seeds[taken], positions[taken], tokens.cpu().numpy())).to(scaled.device)
+    top = scores.new_full((num_rows,), float("-inf")).scatter_reduce(0, rows, scores, "amax")
+    winners = torch.where(scores == top[rows], tokens, _NO_TOKEN)
+    return tokens.new_full((num_rows,), _NO_TOKEN).scatter_reduce(0, rows, winners, "amin")
+
+
+# murmur3's 64-bit finalizer constants, and a golden-ratio key for seeds
+_MIX = (np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53))
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """murmur3's fmix64 of every uint64 of x (wrapping arithmetic): each output bit depends
+    on every input bit."""
+    shift = np.uint64(33)
+    x = x ^ (x >> shift)
+    x = x * _MIX[0]
+    x = x ^ (x >> shift)
+    x = x * _MIX[1]
+    return x ^ (x >> shift)
+
+
+def gumbel(seeds, positions, token_ids) -> np.ndarray:
+    """Standard Gumbel variables g(seed, position, token), float32, elementwise over the
+    broadcast shapes of the three (integer arrays or ints; seeds as uint64, positions below
+    2**32): the same in every process, on every device, whatever else is asked. Each is a
+    hash of the three integers (murmur3's finalizer, twice, keyed by the seed) whose top 24
+    bits make a uniform (k + 1/2) / 2**24, so no variable exceeds G_MAX."""
+    with np.errstate(over="ignore"):
+        key = _mix(np.asarray(seeds, dtype=np.uint64) ^ _GOLDEN)
+        cells = (np.asarray(positions, dtype=np.uint64) << np.uint64(32)) \
+            | np.asarray(token_ids, dtype=np.uint64)
+        hashed = _mix(_mix(cells ^ key) + key)
+    uniforms = ((hashed >> np.uint64(40)).astype(np.float64) + 0.5) * 2.0 ** -24
+    return (-np.log(-np.log(uniforms))).astype(np.float32)
 
 
 def rows_logprobs(logits: torch.Tensor, params) -> torch.Tensor:
@@ -128,34 +254,27 @@ def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
 
     logits: [batch, T, vocab]; temperature (> 0), top_k, top_p: [batch]. Temperature first,
     then the top_k most likely tokens (0: all), then the smallest set of the most likely whose
-    mass (within the top_k) reaches top_p (a token is kept while the mass before it is below
-    top_p; 1: all). Returns float32 [batch, T, vocab], -inf outside the kept set, logsumexp 0
-    along vocab.
+    mass (within the top_k) reaches top_p (kept_prefix). Returns float32 [batch, T, vocab],
+    -inf outside the kept set, logsumexp 0 along vocab.
     """
     scaled = logits.float() / temperature[:, None, None]
-    vocab = scaled.shape[-1]
     if bool((top_k <= 0).all()) and bool((top_p >= 1).all()):
         return scaled.log_softmax(-1)
+    batch, width, vocab = scaled.shape
+    flat = scaled.reshape(batch * width, vocab)
+    top_k, top_p = top_k.repeat_interleave(width), top_p.repeat_interleave(width)
+    limit = torch.where(top_k > 0, top_k.clamp_max(vocab), torch.full_like(top_k, vocab))
+    ones = torch.ones(batch * width, device=flat.device)  # flat is scaled already
     # The kept set is a prefix of the tokens by descending probability: look for its end
     # among the few most likely first, and among more only where it lies further.
-    limit = torch.where(top_k > 0, top_k.clamp_max(vocab), torch.full_like(top_k, vocab))
-    by_k = (limit < vocab)[:, None, None]  # rows whose top_k set is within the candidates
     count = min(vocab, max([_FIRST_CANDIDATES] + limit[limit < vocab].tolist()))
     while True:
-        values, order = scaled.topk(count, dim=-1)  # [batch, T, count], descending
-        ranks = torch.arange(count, device=scaled.device)
-        in_top_k = ranks[None, None, :] < limit[:, None, None]
-        # top_p weighs the top_k set renormalised (all tokens where top_k is 0)
-        norm = torch.where(by_k,
-                           values.masked_fill(~in_top_k, float("-inf")).logsumexp(-1, True),
-                           scaled.logsumexp(-1, keepdim=True))
-        probs = (values - norm).exp()
-        # (top_p 1 keeps all: float32 sums can reach 1 before the last token)
-        keep = in_top_k & ((probs.cumsum(-1) - probs < top_p[:, None, None])
-                           | (top_p >= 1)[:, None, None])
-        if count == vocab or not bool((keep[..., -1:] & ~by_k).any()):
+        values, order = flat.topk(count, dim=-1)  # [rows, count], descending
+        keep = kept_prefix(values, _norms(flat, values, limit, ones), limit, top_p,
+                           torch.arange(count, device=flat.device))
+        if count == vocab or not bool((keep[:, -1] & (limit >= vocab)).any()):
             break
         count = min(vocab, 4 * count)  # some row's kept set runs past the candidates
-    kept = values.masked_fill(~keep, float("-inf"))
-    out = torch.full_like(scaled, float("-inf"))
-    return out.scatter_(-1, order, kept.log_softmax(-1))
+    logprobs = values.masked_fill(~keep, float("-inf")).log_softmax(-1)
+    out = torch.full_like(flat, float("-inf"))
+    return out.scatter_(-1, order, logprobs).reshape(batch, width, vocab)
