@@ -65,7 +65,8 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
         logits = group.step(next_input, num_logits=1, features=features)  # [batch, 1, vocab]
         if features is not None:
             features = group.hidden[:, -1:]
-        token_ids = sampling.choose(logits, params, [p + j for p in first_position])[:, 0]
+        token_ids = sampling.choose(logits, params, [p + j for p in first_position],
+                                    token_ids=runner.logit_token_ids)[:, 0]
         if cut.open_any:
             cut.after(j, top_probability(logits[:, -1].float()))
         drafts.append(token_ids)

@@ -217,3 +217,22 @@ def test_processed_logprobs_equal_a_full_sort_for_peaked_and_flat_distributions(
                 sorted_reference(logits, *args)
             assert torch.equal(torch.isinf(ours), torch.isinf(reference)), (scale, top_k, top_p)
             torch.testing.assert_close(ours.exp(), reference.exp(), atol=1e-6, rtol=1e-4)
+
+
+def test_choices_over_a_drafts_own_vocabulary_equal_those_over_the_whole():
+    """A draft that scores only its vocabulary (logits over token_ids) chooses what it would
+    choose over the whole vocabulary with every other token at -inf: greedy, top-p, top-k,
+    temperature 1 alike, the noise going by token."""
+    generator = torch.Generator().manual_seed(11)
+    vocab, own = 500, torch.tensor(sorted(torch.randperm(500, generator=generator)[:120]
+                                          .tolist()))
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=4),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=5),
+              SamplingParams(temperature=1.2, top_k=5, seed=6)]
+    for scale in (0.3, 3.0, 10.0):
+        compact = torch.randn(4, 3, len(own), generator=generator) * scale
+        whole = torch.full((4, 3, vocab), float("-inf"))
+        whole[..., own] = compact
+        chosen = sampling.choose(compact, params, [7, 8, 9, 10], token_ids=own)
+        assert torch.equal(chosen, sampling.choose(whole, params, [7, 8, 9, 10]))
+        assert bool(torch.isin(chosen, own).all())

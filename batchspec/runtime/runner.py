@@ -87,6 +87,9 @@ class ModelRunner(CacheBook):
         self.hidden_size = int(getattr(model.config, "hidden_size", 0) or 0)
         # the keyword its forward takes the KV cache by (it moves between releases)
         self.cache_keyword = kvcache.cache_keyword(model)
+        # A feature head scores its own vocabulary only: group forwards return logits over
+        # those tokens ([..., len(logit_token_ids)], in that order); None: the whole vocabulary.
+        self.logit_token_ids = model.lm_head.token_ids if self.reads_features else None
 
     def prefill(self, entries: list[tuple[int, list[int]]],
                 features: dict[int, torch.Tensor] | None = None) -> list[int]:
@@ -367,7 +370,7 @@ class GroupForward:
              valid: torch.Tensor | None = None, features: torch.Tensor | None = None,
              keep_hidden: bool = False) -> torch.Tensor:
         """Feed input_ids [batch, T] to every row; returns the last num_logits logits
-        [batch, num_logits, vocab] in float32. valid [batch, T] bool (where the runner packs
+        [batch, num_logits, vocab] in float32 (a feature head's: over runner.logit_token_ids). valid [batch, T] bool (where the runner packs
         positions): the real tokens; the others are right padding, which no real position
         attends to, whose logits are zeros and which no row may keep. features [batch, T,
         width]: for a model that reads them (required there). keep_hidden: keep the final
@@ -429,16 +432,19 @@ class GroupForward:
             kwargs["attention_mask"] = self.mask
         kwargs[self.runner.cache_keyword] = self.cache
         self.hidden = None  # set by the forward below where kept
-        out = self.runner.model(input_ids=input_ids.to(device), position_ids=position_ids,
-                                use_cache=True, logits_to_keep=num_logits, **kwargs)
+        model = self.runner.model
+        out = model(input_ids=input_ids.to(device), position_ids=position_ids, use_cache=True,
+                    logits_to_keep=0 if self.runner.reads_features else num_logits, **kwargs)
         self.cache = kvcache.returned_cache(out)
         if self.runner.reads_features:
             self.hidden = out.hidden
+            logits = model.lm_head.subset_logits(out.hidden[:, -num_logits:]).float()
+        else:
+            logits = out.logits[:, -num_logits:].float()
         self.lengths = [n + num_new for n in self.lengths]
         self.spans = [kvcache.append_span(s, self.width, self.width + num_new)
                       for s in self.spans]
         self.width += num_new
-        logits = out.logits[:, -num_logits:].float()
         self.forward_seconds += time.perf_counter() - started
         return logits
 

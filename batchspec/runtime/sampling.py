@@ -68,7 +68,8 @@ def _real(num_drafts: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 def choose(logits: torch.Tensor, params, first_positions: list[int],
-           lengths: list[int] | None = None) -> torch.Tensor:
+           lengths: list[int] | None = None,
+           token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The token each row outputs at each position, [batch, T] (long, on the logits' device).
 
     logits: [batch, T, vocab]; params: one SamplingParams per row; first_positions: the
@@ -77,21 +78,28 @@ def choose(logits: torch.Tensor, params, first_positions: list[int],
     sample of their processed distribution with the noise of (seed, position), every sampled
     position of the batch at once. lengths: how many leading positions of each row are read
     (None: all T); past them a sampled row holds the argmax, which costs no noise.
+    token_ids [vocab']: the token of each logits column, where the logits cover only those
+    (a draft's own vocabulary; every other token's logit is -inf); None: column i is token i.
     """
     batch, width, vocab = logits.shape
     cells = [(i, j) for i, p in enumerate(params) if not p.greedy
              for j in range(width if lengths is None else min(width, lengths[i]))]
     if not cells:
-        return logits.argmax(-1)
+        return _token(logits.argmax(-1), token_ids)
     positions = np.array([first_positions[i] + j for i, j in cells], dtype=np.uint64)
     sampled = [params[i] for i, _ in cells]
     if len(cells) == batch * width:  # every cell sampled: no argmax, no copy
-        return gumbel_max(logits.reshape(batch * width, vocab), sampled,
-                          positions).reshape(batch, width)
-    choices = logits.argmax(-1)
+        return gumbel_max(logits.reshape(batch * width, vocab), sampled, positions,
+                          token_ids).reshape(batch, width)
+    choices = _token(logits.argmax(-1), token_ids)
     rows, columns = (torch.tensor(c, device=logits.device) for c in zip(*cells))
-    choices[rows, columns] = gumbel_max(logits[rows, columns], sampled, positions)
+    choices[rows, columns] = gumbel_max(logits[rows, columns], sampled, positions, token_ids)
     return choices
+
+
+def _token(columns: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+    """The tokens of logits columns (see choose's token_ids)."""
+    return columns if token_ids is None else token_ids[columns]
 
 
 # The largest Gumbel variable `gumbel` returns: its uniforms are (k + 1/2) / 2**24 for a
@@ -102,7 +110,8 @@ G_MAX = -math.log(-math.log1p(-2.0 ** -25))
 _SLACK = 1.0
 
 
-def gumbel_max(logits: torch.Tensor, params, positions: np.ndarray) -> torch.Tensor:
+def gumbel_max(logits: torch.Tensor, params, positions: np.ndarray,
+               token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """[N] long: for N logits rows [N, vocab], each with its SamplingParams and sequence
     position, the argmax over the row's kept set (its processed distribution's support) of
     logit / temperature + gumbel(seed, position, token); the lowest token on a tie. log p'
@@ -114,7 +123,8 @@ def gumbel_max(logits: torch.Tensor, params, positions: np.ndarray) -> torch.Ten
     best - G_MAX scores below it whatever its noise. Under top-k, or top-p that keeps a few
     tokens, the kept set lies among the first; elsewhere only the tokens above that bound are
     scored, not the vocabulary. Each row's logits are read whole about twice: for its most
-    likely tokens, and for top-p's mass or that bound."""
+    likely tokens, and for top-p's mass or that bound. token_ids: as choose's (noise and ties
+    go by the token, not the column)."""
     device, (num_rows, vocab) = logits.device, logits.shape
     seeds = np.array([int(p.seed) & (2**64 - 1) for p in params], dtype=np.uint64)
     temperature, top_k, top_p = (torch.tensor([getattr(p, name) for p in params], device=device)
@@ -122,6 +132,7 @@ def gumbel_max(logits: torch.Tensor, params, positions: np.ndarray) -> torch.Ten
     limit = torch.where(top_k > 0, top_k.clamp_max(vocab), torch.full_like(top_k, vocab))
     count = min(vocab, max([_FIRST_CANDIDATES] + limit[limit < vocab].tolist()))
     values, ids = logits.topk(count, dim=-1)  # [N, count], descending (as when scaled)
+    ids = _token(ids, token_ids)
     values = values.float() / temperature[:, None]
     whole = (limit >= vocab) & (top_p >= 1)  # rows that keep every token
     keep = whole[:, None].expand(-1, count)
@@ -147,8 +158,8 @@ def gumbel_max(logits: torch.Tensor, params, positions: np.ndarray) -> torch.Ten
         kept = _kept_cells(scaled, cells[0], None if norm is None else norm[rows],
                            top_p[rows])
         taken = rows.cpu().numpy()
-        out[rows] = _argmax_cells(len(rows), cells[0][kept], cells[1][kept], scaled[kept],
-                                  seeds[taken], positions[taken])
+        out[rows] = _argmax_cells(len(rows), cells[0][kept], _token(cells[1], token_ids)[kept],
+                                  scaled[kept], seeds[taken], positions[taken])
     return out
 
 
