@@ -5,7 +5,9 @@ how many of them are token for token what Hugging Face `generate` gives at batch
     python3 scripts/serve_check.py --port 50077 --device cuda --num-prompts 16
 
 The prompts (held-out benchmark prompts, every kind of work in turn) are sent at once, as
-chat messages, and the reference decodes each alone on `--device` in float32.
+chat messages, and the reference decodes each alone on `--device` in `--dtype` (float32 by
+default: the product's promise; in a half precision a batch rounds differently from one
+request alone, so an answer may part from the reference where two tokens nearly tie).
 """
 import argparse
 import concurrent.futures
@@ -41,6 +43,8 @@ def main() -> int:
     parser.add_argument("--port", type=cliargs.port, required=True, help="the server's gRPC port")
     parser.add_argument("--target", default="smollm2", help="the target the server runs")
     parser.add_argument("--device", default="cpu", help="where the reference decodes")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="what the reference decodes in (the server's --dtype)")
     parser.add_argument("--num-prompts", type=cliargs.positive_int, default=16)
     parser.add_argument("--max-new-tokens", type=cliargs.positive_int, default=64)
     args = parser.parse_args()
@@ -53,7 +57,7 @@ def main() -> int:
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(lambda p: served(stub, p, args.max_new_tokens), prompts))
     print(f"served {len(prompts)} requests at once in {time.perf_counter() - started:.1f} s")
-    model = models.load_causal_lm(args.target, device=args.device)
+    model = models.load_causal_lm(args.target, device=args.device, dtype=args.dtype)
     eos = set(models.eos_token_ids(model))
     same = 0
     for i, (prompt, got) in enumerate(zip(prompts, answers)):
@@ -64,7 +68,7 @@ def main() -> int:
                       min(len(want), len(got)))
             print(f"prompt {i}: differs at token {at}: reference {want[at:at + 5]}, "
                   f"served {got[at:at + 5]}")
-    print(f"exact: {same}/{len(prompts)} (reference on {args.device})")
+    print(f"exact: {same}/{len(prompts)} (reference on {args.device}, {args.dtype})")
     return 0 if same == len(prompts) else 1
 
 

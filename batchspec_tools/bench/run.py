@@ -889,7 +889,8 @@ def write_overhead(config: BenchConfig) -> list[pathlib.Path]:
 
     def start(model: str, prompts: list[list[int]]):
         workload = Workload(model, model, None, prompts, config.max_new_tokens, [tiny.EOS],
-                            min_draft_confidence=0.0, draft_policy="fixed", dtype="float32")
+                            min_draft_confidence=0.0, draft_policy="fixed", dtype="float32",
+                            device=config.device)
         return GrpcStack(workload, together=True), workload
 
     report = overhead.run(start, config.max_new_tokens)
