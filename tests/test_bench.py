@@ -176,7 +176,7 @@ def test_closed_loop_clients_against_the_same_server_without_drafts(tmp_path):
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
         if row["method"] == "grpc_router":
             assert len(row["vs_plain_runs"]) == 2 and row["vs_plain"] > 0
-    assert "## Closed-loop clients, over gRPC" in (out / "results.md").read_text()
+    assert "## Closed-loop clients" in (out / "results.md").read_text()
     for row in serving:  # each process's CPU seconds over the timed run
         spent = row["cpu_s"]
         assert spent["target"] > 0 and spent["coordinator"] > 0 and spent["clients"] > 0
@@ -420,3 +420,42 @@ def test_overhead_times_each_stage_of_plain_and_drafted_steps_of_a_free_model(tm
     refused = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--overhead",
                               "--concurrency", "8"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--overhead serves its own" in refused.stderr
+
+
+@pytest.mark.slow
+def test_llamacpp_serves_closed_loop_clients_on_the_same_gguf_file(tmp_path):
+    """The llama.cpp methods: its server on the GGUF file batchspec serves, streaming to
+    closed-loop clients as batchspec's stub does (a token a response, the count its own
+    usage says), greedy and seeded; no exactness is claimed for it."""
+    import types
+
+    from batchspec.runtime import tiny
+    from batchspec_tools.bench import arrivals, closed_loop, llamacpp
+
+    gguf = tiny.save_gguf(tmp_path)
+    prompts = [[1] + [4 + (7 * i + j) % 80 for j in range(6 + i)] for i in range(4)]
+    workload = types.SimpleNamespace(target=gguf, prompts=prompts, max_new_tokens=8)
+    for method in llamacpp.METHODS:
+        with llamacpp.served(workload, method, clients=2, threads=1) as stub:
+            for fields in (None, lambda i: {"temperature": 0.8, "top_p": 0.95, "seed": i}):
+                traces, seconds = arrivals.run_closed_loop(stub, prompts, 8, 2, fields)
+                assert seconds > 0
+                for trace in traces:
+                    assert 1 <= len(trace.token_ids) <= 8 and trace.first_token is not None
+                    assert trace.finished >= trace.first_token >= trace.arrival
+    assert closed_loop.exact({"method": "llamacpp"}) == "-"
+    assert closed_loop.exact({"method": "grpc_router", "exact_match": 1.0}) == "100%"
+
+
+def test_bench_takes_llamacpp_only_for_closed_loop_clients_on_a_gguf_target(tmp_path):
+    from batchspec.runtime import tiny
+    from batchspec_tools.bench.run import BenchConfig
+
+    assert "llamacpp" not in BenchConfig().methods  # asked for by name only
+    gguf = tiny.save_gguf(tmp_path)
+    config = BenchConfig(target=gguf, methods=("llamacpp",), concurrency=(1,))
+    assert config.methods == ("llamacpp",)
+    with pytest.raises(ValueError, match="--concurrency"):
+        BenchConfig(target=gguf, methods=("llamacpp",))
+    with pytest.raises(ValueError, match="GGUF"):
+        BenchConfig(target=str(tmp_path), methods=("llamacpp_ngram",), concurrency=(1,))

@@ -346,3 +346,49 @@ def test_rows_that_leave_and_join_keep_the_batch_and_every_rows_logits(model_dir
     assert widened > 0  # a newcomer longer than the batch widened it
     assert seated > 3  # newcomers took rows of the running batch
     assert vacant > 3  # rows that left stayed vacant instead of a copy of the batch
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "head"])
+def test_the_lean_forward_gives_transformers_logits_bit_for_bit(model_dirs, arch, tmp_path):
+    """The runtime's own forward calls the model's modules as transformers' forward does:
+    prompts of several lengths prefilled together, then ragged verifies over a batch with
+    holes (masked) and plain steps, give the same logits and final hidden states as the
+    transformers forward, bit for bit."""
+    from batchspec.runtime import tiny
+
+    path = tiny.save_feature_head(model_dirs["llama"][0], tmp_path / "head") \
+        if arch == "head" else model_dirs[arch][0]
+    model = models.load_causal_lm(path)
+    runners = [runner_lib.ModelRunner(model, name=arch, device=torch.device("cpu"),
+                                      eos_token_ids=[], max_context_len=256, lean=lean)
+               for lean in (True, False)]
+    assert runners[0].lean_forward is not None and runners[1].lean_forward is None
+    width = runners[0].reads_features
+    generator = torch.Generator().manual_seed(3)
+    rng = random.Random(3)
+    prompts = {i: [rng.randrange(4, 90) for _ in range(n)] for i, n in enumerate((9, 14, 11))}
+    prompt_features = {i: torch.randn(len(t), width, generator=generator)
+                       for i, t in prompts.items()} if width else None
+    lengths = {i: len(t) for i, t in prompts.items()}
+    for runner in runners:
+        runner.prefill(list(prompts.items()), prompt_features)
+    for step in range(6):
+        fed = 4 if step % 2 == 0 else 1
+        tokens = torch.tensor([[rng.randrange(4, 90) for _ in range(fed)] for _ in lengths])
+        features = torch.randn(len(lengths), fed, width, generator=generator) if width else None
+        real = torch.tensor([rng.randint(1, fed) for _ in lengths])
+        valid = torch.arange(fed)[None, :] < real[:, None] if fed > 1 else None
+        kept = [rng.randint(1, int(n)) for n in real]
+        results = []
+        for runner in runners:
+            group = runner.open_group([runner_lib.RowSpec(i, n, n, [0] * fed)
+                                       for i, n in lengths.items()], realign=True)
+            logits = group.step(tokens, num_logits=fed, valid=valid, features=features,
+                                keep_hidden=True)
+            results.append((logits, group.hidden))
+            runner.store(list(lengths), group.rows_after([n + k for n, k in
+                                                          zip(lengths.values(), kept)]))
+        for i, n in enumerate(real.tolist()):  # padding's outputs are never read
+            assert torch.equal(results[0][0][i, :n], results[1][0][i, :n])
+            assert torch.equal(results[0][1][i, :n], results[1][1][i, :n])
+        lengths = {i: n + k for (i, n), k in zip(lengths.items(), kept)}

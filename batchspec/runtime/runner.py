@@ -18,7 +18,7 @@ import time
 import torch
 
 from batchspec import errors, packing
-from batchspec.runtime import fastlinear, kvcache, logprobs
+from batchspec.runtime import fastlinear, forward, kvcache, logprobs
 from batchspec.runtime.cachebook import CacheBook, StepCost
 
 
@@ -65,7 +65,7 @@ class RowSpec:
 
 class ModelRunner(CacheBook):
     def __init__(self, model: torch.nn.Module, *, name: str, device: torch.device,
-                 eos_token_ids: list[int], max_context_len: int):
+                 eos_token_ids: list[int], max_context_len: int, lean: bool = True):
         super().__init__(name=name, vocab_size=int(model.config.vocab_size),
                          eos_token_ids=eos_token_ids, max_context_len=max_context_len,
                          device=device)
@@ -90,6 +90,8 @@ class ModelRunner(CacheBook):
         # A feature head scores its own vocabulary only: group forwards return logits over
         # those tokens ([..., len(logit_token_ids)], in that order); None: the whole vocabulary.
         self.logit_token_ids = model.lm_head.token_ids if self.reads_features else None
+        # the model's lean forward (None: transformers' own)
+        self.lean_forward = forward.lean_forward(model) if lean else None
 
     def prefill(self, entries: list[tuple[int, list[int]]],
                 features: dict[int, torch.Tensor] | None = None) -> list[int]:
@@ -370,8 +372,9 @@ class GroupForward:
              valid: torch.Tensor | None = None, features: torch.Tensor | None = None,
              keep_hidden: bool = False) -> torch.Tensor:
         """Feed input_ids [batch, T] to every row; returns the last num_logits logits
-        [batch, num_logits, vocab] in float32 (a feature head's: over runner.logit_token_ids). valid [batch, T] bool (where the runner packs
-        positions): the real tokens; the others are right padding, which no real position
+        [batch, num_logits, vocab] in float32 (a feature head's: over its own vocabulary,
+        runner.logit_token_ids). valid [batch, T] bool (where the runner packs positions):
+        the real tokens; the others are right padding, which no real position
         attends to, whose logits are zeros and which no row may keep. features [batch, T,
         width]: for a model that reads them (required there). keep_hidden: keep the final
         hidden states in `self.hidden` (a feature head always does)."""
@@ -386,8 +389,8 @@ class GroupForward:
         packed = valid is not None and self.runner.packs_positions \
             and packing.worth_packing(int((~valid).sum()))
         with (fastlinear.only_positions(valid) if packed else contextlib.nullcontext(),
-              self._hidden_kept(keep_hidden)):
-            logits = self._step(input_ids, num_logits, started, kwargs)
+              self._hidden_kept(keep_hidden and self.runner.lean_forward is None)):
+            logits = self._step(input_ids, num_logits, started, kwargs, keep_hidden)
         if self.slots is None:
             return logits
         if self.hidden is not None:
@@ -422,7 +425,7 @@ class GroupForward:
             hook.remove()
 
     def _step(self, input_ids: torch.Tensor, num_logits: int, started: float,
-              kwargs: dict) -> torch.Tensor:
+              kwargs: dict, keep_hidden: bool) -> torch.Tensor:
         batch, num_new = input_ids.shape
         device = self.runner.device
         starts = torch.tensor(self.lengths, device=device)
@@ -430,8 +433,13 @@ class GroupForward:
         if self.mask is not None:
             self.mask = torch.cat([self.mask, self.mask.new_ones(batch, num_new)], dim=1)
             kwargs["attention_mask"] = self.mask
-        kwargs[self.runner.cache_keyword] = self.cache
         self.hidden = None  # set by the forward below where kept
+        if self.runner.lean_forward is not None:
+            logits, self.hidden = self.runner.lean_forward(
+                input_ids.to(device), position_ids, self.cache, kwargs.get("attention_mask"),
+                num_logits, keep_hidden, kwargs.get("features"))
+            return self._advanced(num_new, logits.float(), started)
+        kwargs[self.runner.cache_keyword] = self.cache
         model = self.runner.model
         out = model(input_ids=input_ids.to(device), position_ids=position_ids, use_cache=True,
                     logits_to_keep=0 if self.runner.reads_features else num_logits, **kwargs)
@@ -441,6 +449,10 @@ class GroupForward:
             logits = model.lm_head.subset_logits(out.hidden[:, -num_logits:]).float()
         else:
             logits = out.logits[:, -num_logits:].float()
+        return self._advanced(num_new, logits, started)
+
+    def _advanced(self, num_new: int, logits: torch.Tensor, started: float) -> torch.Tensor:
+        """After a forward fed num_new tokens to every row: the group's bookkeeping moved on."""
         self.lengths = [n + num_new for n in self.lengths]
         self.spans = [kvcache.append_span(s, self.width, self.width + num_new)
                       for s in self.spans]

@@ -125,7 +125,7 @@ def gumbel_max(logits: torch.Tensor, params, positions: np.ndarray,
     scored, not the vocabulary. Each row's logits are read whole about twice: for its most
     likely tokens, and for top-p's mass or that bound. token_ids: as choose's (noise and ties
     go by the token, not the column)."""
-    device, (num_rows, vocab) = logits.device, logits.shape
+    device, vocab = logits.device, logits.shape[-1]
     seeds = np.array([int(p.seed) & (2**64 - 1) for p in params], dtype=np.uint64)
     temperature, top_k, top_p = (torch.tensor([getattr(p, name) for p in params], device=device)
                                  for name in ("temperature", "top_k", "top_p"))

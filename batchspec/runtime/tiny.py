@@ -127,7 +127,8 @@ def save_feature_head(target_dir: str, out: pathlib.Path, *, exact: bool = False
 def save_gguf(root: pathlib.Path, seed: int = 5) -> str:
     """The tiny Llama-style target written as a GGUF file the way llama.cpp writes one: q and k
     rows permuted for its rotary layout, every linear weight in Q4_1, the embedding and the
-    output head in Q8_0, norms in float32. Returns the file's path."""
+    output head in Q8_0, norms in float32, a vocabulary of made-up words. Returns the file's
+    path."""
     import gguf
 
     model = llama(seed)
@@ -145,6 +146,12 @@ def save_gguf(root: pathlib.Path, seed: int = 5) -> str:
     writer.add_vocab_size(config.vocab_size)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(pick_eos(model))
+    # a vocabulary of made-up words, so that llama.cpp loads the file too (it needs one)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"\u2581w{i}" for i in range(3, VOCAB)])
+    writer.add_token_scores([0.0] * VOCAB)
+    writer.add_token_types([2, 3, 3] + [1] * (VOCAB - 3))  # unknown, control, normal
+    writer.add_unk_token_id(0)
 
     def add(name: str, weight: torch.Tensor, kind) -> None:
         data = weight.detach().float().numpy()

@@ -1,4 +1,5 @@
-"""Serving as servers are judged: closed-loop clients against the gRPC methods.
+"""Serving as servers are judged: closed-loop clients against the gRPC methods (and llama.cpp's
+server on the same GGUF file, batchspec_tools.bench.llamacpp).
 
 At each concurrency C, C clients share the prompt set, each sending its next request as soon as
 its last answer ended. Every method gets a fresh coordinator over the same running services
@@ -24,15 +25,16 @@ import pathlib
 import statistics
 import time
 
-from batchspec_tools.bench import arrivals
+from batchspec_tools.bench import arrivals, llamacpp
 
 WARM_UP_TOKENS = 8
 PLAIN = "grpc_target_only"
 
 
 def methods_of(config, grpc_drafts: dict) -> list[str]:
-    """The gRPC methods to serve, the plain server always among them (the yardstick)."""
-    chosen = [m for m in config.methods if m in grpc_drafts]
+    """The methods to serve (gRPC ones and llama.cpp's), the plain server always among them
+    (the yardstick)."""
+    chosen = [m for m in config.methods if m in grpc_drafts or m in llamacpp.METHODS]
     return chosen + [PLAIN] if PLAIN not in chosen else chosen
 
 
@@ -52,12 +54,14 @@ def sweep(stack, workload, config, reference, grpc_drafts: dict,
     for round_, concurrency, method in tqdm(rounds, desc="closed-loop clients", unit="run"):
         extra = grpc_flags.get(method, ()) + step_log(config, f"{method}-c{concurrency}-r{round_}")
         row, answers = one_run(stack, workload, config, method, concurrency,
-                               grpc_drafts[method], None if workload.sampling else reference,
+                               grpc_drafts.get(method), None if workload.sampling else reference,
                                extra)
         runs.setdefault((method, concurrency), []).append(row)
         outputs.setdefault((method, concurrency), answers)
     if workload.sampling:
         for (method, concurrency), found in runs.items():
+            if method in llamacpp.METHODS:
+                continue  # its tokens are not reported, and not the float32 model's
             plain = outputs[(PLAIN, concurrency)]
             for row in found:
                 row["exact_match"] = arrivals.exact_share(outputs[(method, concurrency)], plain)
@@ -84,18 +88,26 @@ def warm_up(stack, workload, config, methods: list[str], grpc_drafts: dict,
     prompts = workload.prompts[:clients]
     for method in methods:
         extra = grpc_flags.get(method, ()) + step_log(config, f"{method}-c{clients}-warm")
-        with served(stack, workload, config, grpc_drafts[method], extra) as stub:
+        with served(stack, workload, config, method, grpc_drafts.get(method), extra) as stub:
             arrivals.run_closed_loop(stub, prompts, workload.max_new_tokens, clients,
                                      workload.request_fields)
 
 
 @contextlib.contextmanager
-def served(stack, workload, config, drafts, extra=()):
-    """A stub of a fresh coordinator over the stack's services (`drafts` its draft kinds)."""
+def served(stack, workload, config, method: str, drafts, extra=()):
+    """A stub of a fresh coordinator over the stack's services (`drafts` its draft kinds),
+    or of a fresh llama.cpp server for its methods."""
     import grpc
 
     from batchspec.v1 import generate_pb2_grpc
 
+    if method in llamacpp.METHODS:
+        import torch
+
+        with llamacpp.served(workload, method, max(config.concurrency),
+                             torch.get_num_threads()) as stub:
+            yield stub
+        return
     with stack.coordinator(workload, config.load_batch_size, config.ks[-1], drafts,
                            extra) as (port, _):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -116,14 +128,17 @@ def one_run(stack, workload, config, method: str, concurrency: int, drafts, refe
             extra=()) -> tuple[dict, list[list[int]]]:
     """The run's row and its answers, in prompt order."""
     k = config.ks[-1]
-    with served(stack, workload, config, drafts, extra) as stub:
+    with served(stack, workload, config, method, drafts, extra) as stub:
         arrivals.run_closed_loop(stub, workload.prompts[:concurrency], WARM_UP_TOKENS,
                                  concurrency, workload.request_fields)
         before = cpu_now(stack)
         traces, seconds = arrivals.run_closed_loop(stub, workload.prompts,
                                                    workload.max_new_tokens, concurrency,
                                                    workload.request_fields)
-        spent = cpu_spent(before, cpu_now(stack))
+        # llama.cpp runs in this process: the clients' seconds would be its own
+        spent = cpu_spent(before, cpu_now(stack)) if drafts is not None else {}
+        if method in llamacpp.METHODS:
+            reference = None  # its tokens are not reported
     row = {"method": method, "concurrency": concurrency, "batch_size": config.load_batch_size,
            "k": k if drafts else None, **arrivals.summarise(traces, seconds),
            "steady_tokens_per_s": arrivals.steady_tokens_per_s(traces), "cpu_s": spent}
@@ -177,7 +192,7 @@ def add_plain_ratios(rows: list[dict], runs: dict) -> None:
 def markdown(rows: list[dict]) -> list[str]:
     if not rows:
         return []
-    lines = ["## Closed-loop clients, over gRPC", "",
+    lines = ["## Closed-loop clients", "",
              "C clients each send their next request as soon as their last one ends. "
              f"`{PLAIN}` is the same server without drafts (`batchspec serve --draft-model "
              "none`); \"vs plain\" is the ratio of the median runs, its range the ratios "
@@ -200,8 +215,13 @@ def markdown(rows: list[dict]) -> list[str]:
                      f"| {ratio} | {within} | {steady} | {steady_ratio} | "
                      f"{r['ttft_p50_ms']} / {r['ttft_p99_ms']} | "
                      f"{r['itl_p50_ms']} / {r['itl_p99_ms']} | {drafted_per_token(r)} | "
-                     f"{accepted} | {r.get('exact_match', 0):.0%} |")
+                     f"{accepted} | {exact(r)} |")
     return lines + [""] + cpu_markdown(rows)
+
+
+def exact(row: dict) -> str:
+    """The share of exact answers ('-' for llama.cpp, which is not the float32 model)."""
+    return "-" if row["method"] in llamacpp.METHODS else f"{row.get('exact_match', 0):.0%}"
 
 
 def drafted_per_token(row: dict) -> str:

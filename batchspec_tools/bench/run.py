@@ -46,7 +46,13 @@ METHODS = {
                              "predictions alone decide, measured delivery is not consulted",
     "grpc_target_only": "9. batchspec over gRPC with no draft: plain batched decoding through "
                         "the same services (what the serving path costs)",
+    "llamacpp": "10. llama.cpp's server (PyPI xllamacpp) on the same GGUF file, plain: what a "
+                "CPU user would otherwise run (its own 4-bit kernels, activations in 8 bits: "
+                "not the float32 model, so no exactness); closed-loop clients only",
+    "llamacpp_ngram": "10b. as 10, with llama.cpp's own n-gram speculation (ngram_mod)",
 }
+# Methods run only when asked for by name (--methods): they need a package the tests do not
+LLAMACPP = ("llamacpp", "llamacpp_ngram")
 # The drafts each gRPC method's coordinator uses, and the flags it adds.
 GRPC_DRAFTS = {"grpc": ("model",), "grpc_ngram": ("ngram",), "grpc_router": ("model", "ngram"),
                "grpc_router_predicted": ("model", "ngram"), "grpc_target_only": ()}
@@ -70,7 +76,7 @@ class BenchConfig:
     max_new_tokens: int = 64
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     ks: tuple[int, ...] = (EngineConfig.num_draft_tokens,)
-    methods: tuple[str, ...] = tuple(METHODS)
+    methods: tuple[str, ...] = tuple(m for m in METHODS if m not in LLAMACPP)
     out: str = "bench-out"
     quick: bool = False
     min_draft_confidence: float = EngineConfig.min_draft_confidence
@@ -118,10 +124,12 @@ class BenchConfig:
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("--temperature must be >= 0 and --top-p in (0, 1]")
         if self.temperature > 0 and (not self.concurrency or self.arrival_rates or set(
-                self.methods) - set(GRPC_DRAFTS)):
+                self.methods) - set(GRPC_DRAFTS) - set(LLAMACPP)):
             raise ValueError("--temperature samples in the closed-loop runs: give --concurrency "
                              "and only gRPC methods (--methods grpc_router,grpc_target_only, "
-                             "...), without --arrival-rates")
+                             "...) or llama.cpp's, without --arrival-rates")
+        if set(self.methods) & set(LLAMACPP):
+            self._check_llamacpp()
         if self.overhead and (self.quick or self.concurrency or self.arrival_rates
                               or self.temperature > 0 or self.by_category or self.prompts):
             raise ValueError("--overhead serves its own free model and prompts: give it only "
@@ -132,6 +140,17 @@ class BenchConfig:
 
         models.check_device(self.device)
         models.check_present(self.device)
+
+    def _check_llamacpp(self) -> None:
+        from batchspec_tools.bench import llamacpp
+
+        if not self.concurrency or self.device != "cpu":
+            raise ValueError("the llama.cpp methods serve closed-loop clients on the CPU: give "
+                             "--concurrency (and no --device)")
+        if not llamacpp.available():
+            raise ValueError("the llama.cpp methods need llama.cpp's server: pip install "
+                             "xllamacpp")
+        llamacpp.gguf_path(self.target)  # ValueError for a target that is no GGUF file
 
 
 @dataclasses.dataclass
@@ -270,9 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(cpu, cuda, cuda:N, xpu[:N], mps); the n-gram draft needs none")
     parser.add_argument("--load-batch-size", type=int, default=32,
                         help="the coordinator's --batch-size under the arrival-driven load")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help="methods to run, comma-separated (default: all of them; the "
-                             "report lists them)")
+    parser.add_argument("--methods", default=",".join(BenchConfig.methods),
+                        help="methods to run, comma-separated (default: all but llama.cpp's, "
+                             "which need `pip install xllamacpp`; the report lists them)")
     parser.add_argument("--out", default="bench-out", help="report directory")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sample the closed-loop runs' requests at this temperature "
@@ -666,7 +685,7 @@ def scrape(port: int) -> dict:
 def settings(config: BenchConfig) -> list[tuple[str, int, int]]:
     out = []
     for method in config.methods:
-        if config.concurrency and method in GRPC_DRAFTS:
+        if method in LLAMACPP or config.concurrency and method in GRPC_DRAFTS:
             continue  # served to closed-loop clients instead
         sizes = config.batch_sizes if method in USES_BATCH else (1,)
         ks = config.ks if method in USES_K else (0,)

@@ -1,0 +1,148 @@
+"""A lean forward for the model families the runtime serves: Llama-style decoders (Llama,
+Mistral, Qwen2; and a feature head's decoder layer) and GPT-2.
+
+transformers' forward spends about as long again as the layers' own work on a small model
+(output dataclasses, mask factories, kwarg plumbing, hooks, per-layer wrappers). This one
+calls the model's own modules in the order its transformers forward does, over the same
+cache object (its layers' `update`, so positions land in the runtime's buffers) and through
+the same attention function (attention.grouped_sdpa, with the mask transformers would build:
+None where it would skip it), so the logits are those of transformers' forward bit for bit
+(tested). A model of another family, or one whose attention is not the runtime's, keeps
+transformers' forward (`lean_forward` returns None).
+"""
+from collections.abc import Callable
+
+import torch
+
+from batchspec.runtime import attention
+
+LLAMA_TYPES = ("llama", "mistral", "qwen2")
+
+
+def lean_forward(model: torch.nn.Module) -> Callable | None:
+    """forward(input_ids, position_ids, cache, column_mask, num_logits, keep_hidden,
+    features=None) -> (logits [batch, num_logits, vocab] or None, hidden or None) for
+    `model`, or None where it has none (see the module docstring). num_logits 0: no logits.
+    hidden: the final hidden states of every position (after the last norm), where kept."""
+    from batchspec.runtime.feature_head import FeatureHead
+
+    if isinstance(model, FeatureHead):
+        body = _llama_body(model.body)
+        return None if body is None else _head(model, body)
+    config = model.config
+    if getattr(config, "model_type", None) in LLAMA_TYPES:
+        body = _llama_body(model.model)
+        return None if body is None else _causal_lm(model.model.embed_tokens, body,
+                                                    model.lm_head)
+    if getattr(config, "model_type", None) == "gpt2" and _runtime_attention(config) \
+            and not config.reorder_and_upcast_attn and not config.add_cross_attention:
+        return _causal_lm(model.transformer.wte, _gpt2_body(model.transformer), model.lm_head)
+    return None
+
+
+def _runtime_attention(config) -> bool:
+    return getattr(config, "_attn_implementation", None) == attention.NAME
+
+
+def _llama_body(base) -> Callable | None:
+    """body(embedded, position_ids, cache, mask) -> final hidden states, for a LlamaModel
+    (or a sibling of the same layout); None where the layout differs."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    layers = list(base.layers[:base.config.num_hidden_layers])
+    plain = all(type(getattr(layer.self_attn, "q_norm", None)) is type(None)
+                and getattr(layer.self_attn, "sliding_window", None) is None
+                for layer in layers)
+    if not (_runtime_attention(base.config) and plain and hasattr(base, "rotary_emb")):
+        return None
+
+    def body(hidden, position_ids, cache, mask):
+        batch, width, _ = hidden.shape
+        cos, sin = base.rotary_emb(hidden, position_ids)
+        for index, layer in enumerate(layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            shape = (batch, width, -1, attn.head_dim)
+            q = attn.q_proj(x).view(shape).transpose(1, 2)
+            k = attn.k_proj(x).view(shape).transpose(1, 2)
+            v = attn.v_proj(x).view(shape).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            k, v = cache.update(k, v, index)
+            out, _ = attention.grouped_sdpa(attn, q, k, v, mask, scaling=attn.scaling)
+            hidden = hidden + attn.o_proj(out.reshape(batch, width, -1).contiguous())
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return base.norm(hidden)
+
+    return body
+
+
+def _gpt2_body(base) -> Callable:
+    blocks = list(base.h[:base.config.num_hidden_layers])
+
+    def body(hidden, position_ids, cache, mask):
+        batch, width, _ = hidden.shape
+        hidden = hidden + base.wpe(position_ids)
+        for index, block in enumerate(blocks):
+            attn = block.attn
+            q, k, v = attn.c_attn(block.ln_1(hidden)).split(attn.split_size, dim=2)
+            shape = (batch, width, -1, attn.head_dim)
+            q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+            k, v = cache.update(k, v, index)
+            out, _ = attention.grouped_sdpa(attn, q, k, v, mask, scaling=attn.scaling)
+            hidden = attn.c_proj(out.reshape(batch, width, -1).contiguous()) + hidden
+            hidden = hidden + block.mlp(block.ln_2(hidden))
+        return base.ln_f(hidden)
+
+    return body
+
+
+def _causal_lm(embed, body, head) -> Callable:
+    @torch.inference_mode()
+    def forward(input_ids, position_ids, cache, column_mask, num_logits, keep_hidden,
+                features=None):
+        hidden = body(embed(input_ids), position_ids, cache,
+                      causal_mask(column_mask, *input_ids.shape, cache))
+        logits = head(hidden[:, -num_logits:]) if num_logits else None
+        return logits, hidden if keep_hidden else None
+
+    return forward
+
+
+def _head(model, body) -> Callable:
+    """A feature head: its tokens' embeddings fused with the features before them, through
+    its decoder layer; the hidden states (its predicted features) always kept, its logits
+    over its own vocabulary (SubsetHead.subset_logits)."""
+    @torch.inference_mode()
+    def forward(input_ids, position_ids, cache, column_mask, num_logits, keep_hidden,
+                features=None):
+        embedded = model.embed_tokens(input_ids)
+        fused = model.fuse(torch.cat([embedded, features.to(embedded.dtype)], dim=-1))
+        hidden = body(fused, position_ids, cache,
+                      causal_mask(column_mask, *input_ids.shape, cache))
+        logits = model.lm_head.subset_logits(hidden[:, -num_logits:]) if num_logits else None
+        return logits, hidden
+
+    return forward
+
+
+def causal_mask(column_mask: torch.Tensor | None, batch: int, num_new: int,
+                cache) -> torch.Tensor | None:
+    """The attention mask transformers' SDPA path gives a forward feeding num_new tokens after
+    the cache's columns, column_mask [batch, columns + num_new] marking real columns (None:
+    all): None where every column is real and the queries are one token or the whole
+    sequence (SDPA's own causal flag then), else [batch, 1, num_new, columns + num_new] bool,
+    True where a query may attend."""
+    past = cache.get_seq_length()
+    if column_mask is not None and bool(column_mask.all()):
+        column_mask = None
+    if column_mask is None and (num_new == 1 or past == 0):
+        return None
+    device = cache.layers[0].keys.device if cache.layers else None
+    total = past + num_new
+    if column_mask is not None:
+        device = column_mask.device
+    columns = torch.arange(total, device=device)
+    causal = columns[None, :] <= (past + torch.arange(num_new, device=device))[:, None]
+    if column_mask is None:
+        return causal[None, None].expand(batch, 1, num_new, total)
+    return causal[None, None] & column_mask.bool()[:, None, None, :]
