@@ -34,6 +34,7 @@ class ModelInfo:
     # a target: the width of the features it returns; a draft: of those it reads (0: none)
     feature_width: int = 0
     calibrated: bool = False  # a draft whose probabilities track acceptance
+    vocabulary: str = ""  # a digest of what its token ids mean ("": unknown)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +190,7 @@ def _model_info(info) -> ModelInfo:
                      info.max_context_len, info.num_sequences, info.num_cached_tokens,
                      tuple((c.rows, c.tokens, c.seconds) for c in info.step_costs),
                      info.device, info.packs_positions, info.instance_id, info.draining,
-                     info.feature_width, info.calibrated)
+                     info.feature_width, info.calibrated, info.vocabulary)
 
 
 class Probe:

@@ -11,6 +11,7 @@ policy and moves the draft's record of its valid cache.
 """
 import dataclasses
 import functools
+import logging
 import operator
 import time
 
@@ -22,6 +23,8 @@ from coordinator.evidence import Choice, Evidence
 from coordinator.peers import Peers
 from coordinator.sequence import Sequence, mixed
 from coordinator.stats import Recorder
+
+log = logging.getLogger(__name__)
 
 # A draft whose cheapest command costs at most this share of the target's (a lookup, not a
 # model) is asked for every row before the step is planned.
@@ -174,6 +177,27 @@ def realign_shares(cohort: DraftedCohort, verify_timing: Timing | None) -> tuple
     return (realign, 0.0) if changed else (0.0, realign if after_drafts else 0.0)
 
 
+# the draft kinds (by model) that refused rows: each logged once
+_REFUSALS: set[str] = set()
+
+
+def refuse(kind: DraftKind, seqs: list[Sequence], error) -> None:
+    """Draft `kind` refused these rows' tokens (token ids outside its vocabulary, a context
+    longer than its own): they decode without it from now on, and whatever a failed command
+    left of them there is released. Logged once per kind."""
+    if kind.name not in _REFUSALS:
+        _REFUSALS.add(kind.name)
+        log.warning("draft %s (%s) refused a command (%s): rows it cannot take decode without "
+                    "it; a draft must share the target's vocabulary and context",
+                    kind.client.address, kind.name, error)
+    for s in seqs:
+        s.drafts[kind.index].refused = True
+    try:
+        kind.client.release([s.seq_id for s in seqs])
+    except errors.BatchspecError:
+        pass  # none of them was cached there
+
+
 class Drafter:
     def __init__(self, peers: Peers, config: DraftingConfig, recorder: Recorder,
                  policy: goodput.GoodputPolicy | None = None,
@@ -317,13 +341,15 @@ class Drafter:
         the draft holds nothing of is prefilled first); {} when none can or the service is
         lost. A proposal's tokens are what the service drafted (and cached, but the last),
         which may be more than the row verifies (or fewer: a lookup proposes what it finds)."""
+        rows = [i for i in rows if not step.seqs[i].drafts[kind.index].refused]
         seqs = [step.seqs[i] for i in rows]
-        if not self.peers.warm(kind, seqs) or not num_drafts:
-            return {}
-        ready, width = scheduler.draft_plan(seqs, kind.index)
-        if not ready or (kind.reads_features and not features.ensure(self.peers.target, ready)):
-            return {}
         try:
+            if not seqs or not self.peers.warm(kind, seqs) or not num_drafts:
+                return {}
+            ready, width = scheduler.draft_plan(seqs, kind.index)
+            if not ready or (kind.reads_features
+                             and not features.ensure(self.peers.target, ready)):
+                return {}
             proposals, timing, round_trip = self._send(
                 kind, ready, width, num_drafts, timeout,
                 self._cut(kind, len(step.seqs), len(ready), num_drafts))
@@ -331,6 +357,9 @@ class Drafter:
             self.peers.draft_lost(kind, error)
             return {}
         except errors.DeadlineExceeded:
+            return {}
+        except errors.InvalidArgument as error:
+            refuse(kind, seqs, error)
             return {}
         step.spent.append((timing, round_trip))
         for seq, proposal in zip(ready, proposals):
@@ -398,7 +427,8 @@ class Drafter:
         choices = [None] * len(self.kinds)
         for kind in up:
             state, tokens = s.drafts[kind.index], offered.get(kind.index)
-            if not (i in step.drafted or kind.index not in step.called or tokens):
+            if state.refused or not (i in step.drafted or kind.index not in step.called
+                                     or tokens):
                 continue
             # a cold row (the draft holds nothing of it) is prefilled there if picked
             choice = self.policy.choice(state.spec, s.draft_append_need(kind.index),

@@ -93,7 +93,8 @@ class Peers:
 
     def warm(self, kind: DraftKind, seqs: list[Sequence]) -> bool:
         """Prefill, from the committed record, the rows draft `kind` holds nothing of;
-        False when the draft was lost doing so."""
+        False when the draft was lost doing so. InvalidArgument where it refused their
+        tokens (see drafting.refuse)."""
         cold = [s for s in seqs if s.drafts[kind.index].cache_len is None]
         if not kind.up or not cold:
             return kind.up

@@ -58,6 +58,9 @@ class DraftState(ServiceCache):
 
     valid_len: int = 0
     spec: RowState = dataclasses.field(default_factory=RowState)  # its acceptance, for K
+    # the kind refused the sequence's tokens (a vocabulary or a context it lacks): it never
+    # drafts for it (forget keeps this)
+    refused: bool = False
 
     def forget(self) -> None:
         self.cache_len, self.valid_len = None, 0

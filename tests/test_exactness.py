@@ -205,3 +205,27 @@ def generate_all_in_turn(stub, requests) -> list[list[int]]:
             prompt_token_ids=prompt, max_new_tokens=max_new), timeout=120)
         answers.append([t for r in responses for t in r.token_ids])
     return answers
+
+
+def test_a_draft_of_another_vocabulary_never_fails_a_request(model_dirs, references, tmp_path,
+                                                             caplog):
+    """A draft whose vocabulary is not the target's (28 tokens against 96, and no tokenizer
+    files to tell at start-up) refuses the target's token ids it does not know: the rows it
+    refused decode without it, the refusal is logged, and every answer is the target
+    alone's."""
+    import logging
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    small = LlamaForCausalLM(LlamaConfig(
+        vocab_size=28, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256))
+    small.save_pretrained(tmp_path / "characters")
+    requests = random_requests(91, 6)
+    with caplog.at_level(logging.WARNING, logger="coordinator.drafting"), \
+            running_stack(model_dirs["llama"][0], str(tmp_path / "characters"),
+                          batch_size=4) as stack:
+        outputs = generate_all(stack.stub(), requests)
+    for (prompt, max_new), (tokens, _) in zip(requests, outputs):
+        assert tokens == references("llama", prompt, max_new)
+    assert "refused a command" in caplog.text

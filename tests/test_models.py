@@ -57,3 +57,23 @@ def test_the_shipped_drafts_are_found_and_the_best_is_the_default_for_smollm2():
         models.SMOLLM2_DRAFT, None)
     assert cli.pick_draft("some/other-model", None, None) == ("some/other-model",
                                                               cli.DEFAULT_DRAFT_LAYERS)
+
+
+def test_a_models_vocabulary_digest_reads_its_token_ids_meaning(tmp_path):
+    """ModelInfo.vocabulary: the same for a GGUF file and the tokenizer.json written from it,
+    and for a draft directory (its base model's); another vocabulary, another digest; none
+    for a model without tokenizer files."""
+    from batchspec.runtime import tiny
+
+    gguf = tiny.save_gguf(tmp_path)
+    digest = models.vocabulary_digest(gguf)
+    assert digest and models.vocabulary_digest(gguf) == digest
+    exported = tmp_path / "exported"
+    models.export_tokenizer(gguf, exported)
+    assert models.vocabulary_digest(str(exported)) == digest
+    head = tiny.save_feature_head(gguf, tmp_path / "head")
+    assert models.vocabulary_digest(str(head)) == digest
+    tiny.llama(0).save_pretrained(tmp_path / "no-tokenizer")
+    assert models.vocabulary_digest(str(tmp_path / "no-tokenizer")) == ""
+    assert models.vocabulary_digest(models.SMOLLM2) == \
+        models.vocabulary_digest(models.SMOLLM2_EAGLE) != digest

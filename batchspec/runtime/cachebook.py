@@ -38,6 +38,7 @@ class CacheBook:
         self.lock = threading.Lock()
         # What a command costs on this device, measured at start-up; Describe reports it.
         self.step_costs: list[StepCost] = []
+        self.vocabulary = ""  # ModelInfo.vocabulary: a digest of its token ids' meaning
 
     def num_cached_tokens(self) -> int:
         return sum(c.length for c in self.caches.values())

@@ -278,6 +278,47 @@ def export_tokenizer(spec: str, out_dir: pathlib.Path) -> pathlib.Path:
     return out_dir / "tokenizer.json"
 
 
+def vocabulary_digest(spec: str) -> str:
+    """ModelInfo.vocabulary for a model: a digest of each token id's token, in id order, read
+    from its GGUF file or its tokenizer.json ("" where it has neither). A draft directory
+    (distilled, or a feature head) indexes its base model's vocabulary."""
+    import hashlib
+
+    from batchspec.runtime import draft_model
+
+    path = model_path(spec)
+    if draft_model.is_draft_dir(path):
+        return vocabulary_digest(draft_model.read_manifest(path)["base_model"])
+    source = resolve(spec)
+    try:
+        tokens = _gguf_tokens(pathlib.Path(source.path) / source.gguf_file) \
+            if source.gguf_file else _tokenizer_json_tokens(pathlib.Path(source.path))
+    except (OSError, ValueError, KeyError):
+        tokens = []
+    return hashlib.sha256("\n".join(tokens).encode()).hexdigest()[:32] if tokens else ""
+
+
+def _gguf_tokens(path: pathlib.Path) -> list[str]:
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        return []
+    return [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+
+
+def _tokenizer_json_tokens(root: pathlib.Path) -> list[str]:
+    """Each id's token from a tokenizer.json (its model's vocabulary and its added tokens)."""
+    import json
+
+    found = json.loads((root / "tokenizer.json").read_text())
+    vocab = found["model"]["vocab"]
+    by_id = dict(enumerate(p[0] for p in vocab)) if isinstance(vocab, list) \
+        else {i: t for t, i in vocab.items()}
+    by_id.update((t["id"], t["content"]) for t in found.get("added_tokens", []))
+    return [by_id.get(i, "") for i in range(max(by_id) + 1)] if by_id else []
+
+
 def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 

@@ -213,7 +213,7 @@ def handle_cache_command(runner: CacheBook, kind: str, command):
 def describe(runner: CacheBook, dtype: str, gate: Gate,
              feature_width: int = 0) -> cache_pb2.ModelInfo:
     return cache_pb2.ModelInfo(model=runner.name, vocab_size=runner.vocab_size,
-                               feature_width=feature_width,
+                               feature_width=feature_width, vocabulary=runner.vocabulary,
                                calibrated=models.calibrated(getattr(runner, "model", None)),
                                instance_id=gate.instance_id, draining=gate.draining.is_set(),
                                max_sequences=gate.max_sequences,
@@ -292,9 +292,12 @@ def build_runner(config: ServiceConfig) -> runner_lib.ModelRunner:
         raise RuntimeError(str(error)) from None
     model = models.load_causal_lm(config.model, dtype=config.dtype, device=config.device,
                                   num_layers=config.num_layers)
-    return runner_lib.ModelRunner(model, name=config.model, device=torch.device(config.device),
-                                  eos_token_ids=models.eos_token_ids(model),
-                                  max_context_len=models.max_context_len(model))
+    runner = runner_lib.ModelRunner(model, name=config.model,
+                                    device=torch.device(config.device),
+                                    eos_token_ids=models.eos_token_ids(model),
+                                    max_context_len=models.max_context_len(model))
+    runner.vocabulary = models.vocabulary_digest(config.model)
+    return runner
 
 
 def add_service_arguments(parser: argparse.ArgumentParser, default_port: int,

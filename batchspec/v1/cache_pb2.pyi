@@ -133,7 +133,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_context_len", "num_sequences", "num_cached_tokens", "device", "dtype", "step_costs", "packs_positions", "instance_id", "draining", "max_sequences", "max_cached_tokens", "feature_width", "calibrated")
+    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_context_len", "num_sequences", "num_cached_tokens", "device", "dtype", "step_costs", "packs_positions", "instance_id", "draining", "max_sequences", "max_cached_tokens", "feature_width", "calibrated", "vocabulary")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class ModelInfo(_message.Message):
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     CALIBRATED_FIELD_NUMBER: _ClassVar[int]
+    VOCABULARY_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -166,7 +167,8 @@ class ModelInfo(_message.Message):
     max_cached_tokens: int
     feature_width: int
     calibrated: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., packs_positions: _Optional[bool] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., max_sequences: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ..., feature_width: _Optional[int] = ..., calibrated: _Optional[bool] = ...) -> None: ...
+    vocabulary: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., packs_positions: _Optional[bool] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., max_sequences: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ..., feature_width: _Optional[int] = ..., calibrated: _Optional[bool] = ..., vocabulary: _Optional[str] = ...) -> None: ...
 
 class StepCost(_message.Message):
     __slots__ = ("rows", "tokens", "seconds", "context")
