@@ -183,7 +183,9 @@ def test_distill_a_feature_head_shows_progress_resumes_and_records(tiny_target, 
     group = runner.open_group([runner_lib.RowSpec(1, 3, 3, [8])], realign=False)
     logits = group.step(torch.tensor([[8]]), num_logits=1, features=torch.zeros(1, 1, 64))
     vocab = json.loads((out / draft_model.VOCAB).read_text())
-    assert int(logits[0, -1].argmax()) in vocab  # drafts come only from its vocabulary
+    # it scores its own vocabulary only: its drafts come from it
+    assert runner.logit_token_ids.tolist() == vocab and logits.shape[-1] == len(vocab)
+    assert int(runner.logit_token_ids[logits[0, -1].argmax()]) in vocab
 
 
 def test_distill_refuses_a_bad_setting_with_usage(capsys):

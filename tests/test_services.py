@@ -154,8 +154,8 @@ def test_a_service_runs_its_model_on_the_compute_thread_only(target, draft):
     """Commands arrive on gRPC handler threads; every forward runs on the one compute thread
     (a second thread running torch makes OpenMP's workers sleep between kernels)."""
     seen = set()
-    hooks = [runner.model.register_forward_pre_hook(lambda *_: seen.add(threading.get_ident()))
-             for _, runner, _ in (target, draft)]
+    hooks = [runner.model.get_input_embeddings().register_forward_pre_hook(
+        lambda *_: seen.add(threading.get_ident())) for _, runner, _ in (target, draft)]
     try:
         target[0].prefill([(40, [5, 6, 7])])
         draft[0].prefill([(40, [5, 6, 7])])
