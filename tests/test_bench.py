@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from batchspec_tools.bench.run import GRPC_DRAFTS, METHODS, USES_BATCH, USES_K, BenchConfig
+from batchspec_tools.bench.run import GRPC_DRAFTS, USES_BATCH, USES_K, BenchConfig
 
 
 @pytest.mark.slow
