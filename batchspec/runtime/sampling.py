@@ -30,8 +30,9 @@ import math
 import numpy as np
 import torch
 
-# processed_logprobs looks for the end of a top-k / top-p set among this many most likely
-# tokens first (a partial sort), and among four times as many where it lies further.
+# The most likely tokens looked at first (a partial sort): processed_logprobs looks for the
+# end of a top-k / top-p set among them (among four times as many where it lies further), and
+# gumbel_max scores them before bounding the rest.
 _FIRST_CANDIDATES = 64
 
 
