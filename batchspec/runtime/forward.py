@@ -137,10 +137,8 @@ def causal_mask(column_mask: torch.Tensor | None, batch: int, num_new: int,
         column_mask = None
     if column_mask is None and (num_new == 1 or past == 0):
         return None
-    device = cache.layers[0].keys.device if cache.layers else None
+    device = column_mask.device if column_mask is not None else cache.layers[0].keys.device
     total = past + num_new
-    if column_mask is not None:
-        device = column_mask.device
     columns = torch.arange(total, device=device)
     causal = columns[None, :] <= (past + torch.arange(num_new, device=device))[:, None]
     if column_mask is None:

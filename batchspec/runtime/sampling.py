@@ -139,46 +139,42 @@ def gumbel_max(logits: torch.Tensor, params, positions: np.ndarray,
     keep = whole[:, None].expand(-1, count)
     norm = None
     if not bool(whole.all()):
-        norm = _norms(logits, values, limit, temperature)
+        norm = _norms(values, limit, vocab, lambda: (logits.float() / temperature[:, None])
+                      .logsumexp(-1, keepdim=True))
         keep = keep | kept_prefix(values, norm, limit, top_p,
                                   torch.arange(count, device=device))
-    noise = torch.from_numpy(gumbel(seeds[:, None], positions[:, None], ids.cpu().numpy()))
-    scores = (values + noise.to(device)).masked_fill(~keep, float("-inf"))
-    best = scores.max(-1, keepdim=True).values
-    out = ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
-    tied = (scores == best).sum(-1) > 1
-    if bool(tied.any()):  # the lowest token of those tied, as below
-        out = torch.where(tied, ids.masked_fill(scores < best, _NO_TOKEN).min(-1).values, out)
+    cells = keep.nonzero(as_tuple=True)
+    out, best = _argmax_cells(len(params), cells[0], ids[cells], values[cells], seeds,
+                              positions)
     # rows whose kept set may run past the candidates (never under top-k: count covers it)
     beyond = keep[:, -1] & (limit >= vocab) & (count < vocab)
     if bool(beyond.any()):
         rows = beyond.nonzero().squeeze(1)
         t = temperature[rows, None]
-        cells = (logits[rows] >= (best[rows] - (G_MAX + _SLACK)) * t).nonzero(as_tuple=True)
+        cells = (logits[rows] >= (best[rows, None] - (G_MAX + _SLACK)) * t).nonzero(
+            as_tuple=True)
         scaled = logits[rows][cells].float() / t[cells[0], 0]
         kept = _kept_cells(scaled, cells[0], None if norm is None else norm[rows],
                            top_p[rows])
         taken = rows.cpu().numpy()
         out[rows] = _argmax_cells(len(rows), cells[0][kept], _token(cells[1], token_ids)[kept],
-                                  scaled[kept], seeds[taken], positions[taken])
+                                  scaled[kept], seeds[taken], positions[taken])[0]
     return out
 
 
 _NO_TOKEN = torch.iinfo(torch.long).max
 
 
-def _norms(logits: torch.Tensor, values: torch.Tensor, limit: torch.Tensor,
-           temperature: torch.Tensor) -> torch.Tensor:
+def _norms(values: torch.Tensor, limit: torch.Tensor, vocab: int, whole) -> torch.Tensor:
     """[N, 1] the logsumexp of scaled logits that top-p weighs by: over the top-k set (the
-    first `limit` of values, scaled already), or over the whole vocabulary where top-k keeps
-    all (logits / temperature)."""
-    by_k = limit < logits.shape[-1]
+    first `limit` of values [N, C], scaled), or where top-k keeps all (limit `vocab`) over the
+    whole vocabulary: whole(), asked only then."""
     ranks = torch.arange(values.shape[-1], device=values.device)
     within = values.masked_fill(ranks[None, :] >= limit[:, None], float("-inf"))
+    by_k = limit < vocab
     if bool(by_k.all()):
         return within.logsumexp(-1, True)
-    return torch.where(by_k[:, None], within.logsumexp(-1, True),
-                       (logits.float() / temperature[:, None]).logsumexp(-1, keepdim=True))
+    return torch.where(by_k[:, None], within.logsumexp(-1, True), whole())
 
 
 def kept_prefix(values: torch.Tensor, norm: torch.Tensor, limit: torch.Tensor,
@@ -210,14 +206,16 @@ def _kept_cells(scaled: torch.Tensor, rows: torch.Tensor, norm: torch.Tensor | N
 
 def _argmax_cells(num_rows: int, rows: torch.Tensor, tokens: torch.Tensor,
                   scaled: torch.Tensor, seeds: np.ndarray, positions: np.ndarray):
-    """[num_rows] the token of greatest scaled + gumbel among each row's cells (rows[c],
-    tokens[c], scaled[c]), the lowest token on a tie; every row has a cell."""
+    """([num_rows] the token of greatest scaled + gumbel among each row's cells (rows[c],
+    tokens[c], scaled[c]), the lowest token on a tie; [num_rows] that score); every row has
+    a cell."""
     taken = rows.cpu().numpy()
     scores = scaled + torch.from_numpy(
         gumbel(seeds[taken], positions[taken], tokens.cpu().numpy())).to(scaled.device)
     top = scores.new_full((num_rows,), float("-inf")).scatter_reduce(0, rows, scores, "amax")
     winners = torch.where(scores == top[rows], tokens, _NO_TOKEN)
-    return tokens.new_full((num_rows,), _NO_TOKEN).scatter_reduce(0, rows, winners, "amin")
+    return tokens.new_full((num_rows,), _NO_TOKEN).scatter_reduce(0, rows, winners,
+                                                                  "amin"), top
 
 
 # murmur3's 64-bit finalizer constants, and a golden-ratio key for seeds
@@ -276,13 +274,13 @@ def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     flat = scaled.reshape(batch * width, vocab)
     top_k, top_p = top_k.repeat_interleave(width), top_p.repeat_interleave(width)
     limit = torch.where(top_k > 0, top_k.clamp_max(vocab), torch.full_like(top_k, vocab))
-    ones = torch.ones(batch * width, device=flat.device)  # flat is scaled already
+    whole = flat.logsumexp(-1, keepdim=True) if bool((limit >= vocab).any()) else None
     # The kept set is a prefix of the tokens by descending probability: look for its end
     # among the few most likely first, and among more only where it lies further.
     count = min(vocab, max([_FIRST_CANDIDATES] + limit[limit < vocab].tolist()))
     while True:
         values, order = flat.topk(count, dim=-1)  # [rows, count], descending
-        keep = kept_prefix(values, _norms(flat, values, limit, ones), limit, top_p,
+        keep = kept_prefix(values, _norms(values, limit, vocab, lambda: whole), limit, top_p,
                            torch.arange(count, device=flat.device))
         if count == vocab or not bool((keep[:, -1] & (limit >= vocab)).any()):
             break

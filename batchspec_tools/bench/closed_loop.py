@@ -128,6 +128,7 @@ def one_run(stack, workload, config, method: str, concurrency: int, drafts, refe
             extra=()) -> tuple[dict, list[list[int]]]:
     """The run's row and its answers, in prompt order."""
     k = config.ks[-1]
+    ours = method not in llamacpp.METHODS  # llama.cpp: in this process, its tokens unreported
     with served(stack, workload, config, method, drafts, extra) as stub:
         arrivals.run_closed_loop(stub, workload.prompts[:concurrency], WARM_UP_TOKENS,
                                  concurrency, workload.request_fields)
@@ -135,14 +136,11 @@ def one_run(stack, workload, config, method: str, concurrency: int, drafts, refe
         traces, seconds = arrivals.run_closed_loop(stub, workload.prompts,
                                                    workload.max_new_tokens, concurrency,
                                                    workload.request_fields)
-        # llama.cpp runs in this process: the clients' seconds would be its own
-        spent = cpu_spent(before, cpu_now(stack)) if drafts is not None else {}
-        if method in llamacpp.METHODS:
-            reference = None  # its tokens are not reported
+        spent = cpu_spent(before, cpu_now(stack)) if ours else {}
     row = {"method": method, "concurrency": concurrency, "batch_size": config.load_batch_size,
            "k": k if drafts else None, **arrivals.summarise(traces, seconds),
            "steady_tokens_per_s": arrivals.steady_tokens_per_s(traces), "cpu_s": spent}
-    if reference:
+    if reference and ours:
         row["exact_match"] = arrivals.exact_share(traces, reference)
     return row, [t.token_ids for t in traces]
 

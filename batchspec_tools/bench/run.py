@@ -22,7 +22,7 @@ import tempfile
 import time
 
 from batchspec import cliargs
-from batchspec_tools.bench import closed_loop
+from batchspec_tools.bench import closed_loop, llamacpp
 from coordinator.config import EngineConfig
 
 log = logging.getLogger("batchspec_tools.bench.run")
@@ -51,8 +51,8 @@ METHODS = {
                 "not the float32 model, so no exactness); closed-loop clients only",
     "llamacpp_ngram": "10b. as 10, with llama.cpp's own n-gram speculation (ngram_mod)",
 }
-# Methods run only when asked for by name (--methods): they need a package the tests do not
-LLAMACPP = ("llamacpp", "llamacpp_ngram")
+# Methods run only when asked for by name (--methods): they need llama.cpp's server
+LLAMACPP = tuple(llamacpp.METHODS)
 # The drafts each gRPC method's coordinator uses, and the flags it adds.
 GRPC_DRAFTS = {"grpc": ("model",), "grpc_ngram": ("ngram",), "grpc_router": ("model", "ngram"),
                "grpc_router_predicted": ("model", "ngram"), "grpc_target_only": ()}
@@ -142,8 +142,6 @@ class BenchConfig:
         models.check_present(self.device)
 
     def _check_llamacpp(self) -> None:
-        from batchspec_tools.bench import llamacpp
-
         if not self.concurrency or self.device != "cpu":
             raise ValueError("the llama.cpp methods serve closed-loop clients on the CPU: give "
                              "--concurrency (and no --device)")
