@@ -59,6 +59,35 @@ def test_each_product_is_the_float_product_of_the_dequantized_weights(isa, kind,
         assert torch.equal(blocks.product(x), every)  # what a layer runs
 
 
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_joined_blocks_give_each_layer_its_own_outputs(kind):
+    """One product over joined blocks (a layer's q, k and v) gives, side by side, exactly what
+    each layer's own blocks give, at every row count; the layers' blocks become views of the
+    joined ones (no memory added), and blocks of another kind are not joined."""
+    sizes = (64, 32, 32)
+    weights = []
+    for seed, out_features in enumerate(sizes):
+        data, dequantized = random_blocks(kind, out_features, 96, seed=seed)
+        weights.append(dequantized)
+        dequantized._batchspec_gguf = gguf_blocks.Blocks(kind, data, 96, max_rows=8 - seed)
+    alone = [gguf_blocks.blocks_of(w) for w in weights]
+    joined = gguf_blocks.join(weights)
+    assert joined.max_rows == 6 and joined.data.shape[0] == sum(sizes)
+    for weight in weights:
+        assert gguf_blocks.blocks_of(weight).data.untyped_storage().data_ptr() == \
+            joined.data.untyped_storage().data_ptr()
+    for rows in range(1, 9):
+        x = torch.randn(rows, 96)
+        together = joined.product(x).split(sizes, dim=-1)
+        for blocks, out in zip(alone, together):
+            assert torch.equal(blocks.product(x), out)
+    other = "q8_0" if kind == "q4_1" else "q4_1"
+    data, dequantized = random_blocks(other, 32, 96, seed=9)
+    dequantized._batchspec_gguf = gguf_blocks.Blocks(other, data, 96, max_rows=8)
+    assert gguf_blocks.join([weights[0], dequantized]) is None
+    assert gguf_blocks.join([weights[0], torch.zeros(32, 96)]) is None
+
+
 def test_an_instruction_set_the_cpu_lacks_is_refused():
     data, _ = random_blocks("q4_1", 4, 64, seed=1)
     with pytest.raises(RuntimeError, match="not available"):

@@ -348,17 +348,23 @@ def test_rows_that_leave_and_join_keep_the_batch_and_every_rows_logits(model_dir
     assert vacant > 3  # rows that left stayed vacant instead of a copy of the batch
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "head"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "head", "gguf"])
 def test_the_lean_forward_gives_transformers_logits_bit_for_bit(model_dirs, arch, tmp_path):
-    """The runtime's own forward calls the model's modules as transformers' forward does:
-    prompts of several lengths prefilled together, then ragged verifies over a batch with
-    holes (masked) and plain steps, give the same logits and final hidden states as the
-    transformers forward, bit for bit."""
-    from batchspec.runtime import tiny
+    """The runtime's own forward does what transformers' forward does: prompts of several
+    lengths prefilled together, then ragged verifies over a batch with holes (masked) and
+    plain steps, give the same logits and final hidden states as the transformers forward,
+    bit for bit; a GGUF model's included (its projections joined, its norms and rotations
+    inline)."""
+    from batchspec.runtime import gguf_blocks, tiny
 
+    if arch == "gguf" and not gguf_blocks.load():
+        pytest.skip("no C++ compiler to build the GGUF kernels")
     path = tiny.save_feature_head(model_dirs["llama"][0], tmp_path / "head") \
-        if arch == "head" else model_dirs[arch][0]
-    model = models.load_causal_lm(path)
+        if arch == "head" else tiny.save_gguf(tmp_path) if arch == "gguf" \
+        else model_dirs[arch][0]
+    model = models.load_causal_lm(path, dtype="auto" if arch == "gguf" else "float32")
+    if arch == "gguf":
+        assert gguf_blocks.blocks_of(model.model.layers[0].mlp.up_proj.weight) is not None
     runners = [runner_lib.ModelRunner(model, name=arch, device=torch.device("cpu"),
                                       eos_token_ids=[], max_context_len=256, lean=lean)
                for lean in (True, False)]

@@ -364,17 +364,34 @@ def weight_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     index = _valid_index(x)
     if index is not None and index.numel() < rows:
         return _scatter(weight_major(_gather(x, index), weight), index, x.shape[:-1])
-    flat = x.reshape(rows, x.shape[-1])
     blocks = getattr(weight, "_batchspec_gguf", None)  # gguf_blocks.Blocks (see its attach)
-    if blocks is not None and rows <= blocks.max_rows and x.dtype == torch.float32 \
-            and not (torch.is_grad_enabled() and x.requires_grad):
-        return blocks.product(flat).reshape(*x.shape[:-1], weight.shape[0])
+    out = None if blocks is None else by_blocks(x, blocks)
+    if out is not None:
+        return out
+    flat = x.reshape(rows, x.shape[-1])
     method = plan(weight.shape[0], weight.shape[1], weight.dtype, rows)
     if rows > MAX_ROWS and method != PACKED:
         return x @ weight.T
     if method == PACKED and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         method = USUAL  # the packed product has no backward
     return _product(flat, weight, method).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def by_blocks(x: torch.Tensor, blocks) -> torch.Tensor | None:
+    """x @ W.T through W's GGUF blocks (gguf_blocks.Blocks; only the positions
+    `only_positions` marks), or None where they do not take this product: more rows than
+    their max_rows, an input that is not float32 on the CPU, or one that needs gradients."""
+    rows = x.numel() // x.shape[-1]
+    if rows == 0 or x.device.type != "cpu" or x.dtype != torch.float32 \
+            or (torch.is_grad_enabled() and x.requires_grad):
+        return None
+    index = _valid_index(x)
+    if index is not None and index.numel() < rows:
+        out = by_blocks(_gather(x, index), blocks)
+        return None if out is None else _scatter(out, index, x.shape[:-1])
+    if rows > blocks.max_rows:
+        return None
+    return blocks.product(x.reshape(rows, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -392,7 +409,7 @@ def patch_linears(model: torch.nn.Module) -> int:
     return count
 
 
-def _packed_forward(forward, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def packed_forward(forward, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A position-wise block's forward; inside only_positions, on the real positions only:
     gathered once, run with no padding (its own layers see every row real), scattered once."""
     index = _valid_index(x)
@@ -416,7 +433,7 @@ def patch_feed_forwards(model: torch.nn.Module) -> int:
     count = 0
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] == "mlp" and not hasattr(module, "packs_positions"):
-            module.forward = functools.partial(_packed_forward, module.forward)
+            module.forward = functools.partial(packed_forward, module.forward)
             module.packs_positions = True
             count += 1
     return count

@@ -10,11 +10,12 @@ None where it would skip it), so the logits are those of transformers' forward b
 (tested). A model of another family, or one whose attention is not the runtime's, keeps
 transformers' forward (`lean_forward` returns None).
 """
+import functools
 from collections.abc import Callable
 
 import torch
 
-from batchspec.runtime import attention
+from batchspec.runtime import attention, fastlinear, gguf_blocks
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
 
@@ -47,33 +48,120 @@ def _runtime_attention(config) -> bool:
 def _llama_body(base) -> Callable | None:
     """body(embedded, position_ids, cache, mask) -> final hidden states, for a LlamaModel
     (or a sibling of the same layout); None where the layout differs."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     layers = list(base.layers[:base.config.num_hidden_layers])
     plain = all(type(getattr(layer.self_attn, "q_norm", None)) is type(None)
                 and getattr(layer.self_attn, "sliding_window", None) is None
                 for layer in layers)
     if not (_runtime_attention(base.config) and plain and hasattr(base, "rotary_emb")):
         return None
+    projections = [(_attention_inputs(layer.self_attn), _linear(layer.self_attn.o_proj),
+                    _feed_forward(layer.mlp)) for layer in layers]
 
     def body(hidden, position_ids, cache, mask):
         batch, width, _ = hidden.shape
         cos, sin = base.rotary_emb(hidden, position_ids)
-        for index, layer in enumerate(layers):
+        cos, sin = cos[:, :, None], sin[:, :, None]  # over [batch, width, heads, head_dim]
+        for index, (layer, (qkv, o_proj, feed_forward)) in enumerate(zip(layers, projections)):
             attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            shape = (batch, width, -1, attn.head_dim)
-            q = attn.q_proj(x).view(shape).transpose(1, 2)
-            k = attn.k_proj(x).view(shape).transpose(1, 2)
-            v = attn.v_proj(x).view(shape).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q, k, v = qkv(_rms_norm(layer.input_layernorm, hidden), cos, sin)
             k, v = cache.update(k, v, index)
             out, _ = attention.grouped_sdpa(attn, q, k, v, mask, scaling=attn.scaling)
-            hidden = hidden + attn.o_proj(out.reshape(batch, width, -1).contiguous())
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return base.norm(hidden)
+            hidden = hidden + o_proj(out.reshape(batch, width, -1).contiguous())
+            hidden = hidden + feed_forward(_rms_norm(layer.post_attention_layernorm, hidden))
+        return _rms_norm(base.norm, hidden)
 
     return body
+
+
+# RMS norms whose forward is _rms_norm's (transformers' Llama-family norm)
+_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+
+
+def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """norm(hidden), the same operations inline for transformers' Llama-family norms."""
+    if type(norm).__name__ not in _RMS_NORMS:
+        return norm(hidden)
+    dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return norm.weight * (hidden * torch.rsqrt(variance + norm.variance_epsilon)).to(dtype)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [batch, width, heads, head_dim] with rotary embeddings applied (transformers'
+    apply_rotary_pos_emb, over this layout)."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+def _attention_inputs(attn) -> Callable:
+    """qkv(x, cos, sin) -> q, k, v [batch, heads, width, head_dim], q and k rotated.
+
+    Where the three projections have GGUF blocks of one kind, a product of a few rows is one
+    call over their joined blocks, and q and k are rotated together; each output is what its
+    own layer gives (the kernels sum each output alone, in one order)."""
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj)
+    joined = _joined(linears)
+    sizes = [m.out_features for m in linears]
+
+    def qkv(x, cos, sin):
+        batch, width, _ = x.shape
+        shape = (batch, width, -1, attn.head_dim)
+        out = None if joined is None else fastlinear.by_blocks(x, joined)
+        if out is None:
+            q, k, v = (m(x).view(shape) for m in linears)
+            q, k = _rotated(q, cos, sin), _rotated(k, cos, sin)
+        else:
+            qk = _rotated(out[..., :sizes[0] + sizes[1]].view(shape), cos, sin)
+            heads = sizes[0] // attn.head_dim
+            q, k, v = qk[:, :, :heads], qk[:, :, heads:], out[..., -sizes[2]:].view(shape)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    return qkv
+
+
+def _feed_forward(mlp) -> Callable:
+    """mlp's forward (transformers' LlamaMLP: down(act(gate(x)) * up(x))), its gate and up
+    products one call over their joined GGUF blocks where they have them (see
+    _attention_inputs); packed to the real positions as the module itself is (fastlinear)."""
+    if type(mlp).__name__ not in ("LlamaMLP", "MistralMLP", "Qwen2MLP"):
+        return mlp
+    joined = _joined((mlp.gate_proj, mlp.up_proj))
+    if joined is None:
+        return mlp
+    inner = mlp.gate_proj.out_features
+    down = _linear(mlp.down_proj)
+
+    def forward(x):
+        out = fastlinear.by_blocks(x, joined)
+        if out is None:
+            return down(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+        return down(mlp.act_fn(out[..., :inner]) * out[..., inner:])
+
+    if getattr(mlp, "packs_positions", False):
+        return functools.partial(fastlinear.packed_forward, forward)
+    return forward
+
+
+def _linear(linear: torch.nn.Linear) -> Callable:
+    """linear's forward, straight to its GGUF blocks where they take the product."""
+    blocks = gguf_blocks.blocks_of(linear.weight)
+    if blocks is None or linear.bias is not None:
+        return linear
+
+    def forward(x):
+        out = fastlinear.by_blocks(x, blocks)
+        return linear(x) if out is None else out
+
+    return forward
+
+
+def _joined(linears) -> "gguf_blocks.Blocks | None":
+    """The GGUF blocks of bias-free linear layers fed one input, joined (None where any has
+    none)."""
+    if any(m.bias is not None for m in linears):
+        return None
+    return gguf_blocks.join([m.weight for m in linears])
 
 
 def _gpt2_body(base) -> Callable:

@@ -122,6 +122,23 @@ def blocks_of(weight: torch.Tensor) -> Blocks | None:
     return getattr(weight, "_batchspec_gguf", None)
 
 
+def join(weights: list[torch.Tensor]) -> Blocks | None:
+    """One Blocks for linear weights fed the same input, their rows stacked in order (one
+    product gives each layer's outputs side by side, each what its own blocks give): each
+    weight's Blocks becomes a view of the joined ones, so joining adds no memory. None
+    unless every weight has blocks, all of one kind and width."""
+    found = [blocks_of(w) for w in weights]
+    if any(b is None for b in found) or len({(b.kind, b.in_features) for b in found}) != 1:
+        return None
+    data = torch.cat([b.data for b in found])
+    start = 0
+    for weight, blocks in zip(weights, found):
+        end = start + blocks.data.shape[0]
+        weight._batchspec_gguf = dataclasses.replace(blocks, data=data[start:end])
+        start = end
+    return Blocks(found[0].kind, data, found[0].in_features, min(b.max_rows for b in found))
+
+
 def attach(model: torch.nn.Module, gguf_path: str) -> int:
     """Give every linear layer of a Llama-family model loaded from `gguf_path` the file's
     blocks for its weight, where they are of a kind the kernels read and dequantize to the
