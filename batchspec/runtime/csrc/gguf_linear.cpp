@@ -185,7 +185,9 @@ __attribute__((target("avx2,fma,f16c"))) void outputs_avx2(bool q4_1, const uint
 
 // The AVX-512 kernels: a block is two 16-lane vectors. A Q4_1 block's 16 possible weights
 // (d * q + m for q = 0..15, each rounded as gguf-py rounds it) are computed once and its
-// nibbles pick from them with one permute per 16 weights.
+// nibbles pick from them with one permute per 16 weights: byte j of the block's 16 (weight
+// j in its low nibble, weight j + 16 in its high one) widened to lane j indexes the first
+// 16 as it is (a permute reads only an index's low 4 bits) and, shifted right by 4, the rest.
 __attribute__((target("avx512f,f16c"))) inline void dequantize_avx512(bool q4_1,
                                                                       const uint8_t* block,
                                                                       __m512 w[2]) {
@@ -194,11 +196,10 @@ __attribute__((target("avx512f,f16c"))) inline void dequantize_avx512(bool q4_1,
     const __m512 m = _mm512_set1_ps(_cvtsh_ss(read_half(block + 2)));
     const __m512 table = _mm512_add_ps(
         _mm512_mul_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)), m);
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    w[0] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, mask)), table);
-    w[1] = _mm512_permutexvar_ps(
-        _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask)), table);
+    const __m512i bytes = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
+    w[0] = _mm512_permutexvar_ps(bytes, table);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
   } else {
     for (int v = 0; v < 2; ++v) {
       const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * v));
