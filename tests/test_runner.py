@@ -398,3 +398,44 @@ def test_the_lean_forward_gives_transformers_logits_bit_for_bit(model_dirs, arch
             assert torch.equal(results[0][0][i, :n], results[1][0][i, :n])
             assert torch.equal(results[0][1][i, :n], results[1][1][i, :n])
         lengths = {i: n + k for (i, n), k in zip(lengths.items(), kept)}
+
+
+def test_a_gguf_decode_step_in_one_call_gives_transformers_logits_bit_for_bit(tmp_path,
+                                                                               monkeypatch):
+    """A decode step of a GGUF model (one new position per row, every column real) runs in one
+    C++ call (gguf_decode); its logits and hidden states are transformers' forward's bit for
+    bit, past the point where every layer's buffer must move to a larger one."""
+    from batchspec.runtime import gguf_blocks, gguf_decode, tiny
+
+    if not gguf_blocks.load():
+        pytest.skip("no C++ compiler to build the GGUF kernels")
+    model = models.load_causal_lm(tiny.save_gguf(tmp_path), dtype="auto")
+    runners = [runner_lib.ModelRunner(model, name="gguf", device=torch.device("cpu"),
+                                      eos_token_ids=[], max_context_len=256, lean=lean)
+               for lean in (True, False)]
+    taken = []
+    call = gguf_decode.Decoder.__call__
+    monkeypatch.setattr(gguf_decode.Decoder, "__call__",
+                        lambda self, *args: taken.append(1) or call(self, *args))
+    rng = random.Random(5)
+    prompts = {i: [rng.randrange(4, 90) for _ in range(7)] for i in range(3)}
+    for runner in runners:
+        runner.prefill(list(prompts.items()))
+    length = 7
+    for step in range(80):
+        rows = [0, 1, 2] if step < 40 else [1]  # the batch, then one row of it alone
+        tokens = torch.tensor([[rng.randrange(4, 90)] for _ in rows])
+        results = []
+        for runner in runners:
+            group = runner.open_group([runner_lib.RowSpec(i, length, length, [0])
+                                       for i in rows], realign=False)
+            logits = group.step(tokens, num_logits=1, keep_hidden=True)
+            results.append((logits, group.hidden))
+            runner.store(rows, group.rows_after([length + 1] * len(rows)))
+        assert torch.equal(results[0][0], results[1][0])
+        assert torch.equal(results[0][1], results[1][1])
+        length += 1
+        if step == 39:
+            for runner in runners:
+                runner.release([0, 2])
+    assert len(taken) == 80  # every step of the lean runner took the one-call decoder

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from batchspec.runtime import attention, fastlinear, gguf_blocks
+from batchspec.runtime import attention, fastlinear, gguf_blocks, gguf_decode
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
 
@@ -54,13 +54,21 @@ def _llama_body(base) -> Callable | None:
                 for layer in layers)
     if not (_runtime_attention(base.config) and plain and hasattr(base, "rotary_emb")):
         return None
-    projections = [(_attention_inputs(layer.self_attn), _linear(layer.self_attn.o_proj),
-                    _feed_forward(layer.mlp)) for layer in layers]
+    qkv_blocks = [_joined((layer.self_attn.q_proj, layer.self_attn.k_proj,
+                           layer.self_attn.v_proj)) for layer in layers]
+    gate_up_blocks = [_joined((layer.mlp.gate_proj, layer.mlp.up_proj))
+                      if type(layer.mlp).__name__ in _MLPS else None for layer in layers]
+    projections = [(_attention_inputs(layer.self_attn, qkv), _linear(layer.self_attn.o_proj),
+                    _feed_forward(layer.mlp, gate_up))
+                   for layer, qkv, gate_up in zip(layers, qkv_blocks, gate_up_blocks)]
+    decoder = gguf_decode.Decoder.of(base, layers, qkv_blocks, gate_up_blocks)
 
     def body(hidden, position_ids, cache, mask):
         batch, width, _ = hidden.shape
         cos, sin = base.rotary_emb(hidden, position_ids)
         cos, sin = cos[:, :, None], sin[:, :, None]  # over [batch, width, heads, head_dim]
+        if decoder is not None and mask is None and decoder.takes(hidden, cache):
+            return _rms_norm(base.norm, decoder(hidden, cos, sin, cache))
         for index, (layer, (qkv, o_proj, feed_forward)) in enumerate(zip(layers, projections)):
             attn = layer.self_attn
             q, k, v = qkv(_rms_norm(layer.input_layernorm, hidden), cos, sin)
@@ -94,14 +102,13 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
 
-def _attention_inputs(attn) -> Callable:
+def _attention_inputs(attn, joined) -> Callable:
     """qkv(x, cos, sin) -> q, k, v [batch, heads, width, head_dim], q and k rotated.
 
-    Where the three projections have GGUF blocks of one kind, a product of a few rows is one
-    call over their joined blocks, and q and k are rotated together; each output is what its
-    own layer gives (the kernels sum each output alone, in one order)."""
+    Where the three projections have `joined` GGUF blocks, a product of a few rows is one
+    call over them, and q and k are rotated together; each output is what its own layer
+    gives (the kernels sum each output alone, in one order)."""
     linears = (attn.q_proj, attn.k_proj, attn.v_proj)
-    joined = _joined(linears)
     sizes = [m.out_features for m in linears]
 
     def qkv(x, cos, sin):
@@ -120,13 +127,14 @@ def _attention_inputs(attn) -> Callable:
     return qkv
 
 
-def _feed_forward(mlp) -> Callable:
-    """mlp's forward (transformers' LlamaMLP: down(act(gate(x)) * up(x))), its gate and up
-    products one call over their joined GGUF blocks where they have them (see
-    _attention_inputs); packed to the real positions as the module itself is (fastlinear)."""
-    if type(mlp).__name__ not in ("LlamaMLP", "MistralMLP", "Qwen2MLP"):
-        return mlp
-    joined = _joined((mlp.gate_proj, mlp.up_proj))
+# feed-forward blocks whose forward is down(act(gate(x)) * up(x)) (transformers' LlamaMLP)
+_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
+
+
+def _feed_forward(mlp, joined) -> Callable:
+    """mlp's forward, its gate and up products one call over their `joined` GGUF blocks where
+    they have them (see _attention_inputs); packed to the real positions as the module itself
+    is (fastlinear)."""
     if joined is None:
         return mlp
     inner = mlp.gate_proj.out_features

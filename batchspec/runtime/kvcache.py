@@ -63,8 +63,12 @@ class Buffer:
         end = self.written + keys.shape[2]
         self.keys[:, :, self.written:end].copy_(keys)
         self.values[:, :, self.written:end].copy_(values)
-        self.written = end
-        return self.view(end)
+        return self.advanced(keys.shape[2])
+
+    def advanced(self, more: int) -> LayerKV:
+        """After `more` columns from `written` on were written: the views up to them."""
+        self.written += more
+        return self.view(self.written)
 
 
 class Batch(list):
@@ -84,13 +88,19 @@ class AppendLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        more = key_states.shape[2]
+        buffer = self.room(key_states.shape[2], key_states)
+        self.keys, self.values = buffer.append(key_states, value_states)
+        return self.keys, self.values
+
+    def room(self, more: int, like: torch.Tensor) -> Buffer:
+        """The buffer whose columns from `written` on take this layer's next `more` positions
+        (shaped like `like`): its own where its tensors end it with room, else a new one
+        holding them."""
         buffer = self.buffer
         if buffer is None or not buffer.ends(self.keys) or \
                 buffer.written + more > buffer.keys.shape[2]:
-            buffer = self.buffer = _moved(self.keys, self.values, key_states, more)
-        self.keys, self.values = buffer.append(key_states, value_states)
-        return self.keys, self.values
+            buffer = self.buffer = _moved(self.keys, self.values, like, more)
+        return buffer
 
 
 def _moved(keys: torch.Tensor, values: torch.Tensor, like: torch.Tensor, more: int) -> Buffer:

@@ -1,0 +1,110 @@
+"""A decode step of a Llama-family model over its GGUF blocks, in one C++ call.
+
+A decode step feeds every row one new position. Through the lean forward (forward.py) it
+costs about fifty Python calls a layer around a handful of kernels; `llama_decode`
+(csrc/gguf_linear.cpp) makes the same ATen calls in the same order from C++: the input norm,
+the joined q/k/v product, the rotation of q and k, the key and value written into the layer's
+buffer, SDPA as transformers calls it, the o product, the post-attention norm, the joined
+gate/up product, SiLU and the down product. So its hidden states are the lean forward's bit
+for bit (tested), for the price of the kernels.
+
+It takes a step only where that holds: a model whose every layer multiplies by GGUF blocks
+(`forward._joined`), transformers' RMS norm and SiLU feed-forward, SDPA called with
+`enable_gqa` or no grouping; one new position per row, no attention mask (every cached column
+real), no more rows than every layer's blocks take, and a cache of the runtime's buffers
+(kvcache.AppendLayer) already holding the rows. Every other step takes the lean forward.
+"""
+import dataclasses
+
+import torch
+
+from batchspec.runtime import gguf_blocks, kvcache
+
+_KINDS = {"q4_1": 1, "q8_0": 0}  # Blocks.kind -> llama_decode's kind code
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    weights: list[torch.Tensor]  # per layer: input norm, q/k/v, o, post norm, gate/up, down
+    kinds: list[int]  # per layer: the kind codes of its four block products
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scaling: float
+    gqa: bool  # SDPA called with enable_gqa, as transformers calls it here
+    max_rows: int
+
+    @classmethod
+    def of(cls, base, layers, qkv_blocks, gate_up_blocks) -> "Decoder | None":
+        """The decoder of a LlamaModel `base` whose layers' q/k/v and gate/up blocks are
+        joined as given; None where the C++ step does not do what its lean forward does."""
+        from batchspec.runtime.forward import _MLPS, _RMS_NORMS
+
+        config = base.config
+        if not layers or getattr(config, "hidden_act", None) != "silu" or not gguf_blocks.load():
+            return None
+        weights, kinds, limits, norms = [], [], [], []
+        for layer, qkv, gate_up in zip(layers, qkv_blocks, gate_up_blocks):
+            attn, mlp = layer.self_attn, layer.mlp
+            o, down = (gguf_blocks.blocks_of(m.weight) for m in (attn.o_proj, mlp.down_proj))
+            products = (qkv, o, gate_up, down)
+            layer_norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(p is None for p in products) or attn.o_proj.bias is not None \
+                    or mlp.down_proj.bias is not None or type(mlp).__name__ not in _MLPS \
+                    or any(type(n).__name__ not in _RMS_NORMS
+                           or n.weight.dtype != torch.float32 for n in layer_norms):
+                return None
+            weights += [layer_norms[0].weight, qkv.data, o.data, layer_norms[1].weight,
+                        gate_up.data, down.data]
+            kinds += [_KINDS[p.kind] for p in products]
+            limits += [p.max_rows for p in products]
+            norms += [n.variance_epsilon for n in layer_norms]
+        attn = layers[0].self_attn
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        gqa = _sdpa_groups(heads // kv_heads, attn.head_dim)
+        if gqa is None or len(set(norms)) != 1 or \
+                len({layer.self_attn.scaling for layer in layers}) != 1:
+            return None
+        return cls([w.detach() for w in weights], kinds, heads, kv_heads, attn.head_dim,
+                   float(norms[0]), float(attn.scaling), gqa, min(limits))
+
+    def takes(self, hidden: torch.Tensor, cache) -> bool:
+        """Whether a forward of `hidden` [batch, width, hidden] after `cache` (no attention
+        mask) is a step this decoder takes."""
+        from batchspec.runtime import fastlinear
+
+        batch, width, _ = hidden.shape
+        layers = getattr(cache, "layers", ())
+        return (width == 1 and batch <= self.max_rows and hidden.dtype == torch.float32
+                and hidden.device.type == "cpu" and not torch.is_grad_enabled()
+                and fastlinear.valid_positions() is None
+                and len(layers) * 6 == len(self.weights)
+                and all(isinstance(layer, kvcache.AppendLayer) and layer.is_initialized
+                        and layer.keys.dim() == 4 for layer in layers))
+
+    def __call__(self, hidden, cos, sin, cache) -> torch.Tensor:
+        """The hidden states after every layer (before the final norm); each layer's cache
+        advanced by the new position."""
+        buffers = [layer.room(1, layer.keys) for layer in cache.layers]
+        hidden = torch.ops.batchspec_gguf.llama_decode(
+            hidden, cos, sin, self.weights, self.kinds, [b.keys for b in buffers],
+            [b.values for b in buffers], [b.written for b in buffers], self.heads,
+            self.kv_heads, self.head_dim, self.eps, self.scaling, self.gqa)
+        for layer, buffer in zip(cache.layers, buffers):
+            layer.keys, layer.values = buffer.advanced(1)
+        return hidden
+
+
+def _sdpa_groups(groups: int, head_dim: int) -> bool | None:
+    """Whether transformers calls SDPA with enable_gqa for one query and no mask (False where
+    the heads are not grouped); None where it does something else (repeats or packs)."""
+    if groups == 1:
+        return False
+    try:
+        from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+    except ImportError:
+        return None
+    like = torch.empty(1, 1, 1, head_dim)
+    return True if use_gqa_in_sdpa(None, like, like) else None
