@@ -61,7 +61,10 @@ def _llama_body(base) -> Callable | None:
     projections = [(_attention_inputs(layer.self_attn, qkv), _linear(layer.self_attn.o_proj),
                     _feed_forward(layer.mlp, gate_up))
                    for layer, qkv, gate_up in zip(layers, qkv_blocks, gate_up_blocks)]
-    decoder = gguf_decode.Decoder.of(base, layers, qkv_blocks, gate_up_blocks)
+    inline = all(type(n).__name__ in _RMS_NORMS for layer in layers
+                 for n in (layer.input_layernorm, layer.post_attention_layernorm))
+    decoder = gguf_decode.Decoder.of(base, layers, qkv_blocks, gate_up_blocks) \
+        if inline and all(type(layer.mlp).__name__ in _MLPS for layer in layers) else None
 
     def body(hidden, position_ids, cache, mask):
         batch, width, _ = hidden.shape

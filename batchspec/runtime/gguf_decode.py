@@ -38,9 +38,9 @@ class Decoder:
     @classmethod
     def of(cls, base, layers, qkv_blocks, gate_up_blocks) -> "Decoder | None":
         """The decoder of a LlamaModel `base` whose layers' q/k/v and gate/up blocks are
-        joined as given; None where the C++ step does not do what its lean forward does."""
-        from batchspec.runtime.forward import _MLPS, _RMS_NORMS
-
+        joined as given, whose norms are transformers' RMS norm and whose feed-forward blocks
+        are down(silu(gate(x)) * up(x)) (the caller checks both); None where the C++ step
+        does not do what its lean forward does."""
         config = base.config
         if not layers or getattr(config, "hidden_act", None) != "silu" or not gguf_blocks.load():
             return None
@@ -51,9 +51,8 @@ class Decoder:
             products = (qkv, o, gate_up, down)
             layer_norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(p is None for p in products) or attn.o_proj.bias is not None \
-                    or mlp.down_proj.bias is not None or type(mlp).__name__ not in _MLPS \
-                    or any(type(n).__name__ not in _RMS_NORMS
-                           or n.weight.dtype != torch.float32 for n in layer_norms):
+                    or mlp.down_proj.bias is not None \
+                    or any(n.weight.dtype != torch.float32 for n in layer_norms):
                 return None
             weights += [layer_norms[0].weight, qkv.data, o.data, layer_norms[1].weight,
                         gate_up.data, down.data]
