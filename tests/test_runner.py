@@ -400,11 +400,11 @@ def test_the_lean_forward_gives_transformers_logits_bit_for_bit(model_dirs, arch
         lengths = {i: n + k for (i, n), k in zip(lengths.items(), kept)}
 
 
-def test_a_gguf_decode_step_in_one_call_gives_transformers_logits_bit_for_bit(tmp_path,
-                                                                               monkeypatch):
-    """A decode step of a GGUF model (one new position per row, every column real) runs in one
-    C++ call (gguf_decode); its logits and hidden states are transformers' forward's bit for
-    bit, past the point where every layer's buffer must move to a larger one."""
+def test_a_gguf_step_in_one_call_gives_transformers_logits_bit_for_bit(tmp_path, monkeypatch):
+    """Steps of a GGUF model that feed every row one position, or the same number of drafts
+    under the causal mask, run all layers in one C++ call (gguf_decode); their logits and
+    hidden states are transformers' forward's bit for bit, past the point where every layer's
+    buffer must move to a larger one, and for a row alone after its batch."""
     from batchspec.runtime import gguf_blocks, gguf_decode, tiny
 
     if not gguf_blocks.load():
@@ -416,26 +416,29 @@ def test_a_gguf_decode_step_in_one_call_gives_transformers_logits_bit_for_bit(tm
     taken = []
     call = gguf_decode.Decoder.__call__
     monkeypatch.setattr(gguf_decode.Decoder, "__call__",
-                        lambda self, *args: taken.append(1) or call(self, *args))
+                        lambda self, *args: taken.append(call(self, *args)) or taken[-1])
     rng = random.Random(5)
     prompts = {i: [rng.randrange(4, 90) for _ in range(7)] for i in range(3)}
     for runner in runners:
         runner.prefill(list(prompts.items()))
     length = 7
-    for step in range(80):
-        rows = [0, 1, 2] if step < 40 else [1]  # the batch, then one row of it alone
-        tokens = torch.tensor([[rng.randrange(4, 90)] for _ in rows])
+    for step in range(40):
+        rows = [0, 1, 2] if step < 30 else [1]  # the batch, then one row of it alone
+        fed = 4 if step % 3 == 0 else 1  # a verify of drafts, or a decode step
+        kept = rng.randint(1, fed)
+        tokens = torch.tensor([[rng.randrange(4, 90) for _ in range(fed)] for _ in rows])
         results = []
         for runner in runners:
-            group = runner.open_group([runner_lib.RowSpec(i, length, length, [0])
+            group = runner.open_group([runner_lib.RowSpec(i, length, length, [0] * fed)
                                        for i in rows], realign=False)
-            logits = group.step(tokens, num_logits=1, keep_hidden=True)
+            logits = group.step(tokens, num_logits=fed, keep_hidden=True)
             results.append((logits, group.hidden))
-            runner.store(rows, group.rows_after([length + 1] * len(rows)))
+            runner.store(rows, group.rows_after([length + kept] * len(rows)))
         assert torch.equal(results[0][0], results[1][0])
         assert torch.equal(results[0][1], results[1][1])
-        length += 1
-        if step == 39:
+        length += kept
+        if step == 29:
             for runner in runners:
                 runner.release([0, 2])
-    assert len(taken) == 80  # every step of the lean runner took the one-call decoder
+    # every step of the lean runner took the one-call step
+    assert len(taken) == 40 and all(t is not None for t in taken)

@@ -70,8 +70,10 @@ def _llama_body(base) -> Callable | None:
         batch, width, _ = hidden.shape
         cos, sin = base.rotary_emb(hidden, position_ids)
         cos, sin = cos[:, :, None], sin[:, :, None]  # over [batch, width, heads, head_dim]
-        if decoder is not None and mask is None and decoder.takes(hidden, cache):
-            return _rms_norm(base.norm, decoder(hidden, cos, sin, cache))
+        if decoder is not None and decoder.takes(hidden, cache, mask):
+            stepped = decoder(hidden, cos, sin, cache, mask)
+            if stepped is not None:
+                return _rms_norm(base.norm, stepped)
         for index, (layer, (qkv, o_proj, feed_forward)) in enumerate(zip(layers, projections)):
             attn = layer.self_attn
             q, k, v = qkv(_rms_norm(layer.input_layernorm, hidden), cos, sin)

@@ -1,26 +1,28 @@
-"""A decode step of a Llama-family model over its GGUF blocks, in one C++ call.
+"""A step of a Llama-family model over its GGUF blocks, all layers in one C++ call.
 
-A decode step feeds every row one new position. Through the lean forward (forward.py) it
-costs about fifty Python calls a layer around a handful of kernels; `llama_decode`
-(csrc/gguf_linear.cpp) makes the same ATen calls in the same order from C++: the input norm,
-the joined q/k/v product, the rotation of q and k, the key and value written into the layer's
-buffer, SDPA as transformers calls it, the o product, the post-attention norm, the joined
-gate/up product, SiLU and the down product. So its hidden states are the lean forward's bit
-for bit (tested), for the price of the kernels.
+Through the lean forward (forward.py) a step costs about fifty Python calls a layer around a
+handful of kernels. `llama_step` (csrc/gguf_linear.cpp) makes the same ATen calls in the same
+order from C++: the input norm, the joined q/k/v product, the rotation of q and k, the keys
+and values written into the layer's buffer, SDPA called as transformers' SDPA function and
+attention.grouped_sdpa call it (with the same mask), the o product, the post-attention norm,
+the joined gate/up product, SiLU and the down product. So its hidden states are the lean
+forward's bit for bit (tested), for the price of the kernels.
 
 It takes a step only where that holds: a model whose every layer multiplies by GGUF blocks
-(`forward._joined`), transformers' RMS norm and SiLU feed-forward, SDPA called with
-`enable_gqa` or no grouping; one new position per row, no attention mask (every cached column
-real), no more rows than every layer's blocks take, and a cache of the runtime's buffers
-(kvcache.AppendLayer) already holding the rows. Every other step takes the lean forward.
+(`forward._joined`), transformers' RMS norm and SiLU feed-forward; no more positions than
+every layer's blocks take; every position computed (no `fastlinear.only_positions` packing);
+a mask wherever more than one position a row is fed; attention that grouped_sdpa runs in one
+SDPA call; and a cache of the runtime's buffers (kvcache.AppendLayer) already holding the
+rows. Every other step takes the lean forward.
 """
 import dataclasses
 
 import torch
 
-from batchspec.runtime import gguf_blocks, kvcache
+from batchspec.runtime import attention, gguf_blocks, kvcache
 
-_KINDS = {"q4_1": 1, "q8_0": 0}  # Blocks.kind -> llama_decode's kind code
+_KINDS = {"q4_1": 1, "q8_0": 0}  # Blocks.kind -> llama_step's kind code
+DIRECT, PACKED, FOLDED = 0, 1, 2  # llama_step's ways to attend (csrc: Attend)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +34,8 @@ class Decoder:
     head_dim: int
     eps: float
     scaling: float
-    gqa: bool  # SDPA called with enable_gqa, as transformers calls it here
-    max_rows: int
+    gqa: bool  # SDPA called with enable_gqa without a mask, as transformers calls it here
+    max_rows: int  # the most positions a step may feed (over all rows)
 
     @classmethod
     def of(cls, base, layers, qkv_blocks, gate_up_blocks) -> "Decoder | None":
@@ -69,35 +71,57 @@ class Decoder:
         return cls([w.detach() for w in weights], kinds, heads, kv_heads, attn.head_dim,
                    float(norms[0]), float(attn.scaling), gqa, min(limits))
 
-    def takes(self, hidden: torch.Tensor, cache) -> bool:
-        """Whether a forward of `hidden` [batch, width, hidden] after `cache` (no attention
-        mask) is a step this decoder takes."""
+    def takes(self, hidden: torch.Tensor, cache, mask: torch.Tensor | None) -> bool:
+        """Whether a forward of `hidden` [batch, new, hidden] after `cache` under `mask` (as
+        the lean forward passes it) is a step this decoder takes."""
         from batchspec.runtime import fastlinear
 
-        batch, width, _ = hidden.shape
+        batch, fed, _ = hidden.shape
         layers = getattr(cache, "layers", ())
-        return (width == 1 and batch <= self.max_rows and hidden.dtype == torch.float32
-                and hidden.device.type == "cpu" and not torch.is_grad_enabled()
-                and fastlinear.valid_positions() is None
+        return (batch * fed <= self.max_rows and (fed == 1 or mask is not None)
+                and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
+                and not torch.is_grad_enabled() and fastlinear.valid_positions() is None
                 and len(layers) * 6 == len(self.weights)
                 and all(isinstance(layer, kvcache.AppendLayer) and layer.is_initialized
                         and layer.keys.dim() == 4 for layer in layers))
 
-    def __call__(self, hidden, cos, sin, cache) -> torch.Tensor:
-        """The hidden states after every layer (before the final norm); each layer's cache
-        advanced by the new position."""
-        buffers = [layer.room(1, layer.keys) for layer in cache.layers]
-        hidden = torch.ops.batchspec_gguf.llama_decode(
+    def __call__(self, hidden, cos, sin, cache, mask) -> torch.Tensor | None:
+        """The hidden states after every layer (before the final norm), each layer's cache
+        advanced by the new positions; None (nothing done) where grouped_sdpa would split
+        the rows into several attention calls."""
+        attend, mask, gqa = self._attention(hidden.shape[1], mask)
+        if attend is None:
+            return None
+        fed = hidden.shape[1]
+        buffers = [layer.room(fed, layer.keys) for layer in cache.layers]
+        hidden = torch.ops.batchspec_gguf.llama_step(
             hidden, cos, sin, self.weights, self.kinds, [b.keys for b in buffers],
-            [b.values for b in buffers], [b.written for b in buffers], self.heads,
-            self.kv_heads, self.head_dim, self.eps, self.scaling, self.gqa)
+            [b.values for b in buffers], [b.written for b in buffers], mask, attend,
+            self.heads, self.kv_heads, self.head_dim, self.eps, self.scaling, gqa)
         for layer, buffer in zip(cache.layers, buffers):
-            layer.keys, layer.values = buffer.advanced(1)
+            layer.keys, layer.values = buffer.advanced(fed)
         return hidden
 
+    def _attention(self, fed: int, mask: torch.Tensor | None):
+        """(way to attend, the mask SDPA takes, enable_gqa) as grouped_sdpa and transformers'
+        SDPA function attend for `fed` queries a row under `mask`; (None, ...) where it
+        takes several SDPA calls."""
+        groups = self.heads // self.kv_heads
+        if mask is None:
+            return DIRECT, None, self.gqa
+        if fed == 1 or groups == 1:  # transformers' SDPA function
+            if groups == 1:
+                return DIRECT, mask, False
+            return (DIRECT, mask, True) if _sdpa_groups(groups, self.head_dim, mask) \
+                else (PACKED, mask, False)
+        steps = attention.plan(mask, fed, groups)
+        if len(steps) != 1 or steps[0][:3] != (0, mask.shape[0], fed):
+            return None, None, False
+        return FOLDED, steps[0][3], False
 
-def _sdpa_groups(groups: int, head_dim: int) -> bool | None:
-    """Whether transformers calls SDPA with enable_gqa for one query and no mask (False where
+
+def _sdpa_groups(groups: int, head_dim: int, mask: torch.Tensor | None = None) -> bool | None:
+    """Whether transformers calls SDPA with enable_gqa for one query under `mask` (False where
     the heads are not grouped); None where it does something else (repeats or packs)."""
     if groups == 1:
         return False
@@ -106,4 +130,4 @@ def _sdpa_groups(groups: int, head_dim: int) -> bool | None:
     except ImportError:
         return None
     like = torch.empty(1, 1, 1, head_dim)
-    return True if use_gqa_in_sdpa(None, like, like) else None
+    return True if use_gqa_in_sdpa(mask, like, like) else None

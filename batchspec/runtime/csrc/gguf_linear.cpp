@@ -386,10 +386,10 @@ at::Tensor dequantize_q8_0(const at::Tensor& blocks, int64_t in_features) {
   return dequantize(blocks, in_features, false);
 }
 
-// ---- a Llama-family decode step over GGUF blocks -------------------------------------------
+// ---- a Llama-family step over GGUF blocks --------------------------------------------------
 // The same operations, in the same order and through the same ATen kernels, as the Python lean
-// forward (batchspec/runtime/forward.py) takes for one new position per row with every cached
-// column real: so the same results, bit for bit (tested), without a Python call per operation.
+// forward (batchspec/runtime/forward.py) takes for the steps gguf_decode.py hands here: so the
+// same results, bit for bit (tested), without a Python call per operation.
 
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
   const at::Tensor variance = hidden.pow(2).mean(-1, /*keepdim=*/true);
@@ -408,46 +408,70 @@ at::Tensor blocks_product(const at::Tensor& x, const at::Tensor& blocks, int64_t
   return linear(flat, blocks, in_features, kind == 1, best_isa());
 }
 
-// hidden [batch, 1, width] -> hidden after every layer (before the final norm). Per layer l:
+// How a layer attends (as transformers' SDPA function and attention.grouped_sdpa call SDPA):
+// kDirect: SDPA over q as it is (with `mask` where defined, enable_gqa as `gqa`); kPacked: one
+// query per row, its heads packed [batch, kv_heads, groups, head_dim] under `mask`; kFolded:
+// each key/value head's query heads folded into its query axis under `mask`, given repeated
+// for the groups.
+enum Attend : int64_t { kDirect = 0, kPacked = 1, kFolded = 2 };
+
+// hidden [batch, new, width] -> hidden after every layer (before the final norm). Per layer l:
 // weights[6l .. 6l+5] = input norm, joined q/k/v blocks, o blocks, post-attention norm,
 // joined gate/up blocks, down blocks; kinds[4l .. 4l+3] their block kinds (1: Q4_1, 0: Q8_0);
 // keys[l], values[l] the layer's buffers [batch, kv_heads, capacity, head_dim], written up to
-// column written[l], where this position's key and value go.
-at::Tensor llama_decode(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
-                        at::TensorList weights, at::IntArrayRef kinds, at::TensorList keys,
-                        at::TensorList values, at::IntArrayRef written, int64_t heads,
-                        int64_t kv_heads, int64_t head_dim, double eps, double scaling,
-                        bool gqa) {
+// column written[l], where the new positions' keys and values go.
+at::Tensor llama_step(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
+                      at::TensorList weights, at::IntArrayRef kinds, at::TensorList keys,
+                      at::TensorList values, at::IntArrayRef written,
+                      const c10::optional<at::Tensor>& mask, int64_t attend, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, double eps, double scaling,
+                      bool gqa) {
   const int64_t layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * layers &&
                   static_cast<int64_t>(kinds.size()) == 4 * layers &&
                   static_cast<int64_t>(values.size()) == layers &&
                   static_cast<int64_t>(written.size()) == layers,
-              "llama_decode: 6 weights, 4 kinds, keys, values and a column per layer");
-  TORCH_CHECK(hidden_in.dim() == 3 && hidden_in.size(1) == 1,
-              "llama_decode: one new position per row");
-  const int64_t batch = hidden_in.size(0), width = hidden_in.size(2);
+              "llama_step: 6 weights, 4 kinds, keys, values and a column per layer");
+  TORCH_CHECK(hidden_in.dim() == 3, "llama_step: hidden is [batch, new positions, width]");
+  const int64_t batch = hidden_in.size(0), fed = hidden_in.size(1), width = hidden_in.size(2);
+  TORCH_CHECK(attend == kDirect || mask.has_value(), "llama_step: this attention needs a mask");
+  TORCH_CHECK(attend != kPacked || fed == 1, "llama_step: packed heads take one query a row");
+  const int64_t groups = heads / kv_heads;
   at::Tensor hidden = hidden_in;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + 6 * l;
     const int64_t* kind = kinds.data() + 4 * l;
     const int64_t column = written[l];
-    TORCH_CHECK(column < keys[l].size(2), "llama_decode: no free column in layer ", l);
+    TORCH_CHECK(column + fed <= keys[l].size(2), "llama_step: no free columns in layer ", l);
     const at::Tensor qkv = blocks_product(rms_norm(hidden, w[0], eps), w[1], kind[0])
-                               .view({batch, 1, heads + 2 * kv_heads, head_dim});
+                               .view({batch, fed, heads + 2 * kv_heads, head_dim});
     const at::Tensor qk = rotated(qkv.slice(2, 0, heads + kv_heads), cos, sin);
     const at::Tensor q = qk.slice(2, 0, heads).transpose(1, 2);
-    keys[l].slice(2, column, column + 1).copy_(qk.slice(2, heads).transpose(1, 2));
-    values[l].slice(2, column, column + 1).copy_(qkv.slice(2, heads + kv_heads).transpose(1, 2));
-    const at::Tensor out = at::scaled_dot_product_attention(
-        q, keys[l].slice(2, 0, column + 1), values[l].slice(2, 0, column + 1), c10::nullopt,
-        0.0, false, scaling, gqa);
-    const at::Tensor attended = out.transpose(1, 2).contiguous().reshape({batch, 1, -1});
-    hidden = hidden + blocks_product(attended.contiguous(), w[2], kind[1]).view({batch, 1, width});
+    keys[l].slice(2, column, column + fed).copy_(qk.slice(2, heads).transpose(1, 2));
+    values[l].slice(2, column, column + fed)
+        .copy_(qkv.slice(2, heads + kv_heads).transpose(1, 2));
+    const at::Tensor key = keys[l].slice(2, 0, column + fed);
+    const at::Tensor value = values[l].slice(2, 0, column + fed);
+    at::Tensor out;
+    if (attend == kPacked) {
+      out = at::scaled_dot_product_attention(q.reshape({batch, kv_heads, groups, head_dim}), key,
+                                             value, mask, 0.0, false, scaling)
+                .reshape({batch, -1, 1, head_dim});
+    } else if (attend == kFolded) {
+      out = at::scaled_dot_product_attention(
+                q.reshape({batch, kv_heads, groups * fed, head_dim}), key, value, mask, 0.0,
+                false, scaling)
+                .reshape({batch, heads, fed, head_dim});
+    } else {
+      out = at::scaled_dot_product_attention(q, key, value, mask, 0.0, false, scaling, gqa);
+    }
+    const at::Tensor attended = out.transpose(1, 2).contiguous().reshape({batch, fed, -1});
+    hidden = hidden +
+             blocks_product(attended.contiguous(), w[2], kind[1]).view({batch, fed, width});
     const at::Tensor gate_up = blocks_product(rms_norm(hidden, w[3], eps), w[4], kind[2]);
     const int64_t inner = gate_up.size(-1) / 2;
     const at::Tensor inputs = at::silu(gate_up.slice(-1, 0, inner)) * gate_up.slice(-1, inner);
-    hidden = hidden + blocks_product(inputs, w[5], kind[3]).view({batch, 1, width});
+    hidden = hidden + blocks_product(inputs, w[5], kind[3]).view({batch, fed, width});
   }
   return hidden;
 }
@@ -461,9 +485,9 @@ TORCH_LIBRARY(batchspec_gguf, m) {
   m.def("dequantize_q8_0(Tensor blocks, int in_features) -> Tensor");
   m.def("linear_with(Tensor x, Tensor blocks, int in_features, bool q4_1, int isa) -> Tensor");
   m.def("best_isa() -> int");
-  m.def("llama_decode(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, "
-        "Tensor(a!)[] keys, Tensor(b!)[] values, int[] written, int heads, int kv_heads, "
-        "int head_dim, float eps, float scaling, bool gqa) -> Tensor");
+  m.def("llama_step(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, "
+        "Tensor(a!)[] keys, Tensor(b!)[] values, int[] written, Tensor? mask, int attend, "
+        "int heads, int kv_heads, int head_dim, float eps, float scaling, bool gqa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchspec_gguf, CPU, m) {
@@ -472,7 +496,7 @@ TORCH_LIBRARY_IMPL(batchspec_gguf, CPU, m) {
   m.impl("dequantize_q4_1", dequantize_q4_1);
   m.impl("dequantize_q8_0", dequantize_q8_0);
   m.impl("linear_with", linear_with);
-  m.impl("llama_decode", llama_decode);
+  m.impl("llama_step", llama_step);
 }
 
 TORCH_LIBRARY_IMPL(batchspec_gguf, CompositeExplicitAutograd, m) { m.impl("best_isa", best_isa); }
