@@ -44,8 +44,9 @@ class Decoder:
         are down(silu(gate(x)) * up(x)) (the caller checks both); None where the C++ step
         does not do what its lean forward does."""
         config = base.config
-        if not layers or getattr(config, "hidden_act", None) != "silu" or not gguf_blocks.load():
-            return None
+        if not layers or None in qkv_blocks or None in gate_up_blocks \
+                or getattr(config, "hidden_act", None) != "silu":
+            return None  # (blocks mean the kernels are loaded)
         weights, kinds, limits, norms = [], [], [], []
         for layer, qkv, gate_up in zip(layers, qkv_blocks, gate_up_blocks):
             attn, mlp = layer.self_attn, layer.mlp
