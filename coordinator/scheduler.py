@@ -22,9 +22,6 @@ from coordinator.sequence import Sequence, mixed
 @dataclasses.dataclass(frozen=True)
 class CohortPolicy:
     batch_size: int = 32  # a cohort has at most this many sequences (one batch in the services)
-    # False: no cohorts; every step takes the longest-waiting batch_size sequences, whatever
-    # their lengths (the EQSPEC way, kept for comparison).
-    cohorts: bool = True
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -43,13 +40,10 @@ class Cohort:
 
 
 def pick_cohort(active: list[Sequence], policy: CohortPolicy, step: int) -> Cohort | None:
-    """The next cohort to step, or None when nothing is active. With cohorts on, places new
-    sequences into cohorts (sets `Sequence.cohort`)."""
+    """The next cohort to step, or None when nothing is active. Places new sequences into
+    cohorts (sets `Sequence.cohort`)."""
     if not active:
         return None
-    if not policy.cohorts:
-        by_age = sorted(active, key=lambda s: (s.last_step, s.seq_id))
-        return Cohort(by_age[:policy.batch_size])
     cohorts = _place(active, policy.batch_size)
     oldest = min(cohorts, key=lambda c: (min(s.last_step for s in c), c[0].seq_id))
     return Cohort(oldest)

@@ -32,7 +32,7 @@ def test_quick_bench_writes_a_complete_exact_report(tmp_path):
     for row in rows:
         assert row["tokens_per_s"] > 0 and row["num_tokens"] > 0
         assert "vs_batch1" in row and "target_passes_per_token" in row
-        if row["method"] in ("engine_realign", "engine_grouped", *GRPC_DRAFTS):
+        if row["method"] in ("engine_grouped", *GRPC_DRAFTS):
             assert row["exact_match"] == 1.0, row
             if "acceptance_rate" in row:  # the goodput policy may choose K = 0 throughout
                 assert 0 <= row["acceptance_rate"] <= 1 and row["mean_acceptance_length"] >= 1

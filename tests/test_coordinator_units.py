@@ -137,13 +137,6 @@ def test_short_cohorts_merge_and_newcomers_fill_them():
     assert sizes == [2, 4]
 
 
-def test_without_cohorts_the_longest_waiting_go_first():
-    active = [seq(1, 5, last_step=3), seq(2, 6, last_step=1), seq(3, 7, last_step=2)]
-    group = scheduler.pick_cohort(active, scheduler.CohortPolicy(batch_size=2, cohorts=False),
-                                 step=4)
-    assert ids(group) == [2, 3] and group.mixed
-
-
 def test_draft_plan_widens_appends_and_drops_rows_too_short_for_them():
     a, b, c = seq(1, 6), seq(2, 6), seq(3, 1)
     b.drafts[0].valid_len = b.committed_len - 2

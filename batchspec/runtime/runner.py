@@ -71,12 +71,6 @@ class ModelRunner(CacheBook):
                          device=device)
         self.model = model.eval()
         self.caches: dict[int, SeqCache] = {}
-        # False: every group forward copies its rows into a new batch (the benchmark's EQSPEC).
-        self.reuse_batches = True
-        # A batch whose membership changed keeps its rows where they are: newcomers are copied
-        # into rows no sequence holds, and rows that left stay vacant for a while
-        # (seat_in_place). False: such a batch is copied whole (realigned).
-        self.seats_in_place = True
         # Linear layers compute only the positions a step marks valid (fastlinear): a verify
         # pays for each row's real tokens, not for padding to its widest row.
         self.packs_positions = device.type == "cpu" and fastlinear.patched(model)
@@ -325,9 +319,10 @@ class GroupForward:
         # other rows are vacant (no row of the group), fed a token that nothing keeps
         self.slots: list[int] | None = None
         self.copied = False
-        resident = resident_batch(caches) if runner.reuse_batches or len(caches) == 1 else None
-        seated = seat_in_place(runner, caches, reserve) if resident is None \
-            and runner.reuse_batches and runner.seats_in_place else None
+        # a batch whose membership changed keeps its rows where they are: newcomers are
+        # copied into rows no sequence holds, rows that left stay vacant a while
+        resident = resident_batch(caches)
+        seated = seat_in_place(runner, caches, reserve) if resident is None else None
         if seated is not None:
             layers, self.width, self.slots, self.lengths, self.spans = seated
         else:

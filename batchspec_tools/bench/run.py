@@ -34,8 +34,6 @@ METHODS = {
     "hf_batch1": "1. target alone, batch 1 (HF generate, with batchspec's CPU linear kernels)",
     "hf_batched": "2. target alone, batched (HF generate, left-padded, batchspec's kernels)",
     "hf_assisted": "3. HF assisted generation (batch 1)",
-    "engine_realign": "4. batchspec engine in-process, realigning every step (EQSPEC: the "
-                      "longest-waiting rows, copied into a new left-padded batch each step)",
     "engine_grouped": "5. batchspec engine in-process, cohorts formed by equal length (EXSPEC), "
                       "kept together so each service reuses their batch",
     "grpc": "6. batchspec over gRPC processes, the model draft alone",
@@ -57,13 +55,13 @@ LLAMACPP = tuple(llamacpp.METHODS)
 GRPC_DRAFTS = {"grpc": ("model",), "grpc_ngram": ("ngram",), "grpc_router": ("model", "ngram"),
                "grpc_router_predicted": ("model", "ngram"), "grpc_target_only": ()}
 GRPC_FLAGS = {"grpc_router_predicted": ("--step-aside", "off")}
-USES_BATCH = {"hf_stock_batched", "hf_batched", "engine_realign", "engine_grouped", *GRPC_DRAFTS}
+USES_BATCH = {"hf_stock_batched", "hf_batched", "engine_grouped", *GRPC_DRAFTS}
 # Where a run's wall time went, in report order. prefill: admitting prompts into both caches;
 # draft, verify: the services' compute; realign: the services' time on unaligned rows, masks and
 # copies into a left-padded batch (taken out of draft and verify); rpc: round trips minus
 # compute; coordinator: the rest (scheduling, bookkeeping, streaming).
 BREAKDOWN = ("prefill", "draft", "verify", "realign", "rpc", "coordinator")
-USES_K = {"hf_assisted", "engine_realign", "engine_grouped",
+USES_K = {"hf_assisted", "engine_grouped",
           *(m for m, drafts in GRPC_DRAFTS.items() if drafts)}
 
 
@@ -446,20 +444,18 @@ def run_hf(models_, workload: Workload, method: str, batch_size: int, k: int) ->
 
 
 # ---- methods 4-5: the engine in-process ------------------------------------------------------
-def run_engine(runners, workload: Workload, batch_size: int, k: int, cohorts: bool) -> Run:
+def run_engine(runners, workload: Workload, batch_size: int, k: int) -> Run:
     from batchspec_tools.bench.inprocess import InProcessDraft, InProcessTarget
     from coordinator.engine import Engine
     from coordinator.scheduler import CohortPolicy
 
     count = len(workload.prompts)
-    for runner in runners.values():  # EQSPEC re-pads every step: no batch is reused
-        runner.reuse_batches = cohorts
     engine = Engine(InProcessTarget(runners["target"], "target"),
                     [[InProcessDraft(runners["draft"], "draft")]],
                     EngineConfig(num_draft_tokens=k, draft_policy=workload.draft_policy,
                                  overlap="off",  # both models in this one process
                                  min_draft_confidence=workload.min_draft_confidence,
-                                 cohort_policy=CohortPolicy(batch_size=batch_size, cohorts=cohorts),
+                                 cohort_policy=CohortPolicy(batch_size=batch_size),
                                  max_num_seqs=count, max_queue=count),
                     workload.eos_token_ids)
     started = time.perf_counter()
@@ -715,8 +711,7 @@ def run(config: BenchConfig) -> dict:
                    "draft": make_runner(draft, workload.draft)}
         plan = [("hf_batch1", 1, 0)] + [s for s in settings(config) if s[0] != "hf_batch1"]
         warm_up(hf, runners, workload)
-        if config.draft_policy == "goodput" and {"engine_realign", "engine_grouped"} & set(
-                config.methods):
+        if config.draft_policy == "goodput" and "engine_grouped" in config.methods:
             for runner in runners.values():  # what a service measures at its start-up
                 runner.step_costs = runner_lib.measure_step_costs(runner)
         wants_grpc = (set(GRPC_DRAFTS) & set(config.methods) or config.arrival_rates
@@ -799,7 +794,7 @@ def warm_up(hf, runners, workload: Workload) -> None:
     run_hf(hf, short, "hf_batch1", 1, 0)
     if "stock" in hf:
         run_hf(hf, short, "hf_stock_batch1", 1, 0)
-    run_engine(runners, short, 2, 2, cohorts=True)
+    run_engine(runners, short, 2, 2)
 
 
 def run_one(method, batch_size, k, hf, runners, workload, stack, log=()) -> Run:
@@ -808,7 +803,7 @@ def run_one(method, batch_size, k, hf, runners, workload, stack, log=()) -> Run:
     if method in GRPC_DRAFTS:
         return stack.run(workload, batch_size, k, GRPC_DRAFTS[method],
                          GRPC_FLAGS.get(method, ()) + log)
-    return run_engine(runners, workload, batch_size, k, cohorts=method == "engine_grouped")
+    return run_engine(runners, workload, batch_size, k)
 
 
 def summarise_runs(method, batch_size, k, runs: list[Run], reference) -> dict:
