@@ -16,10 +16,13 @@ SDPA call; and a cache of the runtime's buffers (kvcache.AppendLayer) already ho
 rows. Every other step takes the lean forward.
 """
 import dataclasses
+import logging
 
 import torch
 
 from batchspec.runtime import attention, gguf_blocks, kvcache
+
+log = logging.getLogger(__name__)
 
 _KINDS = {"q4_1": 1, "q8_0": 0}  # Blocks.kind -> llama_step's kind code
 DIRECT, PACKED, FOLDED = 0, 1, 2  # llama_step's ways to attend (csrc: Attend)
@@ -69,8 +72,11 @@ class Decoder:
         if gqa is None or len(set(norms)) != 1 or \
                 len({layer.self_attn.scaling for layer in layers}) != 1:
             return None
-        return cls([w.detach() for w in weights], kinds, heads, kv_heads, attn.head_dim,
-                   float(norms[0]), float(attn.scaling), gqa, min(limits))
+        decoder = cls([w.detach() for w in weights], kinds, heads, kv_heads, attn.head_dim,
+                      float(norms[0]), float(attn.scaling), gqa, min(limits))
+        log.info("GGUF steps of up to %d positions run all %d layers in one C++ call",
+                 decoder.max_rows, len(layers))
+        return decoder
 
     def takes(self, hidden: torch.Tensor, cache, mask: torch.Tensor | None) -> bool:
         """Whether a forward of `hidden` [batch, new, hidden] after `cache` under `mask` (as
