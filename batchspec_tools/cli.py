@@ -21,6 +21,7 @@ def main(argv=None) -> int:
                 "evaluate-draft": _module_main("batchspec_tools.drafting.evaluate"),
                 "bench": _module_main("batchspec_tools.bench.run"),
                 "loadtest": _module_main("batchspec_tools.bench.loadtest"),
+                "steps": _module_main("batchspec_tools.bench.steps"),
                 "target": _service("target_service"), "draft": _service("draft_service"),
                 "coordinator": _service("coordinator")}
     if argv and argv[0] in ("-V", "--version"):
@@ -32,7 +33,7 @@ def main(argv=None) -> int:
         return 2
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: batchspec {serve,generate,health,distill,evaluate-draft,bench,loadtest,"
-              "target,draft,coordinator} [options]\n       batchspec --version\n\n"
+              "steps,target,draft,coordinator} [options]\n       batchspec --version\n\n"
               "  serve        start target, draft and coordinator on loopback and serve\n"
               "  generate     stream a completion from a running coordinator\n"
               "  health       exit 0 when a server's grpc.health.v1 says SERVING\n"
@@ -41,6 +42,7 @@ def main(argv=None) -> int:
               "held-out prompts\n"
               "  bench        compare batchspec with the alternatives, side by side\n"
               "  loadtest     many concurrent streams against a coordinator on tiny models\n"
+              "  steps        where a served run's time went, from `bench --step-logs DIR`\n"
               "  target       run the target service   (python -m target_service)\n"
               "  draft        run the draft service    (python -m draft_service)\n"
               "  coordinator  run the coordinator      (python -m coordinator)\n\n"

@@ -1,21 +1,16 @@
-"""scripts/step_summary.py, fed hand-made step logs: what drafting cost net, against the same
-run's plain steps of about as many rows."""
-import importlib.util
+"""`batchspec steps` (batchspec_tools.bench.steps), fed hand-made step logs: what drafting cost
+net, against the same run's plain steps of about as many rows."""
 import json
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "step_summary.py"
+from batchspec_tools.bench import steps as step_summary
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("step_summary", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return step_summary
 
 
 def step(t: float, rows: int, drafts: int, committed: int, seconds: float) -> dict:
@@ -48,8 +43,8 @@ def test_the_table_reports_the_net_cost_per_method(tmp_path):
             "grpc_target_only-c8-r0.jsonl": plain}
     for name, steps in logs.items():
         (tmp_path / name).write_text("".join(json.dumps(s) + "\n" for s in steps))
-    out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "batchspec_tools", "steps", str(tmp_path)],
+                         capture_output=True, text=True, check=True).stdout
     router = next(line for line in out.splitlines() if line.startswith("| grpc_router |"))
     assert "| +0.10 |" in router  # 200 ms for what plain steps commit in 100
     plain_server = next(line for line in out.splitlines()

@@ -11,7 +11,7 @@ runs cannot. With --rows N, the median milliseconds of a plain step
 of N rows: the whole step, the target's round trip, its compute, and what is left for the
 coordinator.
 
-    python3 scripts/step_summary.py STEPS --rows 16
+    batchspec steps STEPS --rows 16
 
 A log that holds an earlier run too (a reused directory) is cut at its last pause of more
 than 300 s: only the latest run counts.
@@ -93,12 +93,13 @@ def plain_step_ms(steps: list[dict], rows: int) -> dict:
     return ms
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="batchspec steps",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("logs", type=pathlib.Path, help="the --step-logs directory")
     parser.add_argument("--rows", type=cliargs.positive_int,
                         help="also break down plain steps of this many rows")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not args.logs.is_dir():
         parser.error(f"{args.logs} is not a directory")
     runs = collections.defaultdict(list)
