@@ -1,5 +1,6 @@
 """The model-runner's batched prefill: right-padded chunks give every sequence the cache an
 unbatched prefill gives it."""
+import os
 import random
 
 import pytest
@@ -357,8 +358,8 @@ def test_the_lean_forward_gives_transformers_logits_bit_for_bit(model_dirs, arch
     inline)."""
     from batchspec.runtime import gguf_blocks, tiny
 
-    if arch == "gguf" and not gguf_blocks.load():
-        pytest.skip("no C++ compiler to build the GGUF kernels")
+    if arch == "gguf" and not gguf_blocks.load() and not os.environ.get("CI"):
+        pytest.skip("no C++ compiler to build the GGUF kernels")  # in CI they must build
     path = tiny.save_feature_head(model_dirs["llama"][0], tmp_path / "head") \
         if arch == "head" else tiny.save_gguf(tmp_path) if arch == "gguf" \
         else model_dirs[arch][0]
@@ -407,8 +408,8 @@ def test_a_gguf_step_in_one_call_gives_transformers_logits_bit_for_bit(tmp_path,
     buffer must move to a larger one, and for a row alone after its batch."""
     from batchspec.runtime import gguf_blocks, gguf_decode, tiny
 
-    if not gguf_blocks.load():
-        pytest.skip("no C++ compiler to build the GGUF kernels")
+    if not gguf_blocks.load() and not os.environ.get("CI"):
+        pytest.skip("no C++ compiler to build the GGUF kernels")  # in CI they must build
     model = models.load_causal_lm(tiny.save_gguf(tmp_path), dtype="auto")
     runners = [runner_lib.ModelRunner(model, name="gguf", device=torch.device("cpu"),
                                       eos_token_ids=[], max_context_len=256, lean=lean)
@@ -440,5 +441,5 @@ def test_a_gguf_step_in_one_call_gives_transformers_logits_bit_for_bit(tmp_path,
         if step == 29:
             for runner in runners:
                 runner.release([0, 2])
-    # every step of the lean runner took the one-call step
-    assert len(taken) == 40 and all(t is not None for t in taken)
+    # every step of the lean runner took the one-call step (the prefill did not)
+    assert sum(t is not None for t in taken) == 40

@@ -58,8 +58,7 @@ def _llama_body(base) -> Callable | None:
                            layer.self_attn.v_proj)) for layer in layers]
     gate_up_blocks = [_joined((layer.mlp.gate_proj, layer.mlp.up_proj))
                       if type(layer.mlp).__name__ in _MLPS else None for layer in layers]
-    projections = [(_attention_inputs(layer.self_attn, qkv), _linear(layer.self_attn.o_proj),
-                    _feed_forward(layer.mlp, gate_up))
+    projections = [(_attention_inputs(layer.self_attn, qkv), _feed_forward(layer.mlp, gate_up))
                    for layer, qkv, gate_up in zip(layers, qkv_blocks, gate_up_blocks)]
     inline = all(type(n).__name__ in _RMS_NORMS for layer in layers
                  for n in (layer.input_layernorm, layer.post_attention_layernorm))
@@ -70,16 +69,15 @@ def _llama_body(base) -> Callable | None:
         batch, width, _ = hidden.shape
         cos, sin = base.rotary_emb(hidden, position_ids)
         cos, sin = cos[:, :, None], sin[:, :, None]  # over [batch, width, heads, head_dim]
-        if decoder is not None and decoder.takes(hidden, cache, mask):
-            stepped = decoder(hidden, cos, sin, cache, mask)
-            if stepped is not None:
-                return _rms_norm(base.norm, stepped)
-        for index, (layer, (qkv, o_proj, feed_forward)) in enumerate(zip(layers, projections)):
+        stepped = None if decoder is None else decoder(hidden, cos, sin, cache, mask)
+        if stepped is not None:
+            return _rms_norm(base.norm, stepped)
+        for index, (layer, (qkv, feed_forward)) in enumerate(zip(layers, projections)):
             attn = layer.self_attn
             q, k, v = qkv(_rms_norm(layer.input_layernorm, hidden), cos, sin)
             k, v = cache.update(k, v, index)
             out, _ = attention.grouped_sdpa(attn, q, k, v, mask, scaling=attn.scaling)
-            hidden = hidden + o_proj(out.reshape(batch, width, -1).contiguous())
+            hidden = hidden + attn.o_proj(out.reshape(batch, width, -1).contiguous())
             hidden = hidden + feed_forward(_rms_norm(layer.post_attention_layernorm, hidden))
         return _rms_norm(base.norm, hidden)
 
@@ -143,7 +141,7 @@ def _feed_forward(mlp, joined) -> Callable:
     if joined is None:
         return mlp
     inner = mlp.gate_proj.out_features
-    down = _linear(mlp.down_proj)
+    down = mlp.down_proj
 
     def forward(x):
         out = fastlinear.by_blocks(x, joined)
@@ -153,19 +151,6 @@ def _feed_forward(mlp, joined) -> Callable:
 
     if getattr(mlp, "packs_positions", False):
         return functools.partial(fastlinear.packed_forward, forward)
-    return forward
-
-
-def _linear(linear: torch.nn.Linear) -> Callable:
-    """linear's forward, straight to its GGUF blocks where they take the product."""
-    blocks = gguf_blocks.blocks_of(linear.weight)
-    if blocks is None or linear.bias is not None:
-        return linear
-
-    def forward(x):
-        out = fastlinear.by_blocks(x, blocks)
-        return linear(x) if out is None else out
-
     return forward
 
 

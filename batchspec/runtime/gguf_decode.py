@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from batchspec.runtime import attention, gguf_blocks, kvcache
+from batchspec.runtime import attention, fastlinear, gguf_blocks, kvcache
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,10 @@ class Decoder:
     head_dim: int
     eps: float
     scaling: float
-    gqa: bool  # SDPA called with enable_gqa without a mask, as transformers calls it here
+    # how transformers calls SDPA for one query, with no mask / under a mask: with
+    # enable_gqa (True), without it over ungrouped heads (False), or packing the heads (None)
+    gqa: bool
+    gqa_masked: bool | None
     max_rows: int  # the most positions a step may feed (over all rows)
 
     @classmethod
@@ -68,21 +71,21 @@ class Decoder:
         attn = layers[0].self_attn
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        gqa = _sdpa_groups(heads // kv_heads, attn.head_dim)
+        groups = heads // kv_heads
+        gqa = _sdpa_gqa(groups, attn.head_dim, masked=False)
         if gqa is None or len(set(norms)) != 1 or \
                 len({layer.self_attn.scaling for layer in layers}) != 1:
             return None
         decoder = cls([w.detach() for w in weights], kinds, heads, kv_heads, attn.head_dim,
-                      float(norms[0]), float(attn.scaling), gqa, min(limits))
+                      float(norms[0]), float(attn.scaling), gqa,
+                      _sdpa_gqa(groups, attn.head_dim, masked=True), min(limits))
         log.info("GGUF steps of up to %d positions run all %d layers in one C++ call",
                  decoder.max_rows, len(layers))
         return decoder
 
-    def takes(self, hidden: torch.Tensor, cache, mask: torch.Tensor | None) -> bool:
+    def _takes(self, hidden: torch.Tensor, cache, mask: torch.Tensor | None) -> bool:
         """Whether a forward of `hidden` [batch, new, hidden] after `cache` under `mask` (as
-        the lean forward passes it) is a step this decoder takes."""
-        from batchspec.runtime import fastlinear
-
+        the lean forward passes it) is a step this decoder takes (but for its attention)."""
         batch, fed, _ = hidden.shape
         layers = getattr(cache, "layers", ())
         return (batch * fed <= self.max_rows and (fed == 1 or mask is not None)
@@ -94,8 +97,10 @@ class Decoder:
 
     def __call__(self, hidden, cos, sin, cache, mask) -> torch.Tensor | None:
         """The hidden states after every layer (before the final norm), each layer's cache
-        advanced by the new positions; None (nothing done) where grouped_sdpa would split
-        the rows into several attention calls."""
+        advanced by the new positions; None (nothing done) where this decoder does not take
+        the step (see the module docstring)."""
+        if not self._takes(hidden, cache, mask):
+            return None
         attend, mask, gqa = self._attention(hidden.shape[1], mask)
         if attend is None:
             return None
@@ -117,19 +122,19 @@ class Decoder:
         if mask is None:
             return DIRECT, None, self.gqa
         if fed == 1 or groups == 1:  # transformers' SDPA function
-            if groups == 1:
-                return DIRECT, mask, False
-            return (DIRECT, mask, True) if _sdpa_groups(groups, self.head_dim, mask) \
-                else (PACKED, mask, False)
+            if self.gqa_masked is None:
+                return PACKED, mask, False
+            return DIRECT, mask, self.gqa_masked
         steps = attention.plan(mask, fed, groups)
         if len(steps) != 1 or steps[0][:3] != (0, mask.shape[0], fed):
             return None, None, False
         return FOLDED, steps[0][3], False
 
 
-def _sdpa_groups(groups: int, head_dim: int, mask: torch.Tensor | None = None) -> bool | None:
-    """Whether transformers calls SDPA with enable_gqa for one query under `mask` (False where
-    the heads are not grouped); None where it does something else (repeats or packs)."""
+def _sdpa_gqa(groups: int, head_dim: int, masked: bool) -> bool | None:
+    """Whether transformers calls SDPA with enable_gqa for one query (masked or not); False
+    where the heads are not grouped; None where it does something else (packs the heads
+    under a mask; repeats them, or an unknown release, without one)."""
     if groups == 1:
         return False
     try:
@@ -137,4 +142,5 @@ def _sdpa_groups(groups: int, head_dim: int, mask: torch.Tensor | None = None) -
     except ImportError:
         return None
     like = torch.empty(1, 1, 1, head_dim)
-    return True if use_gqa_in_sdpa(mask, like, like) else None
+    return True if use_gqa_in_sdpa(torch.ones(1, dtype=torch.bool) if masked else None,
+                                   like, like) else None
