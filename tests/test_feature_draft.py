@@ -345,3 +345,40 @@ def test_the_in_process_engine_relays_features_too(heads):
     assert outputs == [tiny.greedy_ignoring_eos(model, p, 12) for p in PROMPTS]
     drafted = sum(h.seq.stats.num_drafted_tokens for h in handles)
     assert sum(h.seq.stats.num_accepted_tokens for h in handles) == drafted > 0
+
+
+def with_character_tokenizer(target_dir: str, out) -> str:
+    """A copy of a tiny target with a character-level tokenizer of its own."""
+    import string
+
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copytree(target_dir, out)
+    chars = ["<unk>", "<s>", "</s>"] + list(string.ascii_letters + " .")
+    backend = Tokenizer(WordLevel({c: i for i, c in enumerate(chars[:tiny.VOCAB])},
+                                  unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(out)
+    return str(out)
+
+
+def test_evaluate_draft_decode_reports_what_a_head_that_computes_the_targets_features_gets(
+        heads, tmp_path):
+    """`batchspec evaluate-draft --decode`: every draft of the exact head is accepted, at every
+    position; an untrained head's are not all."""
+    from batchspec_tools.drafting import decode_check
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"category": "c", "prompt": p}) + "\n"
+                               for p in ("the cat sat", "a dog ran far away")))
+    reports = {}
+    for arch in ("exact", "llama"):
+        target, head = heads[arch]
+        reports[arch] = decode_check.run(
+            with_character_tokenizer(target, tmp_path / arch), head, prompts=str(prompts),
+            num_prompts=2, max_new_tokens=9, k=3, head_dtype="float32", min_confidence=0.0)
+    assert reports["exact"]["acceptance_by_position"] == [1.0, 1.0, 1.0]
+    assert reports["exact"]["tokens_per_target_pass"] > 3.0  # K + 1 a pass, but at the end
+    assert reports["llama"]["acceptance_rate"] < 1.0

@@ -1,8 +1,8 @@
-"""What a feature-level draft head delivers for its target, in one process at batch 1:
-greedy acceptance per draft position at K, what a drafted token costs against a target step,
-and what the features cost on the wire.
+"""`batchspec evaluate-draft --decode`: what a feature-level draft head delivers for its target,
+in one process at batch 1: greedy acceptance per draft position at K, what a drafted token
+costs against a target step, and what the features cost on the wire.
 
-    python scripts/feature_head_check.py --head smollm2-eagle \
+    batchspec evaluate-draft --draft smollm2-eagle --decode \
         --prompts docs/bench/heldout_prompts.jsonl
 
 Each prompt is decoded greedily the way the services do it: the target verifies K drafts and
@@ -13,8 +13,6 @@ among those whose first k - 1 were; the share of drafted tokens accepted counts 
 `--min-confidence C` cuts each draft where the head's probability of it falls below C, as the
 services do (docs/design.md). Costs are medians of the timed forwards, taken in turn.
 """
-import argparse
-import json
 import statistics
 import time
 
@@ -92,43 +90,33 @@ def plain_step_seconds(target, prompt, repeats=8):
     return statistics.median(times)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default="smollm2")
-    parser.add_argument("--head", default="smollm2-eagle")
-    parser.add_argument("--prompts", default="docs/bench/heldout_prompts.jsonl")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("-k", type=int, default=4)
-    parser.add_argument("--head-dtype", default="float32", choices=models.DTYPES,
-                        help="the head's parameter dtype (the target's is float32)")
-    parser.add_argument("--min-confidence", type=float, default=0.0,
-                        help="cut each draft where its probability falls below this")
-    args = parser.parse_args(argv)
+def run(target_spec: str, head_spec: str, *, prompts: str, num_prompts: int | None,
+        max_new_tokens: int, k: int, head_dtype: str, min_confidence: float) -> dict:
+    """The report of decoding `num_prompts` of `prompts` with the head's drafts."""
     torch.set_grad_enabled(False)
-    tokenizer = models.load_tokenizer(args.target)
-    target_model = models.load_causal_lm(args.target)
-    head_model = models.load_causal_lm(args.head, dtype=args.head_dtype)
+    tokenizer = models.load_tokenizer(target_spec)
+    target_model = models.load_causal_lm(target_spec)
+    head_model = models.load_causal_lm(head_spec, dtype=head_dtype)
     for model in (target_model, head_model):  # the kernels the services use
         fastlinear.tune(model, cache_dir.kernel_plans_file())
     target, head = runner_of(target_model, "target"), runner_of(head_model, "head")
-    rows = bench_prompts(args.num_prompts, args.prompts)
-    stats = {"head_s": [], "verify_s": [], "tried": [0] * args.k, "accepted": [0] * args.k,
+    rows = bench_prompts(num_prompts or 16, prompts)
+    stats = {"head_s": [], "verify_s": [], "tried": [0] * k, "accepted": [0] * k,
              "drafted": 0, "accepted_total": 0, "spent_s": 0.0, "wire_bytes": 0, "wire_rows": 0,
              "committed": 0, "steps": 0}
     plain = []
     for row in rows:
         prompt = models.chat_ids(tokenizer, row["prompt"])
         plain.append(plain_step_seconds(target, prompt))
-        decode(target, head, prompt, args.k, args.max_new_tokens, stats, args.min_confidence)
+        decode(target, head, prompt, k, max_new_tokens, stats, min_confidence)
     step = statistics.median(plain)
     per_draft = statistics.median(stats["head_s"])
     reached = sum(stats["tried"])
-    print(json.dumps({
-        "prompts": args.prompts, "num_prompts": len(rows), "k": args.k,
+    return {
+        "prompts": prompts, "num_prompts": len(rows), "k": k, "head_dtype": head_dtype,
         "acceptance_by_position": [round(a / max(1, t), 3)
                                    for a, t in zip(stats["accepted"], stats["tried"])],
-        "min_confidence": args.min_confidence,
+        "min_confidence": min_confidence,
         "acceptance_rate": round(sum(stats["accepted"]) / max(1, reached), 3),
         "drafted_per_step": round(stats["drafted"] / max(1, stats["steps"]), 3),
         "accepted_share_of_drafted": round(stats["accepted_total"] / max(1, stats["drafted"]),
@@ -140,8 +128,4 @@ def main(argv=None):
         "head_cost_share_of_target_step": round(per_draft / step, 3),
         "feature_wire_bytes_per_position": round(stats["wire_bytes"] / max(1, stats["wire_rows"]),
                                                  1),
-    }, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    }
