@@ -19,7 +19,7 @@ from batchspec import errors
 from coordinator import features, goodput, scheduler
 from coordinator.clients import ModelInfo, Proposal, ProposeSpec, Timing, VerifyOutcome
 from coordinator.drafts import DraftKind
-from coordinator.evidence import Choice, Evidence
+from coordinator.evidence import Decision, Evidence
 from coordinator.peers import Peers
 from coordinator.sequence import Sequence, mixed
 from coordinator.stats import Recorder
@@ -270,7 +270,7 @@ class Drafter:
         """Whether the evidence says to decode this cohort plainly. Sampled cohorts too: a
         seeded request's tokens do not depend on whether its steps drafted."""
         return self.evidence is not None and \
-            self.evidence.choose(len(seqs), sampled(seqs)) is Choice.PLAIN
+            self.evidence.choose(len(seqs), sampled(seqs)) is Decision.PLAIN
 
     def observe_step(self, cohort: DraftedCohort, num_committed: int, seconds: float,
                      verify_timing: Timing | None = None) -> None:

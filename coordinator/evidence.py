@@ -38,7 +38,7 @@ import dataclasses
 import enum
 
 
-class Choice(enum.Enum):
+class Decision(enum.Enum):
     PLAN = "plan"  # let the policy plan (it may still choose plain decoding)
     PLAIN = "plain"  # step aside: every row decodes plainly, no draft is asked
 
@@ -151,7 +151,7 @@ class Evidence:
         buckets = self.sampled_buckets if sampled else self.buckets
         return buckets.setdefault(bucket_of(rows), Bucket())
 
-    def choose(self, rows: int, sampled: bool = False) -> Choice:
+    def choose(self, rows: int, sampled: bool = False) -> Decision:
         """For a cohort of `rows` (with a sampled row, or greedy): plan, or step aside.
         Called once per such step."""
         bucket = self._bucket(rows, sampled)
@@ -159,16 +159,16 @@ class Evidence:
             # the yardstick first: a plain step costs what the server without drafts pays,
             # so a bucket where drafting loses pays only for the few drafted steps that show
             # it, never for a start-up stretch of the plan's guesses
-            return Choice.PLAIN
+            return Decision.PLAIN
         if not bucket.decided:  # alternate: every step after the first makes a pair
-            return Choice.PLAIN if bucket.last is not None and bucket.last.drafted \
-                else Choice.PLAN
+            return Decision.PLAIN if bucket.last is not None and bucket.last.drafted \
+                else Decision.PLAN
         bucket.since_probe += 1
         if bucket.since_probe >= self._probe_interval(rows, bucket, sampled):
             bucket.since_probe = 0
             bucket.backoff = min(2 * bucket.backoff, self.config.max_backoff)
-            return Choice.PLAN if bucket.aside else Choice.PLAIN
-        return Choice.PLAIN if bucket.aside else Choice.PLAN
+            return Decision.PLAN if bucket.aside else Decision.PLAIN
+        return Decision.PLAIN if bucket.aside else Decision.PLAN
 
     def observe(self, rows: int, drafted: bool, tokens: int, seconds: float,
                 carried: float = 0.0, sampled: bool = False) -> None:

@@ -305,7 +305,7 @@ def break_even_confidence(target: ServiceCost, draft: ServiceCost, rows: int, dr
 
 
 @dataclasses.dataclass(frozen=True)
-class Choice:
+class Option:
     """One draft kind as it stands for one row."""
 
     acceptance: float
@@ -328,7 +328,7 @@ class Row:
     catch_up: int = 1
     forced_k: int | None = None  # must draft this many, room allowing (drafted already)
     explore: bool = False
-    choices: tuple[Choice | None, ...] = ()
+    choices: tuple[Option | None, ...] = ()
     forced_kind: int = 0  # the kind a forced row drafts with
     # the most drafts worth verifying: a step commits at most a row's drafts and one more
     # token, so a row with n tokens left to commit gains nothing from drafts past n - 1 (and
@@ -339,8 +339,8 @@ class Row:
         """What the row drafts in a plan of K = k (k itself short of its end)."""
         return k if self.room is None else max(0, min(k, self.room))
 
-    def options(self) -> tuple[Choice | None, ...]:
-        return self.choices or (Choice(self.acceptance, self.catch_up, self.explore),)
+    def options(self) -> tuple[Option | None, ...]:
+        return self.choices or (Option(self.acceptance, self.catch_up, self.explore),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,7 +420,7 @@ class GoodputPolicy:
         return min(1.5, max(0.25, got / hoped))
 
     def choice(self, state: RowState, catch_up: int, kind: int, cold: bool = False,
-               prefill: int = 0) -> Choice:
+               prefill: int = 0) -> Option:
         """One row's standing with one kind (the rules: the module's docstring and
         GoodputConfig). Not forced but optimistic when idle, since forcing one row widens its
         whole cohort's verify. cold: the draft holds nothing of the row yet (picking it costs
@@ -430,12 +430,12 @@ class GoodputPolicy:
         starved = self._plans_since.get(kind, 0) >= self.config.starve_every
         acceptance = self.acceptance(state, kind)
         if cold:
-            return Choice(acceptance, 1, explore=short or starved, cold=True, prefill=prefill)
+            return Option(acceptance, 1, explore=short or starved, cold=True, prefill=prefill)
         idle = state.idle_steps >= self.config.explore_every
         if idle:
             acceptance = max(acceptance, self.config.optimism)
         # a starved kind is forced on the rows idle with it: they draft in one step together
-        return Choice(acceptance, catch_up, explore=short or (starved and idle))
+        return Option(acceptance, catch_up, explore=short or (starved and idle))
 
     def plan(self, rows: list[Row]) -> Plan:
         """The plan with the most expected tokens per second. Without calibrated costs every

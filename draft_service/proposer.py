@@ -22,7 +22,7 @@ class ProposeRow:
 
 
 @dataclasses.dataclass(frozen=True)
-class Proposal:
+class ProposedRow:
     seq_id: int
     draft_token_ids: list[int]
     cache_len: int
@@ -76,7 +76,7 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
     cache_lens = [p + len(drafts) - 1 for p in first_position]
     runner.store([r.seq_id for r in rows], group.rows_after(cache_lens))
     stacked = torch.stack(drafts, dim=1).tolist()  # [batch, forwards run]
-    proposals = [Proposal(r.seq_id, d[:n], c, n < num_drafts)
+    proposals = [ProposedRow(r.seq_id, d[:n], c, n < num_drafts)
                  for r, d, c, n in zip(rows, stacked, cache_lens, cut.lengths)]
     return proposals, group
 

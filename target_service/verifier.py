@@ -22,7 +22,7 @@ class VerifyRow:
 
 
 @dataclasses.dataclass(frozen=True)
-class VerifyOutcome:
+class VerifiedRow:
     seq_id: int
     num_accepted: int
     output_token_ids: list[int]  # accepted drafts + the recovered or bonus token
@@ -72,7 +72,7 @@ def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bo
     # the positions a row caches are its first (cache_len - expected_cache_len) fed ones
     features = [group.hidden[i, :c - r.expected_cache_len].float().cpu() if keep_features
                 else None for i, (r, c) in enumerate(zip(rows, cache_lens))]
-    return [VerifyOutcome(r.seq_id, n, out, c, lp, f) for r, n, out, c, lp, f
+    return [VerifiedRow(r.seq_id, n, out, c, lp, f) for r, n, out, c, lp, f
             in zip(rows, num_accepted, outputs, cache_lens, scored, features)], group
 
 

@@ -6,19 +6,19 @@ import random
 
 import pytest
 
-from coordinator.evidence import Choice, Evidence, EvidenceConfig, bucket_of
+from coordinator.evidence import Decision, Evidence, EvidenceConfig, bucket_of
 
 
 def run(evidence: Evidence, rows: int, steps: int, drafted_rate: float, plain_rate: float,
-        noise=lambda i: 1.0) -> list[Choice]:
+        noise=lambda i: 1.0) -> list[Decision]:
     """Drive `steps` steps: each choice is followed by a step that measured the given rate
     (tokens per second) for its side."""
     choices = []
     for i in range(steps):
         choice = evidence.choose(rows)
         choices.append(choice)
-        rate = (drafted_rate if choice is Choice.PLAN else plain_rate) * noise(i)
-        evidence.observe(rows, choice is Choice.PLAN, tokens=rows, seconds=rows / rate)
+        rate = (drafted_rate if choice is Decision.PLAN else plain_rate) * noise(i)
+        evidence.observe(rows, choice is Decision.PLAN, tokens=rows, seconds=rows / rate)
     return choices
 
 
@@ -30,12 +30,12 @@ def test_buckets_group_batch_sizes_by_powers_of_two():
 def test_it_measures_the_plain_yardstick_first_then_plans():
     evidence = Evidence()
     choices = run(evidence, 8, 40, drafted_rate=150.0, plain_rate=100.0)
-    assert choices[:6] == [Choice.PLAIN] * 6  # min_steps plain steps before any drafting
-    assert choices[6] is Choice.PLAN
-    assert choices[-12:].count(Choice.PLAN) >= 10  # drafting pays: it keeps planning
+    assert choices[:6] == [Decision.PLAIN] * 6  # min_steps plain steps before any drafting
+    assert choices[6] is Decision.PLAN
+    assert choices[-12:].count(Decision.PLAN) >= 10  # drafting pays: it keeps planning
     assert evidence.ratio(8) == pytest.approx(1.5)
     # another bucket starts from its own yardstick
-    assert [evidence.choose(32) for _ in range(3)] == [Choice.PLAIN] * 3
+    assert [evidence.choose(32) for _ in range(3)] == [Decision.PLAIN] * 3
 
 
 def test_where_drafting_loses_at_start_up_few_drafted_steps_are_paid():
@@ -44,8 +44,8 @@ def test_where_drafting_loses_at_start_up_few_drafted_steps_are_paid():
     plain evidence trickles in."""
     evidence = Evidence()
     choices = run(evidence, 32, 40, drafted_rate=50.0, plain_rate=100.0)  # no probe yet
-    assert choices[:9] == [Choice.PLAIN] * 6 + [Choice.PLAN, Choice.PLAIN, Choice.PLAN]
-    assert choices.count(Choice.PLAN) == 2
+    assert choices[:9] == [Decision.PLAIN] * 6 + [Decision.PLAN, Decision.PLAIN, Decision.PLAN]
+    assert choices.count(Decision.PLAN) == 2
     assert evidence.buckets[bucket_of(32)].aside
 
 
@@ -53,8 +53,8 @@ def test_where_drafting_measures_slower_it_steps_aside_and_keeps_probing():
     evidence = Evidence()
     choices = run(evidence, 8, 200, drafted_rate=80.0, plain_rate=100.0)
     late = choices[100:]
-    assert late.count(Choice.PLAIN) > 0.85 * len(late)  # aside
-    assert Choice.PLAN in late  # drafting is still tried now and then
+    assert late.count(Decision.PLAIN) > 0.85 * len(late)  # aside
+    assert Decision.PLAN in late  # drafting is still tried now and then
     assert evidence.ratio(8) == pytest.approx(0.8)
 
 
@@ -64,7 +64,7 @@ def test_it_comes_back_when_drafting_measures_faster_again():
     assert evidence.buckets[bucket_of(8)].aside
     choices = run(evidence, 8, 400, drafted_rate=160.0, plain_rate=100.0)
     assert not evidence.buckets[bucket_of(8)].aside
-    assert choices[-24:].count(Choice.PLAN) >= 20
+    assert choices[-24:].count(Decision.PLAN) >= 20
 
 
 def test_noise_within_the_margin_does_not_flip_the_choice():
@@ -73,24 +73,24 @@ def test_noise_within_the_margin_does_not_flip_the_choice():
     rng = random.Random(5)
     wobble = lambda i: rng.uniform(0.97, 1.03)  # noqa: E731
     choices = run(evidence, 8, 300, drafted_rate=92.0, plain_rate=100.0, noise=wobble)
-    assert choices[-100:].count(Choice.PLAIN) > 85
+    assert choices[-100:].count(Decision.PLAIN) > 85
     choices = run(evidence, 8, 300, drafted_rate=100.0, plain_rate=100.0, noise=wobble)
-    assert choices.count(Choice.PLAIN) > 0.85 * len(choices)  # stays aside: within the margin
+    assert choices.count(Decision.PLAIN) > 0.85 * len(choices)  # stays aside: within the margin
 
 
 def test_each_batch_size_bucket_decides_for_itself():
     evidence = Evidence()
     run(evidence, 1, 200, drafted_rate=130.0, plain_rate=100.0)
     run(evidence, 16, 200, drafted_rate=70.0, plain_rate=100.0)
-    assert [evidence.choose(1) for _ in range(5)].count(Choice.PLAN) >= 4
-    assert [evidence.choose(16) for _ in range(5)].count(Choice.PLAIN) >= 4
+    assert [evidence.choose(1) for _ in range(5)].count(Decision.PLAN) >= 4
+    assert [evidence.choose(16) for _ in range(5)].count(Decision.PLAIN) >= 4
 
 
 def test_a_clear_case_is_probed_less_often_than_a_close_one():
     clear, close = Evidence(), Evidence()
     clear_choices = run(clear, 1, 600, drafted_rate=200.0, plain_rate=100.0)[200:]
     close_choices = run(close, 1, 600, drafted_rate=110.0, plain_rate=100.0)[200:]
-    assert 0 < clear_choices.count(Choice.PLAIN) < close_choices.count(Choice.PLAIN) / 2
+    assert 0 < clear_choices.count(Decision.PLAIN) < close_choices.count(Decision.PLAIN) / 2
 
 
 def test_probes_of_a_settled_decision_grow_rarer_until_it_flips():
@@ -98,14 +98,14 @@ def test_probes_of_a_settled_decision_grow_rarer_until_it_flips():
     choices = run(evidence, 16, 700, drafted_rate=50.0, plain_rate=100.0)  # a clear loss
     bucket = evidence.buckets[bucket_of(16)]
     assert bucket.aside and bucket.backoff == 4
-    probes = [i for i, c in enumerate(choices) if c is Choice.PLAN and i > 30]  # decided
+    probes = [i for i, c in enumerate(choices) if c is Decision.PLAN and i > 30]  # decided
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[0] < gaps[-1] == 12 * 4 * 4  # clear x4, settled x4
     # drafting pays now: the next probe disagrees, so the ones after come soon again
     later = run(evidence, 16, 700, drafted_rate=300.0, plain_rate=100.0)
-    probes = [i for i, c in enumerate(later) if c is Choice.PLAN]
+    probes = [i for i, c in enumerate(later) if c is Decision.PLAN]
     assert max(b - a for a, b in zip(probes, probes[1:])) <= 12 * 4  # no backoff
-    assert not bucket.aside and later[-200:].count(Choice.PLAN) > 0.9 * 200
+    assert not bucket.aside and later[-200:].count(Decision.PLAN) > 0.9 * 200
 
 
 def test_a_clearly_losing_draft_is_stepped_around_after_few_drafted_steps():
@@ -151,7 +151,7 @@ def test_a_machine_that_slows_down_during_the_yardstick_does_not_make_drafting_l
     choices = run(evidence, 8, 200, drafted_rate=70.0, plain_rate=100.0, noise=slow)
     assert evidence.buckets[bucket_of(8)].aside
     assert evidence.ratio(8) == pytest.approx(0.7, rel=0.1)
-    assert choices[100:].count(Choice.PLAN) < 10
+    assert choices[100:].count(Decision.PLAN) < 10
     # and the other way round: a machine slow while drafting is first tried
     evidence = Evidence()
     slow = lambda i: 0.5 if 6 <= i < 12 else 1.0  # noqa: E731
@@ -243,14 +243,14 @@ def test_turnover_copies_are_left_out_and_compaction_is_charged_to_the_drafted_s
 
 
 def run_lone_row(evidence: Evidence, steps: int, tokens: list[int],
-                 drafted_seconds: float) -> list[Choice]:
+                 drafted_seconds: float) -> list[Decision]:
     """A lone row: a plain step commits one token in 40 ms; drafted steps take
     drafted_seconds and commit `tokens` in turn, over and over."""
     choices, drafted_steps = [], 0
     for _ in range(steps):
         choice = evidence.choose(1)
         choices.append(choice)
-        drafted = choice is Choice.PLAN
+        drafted = choice is Decision.PLAN
         committed = tokens[drafted_steps % len(tokens)] if drafted else 1
         drafted_steps += drafted
         evidence.observe(1, drafted, tokens=committed,
@@ -270,7 +270,7 @@ def test_a_lone_rows_uneven_drafted_steps_are_judged_by_the_tokens_they_deliver(
     assert evidence.buckets[bucket_of(1)].aside
     choices = run_lone_row(evidence, 900, [1, 1, 1, 1, 3], drafted_seconds=0.048)
     assert not evidence.buckets[bucket_of(1)].aside
-    assert choices[100:].count(Choice.PLAN) > 0.85 * 800  # back within 100 steps: probes of
+    assert choices[100:].count(Decision.PLAN) > 0.85 * 800  # back within 100 steps: probes of
     # a one-row bucket aside are cheap, so they come every 12 steps
     assert evidence.ratio(1) > 1.05  # 1.17x, as the last pairs sample the turns
 
@@ -282,7 +282,7 @@ def test_a_lone_row_steps_aside_where_more_tokens_come_too_slowly():
     choices = run_lone_row(evidence, 300, [1, 2], drafted_seconds=0.068)
     assert evidence.buckets[bucket_of(1)].aside
     assert evidence.ratio(1) == pytest.approx(1.5 / 1.7, rel=0.05)
-    assert choices[-200:].count(Choice.PLAIN) > 0.85 * 200
+    assert choices[-200:].count(Decision.PLAIN) > 0.85 * 200
 
 
 def test_cohorts_with_a_sampled_row_keep_their_own_buckets():
@@ -297,7 +297,7 @@ def test_cohorts_with_a_sampled_row_keep_their_own_buckets():
     for _ in range(300):  # sampled: 2 or 3 tokens a drafted step in 1.2x a plain one's time
         choice = evidence.choose(1, sampled=True)
         choices.append(choice)
-        drafted = choice is Choice.PLAN
+        drafted = choice is Decision.PLAN
         evidence.observe(1, drafted, tokens=3 if drafted and len(choices) % 2 else 1 + drafted,
                          seconds=0.048 if drafted else 0.04, sampled=True)
     assert not evidence.sampled_buckets[bucket_of(1)].aside

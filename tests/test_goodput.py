@@ -77,7 +77,7 @@ def test_a_kind_that_delivers_less_than_the_geometric_model_expects_is_discounte
     all_or_nothing = after({0: 400, 4: 225})
     assert geometric.delivered(0) == pytest.approx(1.0, abs=0.05)
     assert all_or_nothing.delivered(0) < 0.9
-    row = [goodput.Row(choices=(goodput.Choice(0.8),))]
+    row = [goodput.Row(choices=(goodput.Option(0.8),))]
     fresh = goodput.GoodputPolicy(config, [draft], target)
     assert fresh.delivered(0) == 1.0  # no evidence yet: the model as it is
     # its gain is scaled down
@@ -283,7 +283,7 @@ def test_evidence_is_not_bought_where_drafting_could_not_pay_at_all():
     assert max(cheap.plan([goodput.Row(choices=(new_kind,))] * 32).k) >= 1
     # but not a lookup with something to offer for 2 of the 32 rows: even perfect matches
     # there would not pay for widening all 32 rows' verify
-    lookup = goodput.Choice(new_kind.acceptance, explore=True, offered=4)
+    lookup = goodput.Option(new_kind.acceptance, explore=True, offered=4)
     few = [goodput.Row(choices=(lookup if i < 2 else None,)) for i in range(32)]
     assert cheap.plan(few).k == [0] * 32
 
@@ -511,10 +511,10 @@ def test_cold_rows_join_a_widened_verify_only_for_the_price_of_their_prefill():
     not all be prefilled to ride along (a 2-core CPU spent a second there, near the end of
     the answers), unless they would pay for their prefill."""
     p = policy(verify_per_token=0.002, verify_per_row_token=0.0002)
-    explorer = goodput.Row(choices=(goodput.Choice(0.45, explore=True),))
+    explorer = goodput.Row(choices=(goodput.Option(0.45, explore=True),))
 
     def drafting(acceptance, prefill):
-        cold = goodput.Row(choices=(goodput.Choice(acceptance, cold=True, prefill=prefill),))
+        cold = goodput.Row(choices=(goodput.Option(acceptance, cold=True, prefill=prefill),))
         return sum(k > 0 for k in p.plan([explorer] + [cold] * 31).k)
     assert drafting(0.45, prefill=0) == 32  # were prefills free, all would join
     assert drafting(0.45, prefill=200) == 1  # the explorer alone
@@ -528,7 +528,7 @@ def test_cold_rows_of_a_plan_of_their_own_are_charged_their_prefill():
     p = policy(verify_per_token=0.002, verify_per_row_token=0.0002)
 
     def drafting(acceptance, prefill, rows=32):
-        cold = goodput.Row(choices=(goodput.Choice(acceptance, cold=True, prefill=prefill),))
+        cold = goodput.Row(choices=(goodput.Option(acceptance, cold=True, prefill=prefill),))
         return sum(k > 0 for k in p.plan([cold] * rows).k)
     assert drafting(0.6, prefill=0) == 32  # were prefills free, every row would draft
     assert drafting(0.6, prefill=200) == 0

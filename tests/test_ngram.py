@@ -118,19 +118,19 @@ def two_kind_policy():
 
 def test_each_row_gets_the_draft_it_accepts_best_per_cost():
     p = two_kind_policy()
-    copying = goodput.Row(choices=(goodput.Choice(0.3), goodput.Choice(0.95)))
-    chatting = goodput.Row(choices=(goodput.Choice(0.8), goodput.Choice(0.05)))
+    copying = goodput.Row(choices=(goodput.Option(0.3), goodput.Option(0.95)))
+    chatting = goodput.Row(choices=(goodput.Option(0.8), goodput.Option(0.05)))
     plan = p.plan([copying, chatting])
     assert plan.kinds == [1, 0] and min(plan.k) > 0
     # nearly free and well accepted: the n-gram drafts even where the model would not pay
-    alone = p.plan([goodput.Row(choices=(goodput.Choice(0.1), goodput.Choice(0.9)))] * 32)
+    alone = p.plan([goodput.Row(choices=(goodput.Option(0.1), goodput.Option(0.9)))] * 32)
     assert set(alone.kinds) == {1}
 
 
 def test_a_draft_left_unused_for_long_is_explored():
     p = two_kind_policy()
-    stale = goodput.Choice(0.01, explore=True)
-    plan = p.plan([goodput.Row(choices=(goodput.Choice(0.9), stale))] * 4)
+    stale = goodput.Option(0.01, explore=True)
+    plan = p.plan([goodput.Row(choices=(goodput.Option(0.9), stale))] * 4)
     assert 1 in plan.kinds
 
 
@@ -262,12 +262,12 @@ def test_an_offered_proposal_costs_nothing_more_and_counts_only_its_tokens():
     costly = goodput.ServiceCost(goodput.ForwardCosts([(r, t, 0.05) for r, t in grid]))
     p = goodput.GoodputPolicy(goodput.GoodputConfig(max_k=4), [costly], target)
     # asked again, the draft would cost more than it returns; already proposed, it pays
-    assert p.plan([goodput.Row(choices=(goodput.Choice(0.9),))]).k == [0]
-    offered = p.plan([goodput.Row(choices=(goodput.Choice(0.9, offered=3),))])
+    assert p.plan([goodput.Row(choices=(goodput.Option(0.9),))]).k == [0]
+    offered = p.plan([goodput.Row(choices=(goodput.Option(0.9, offered=3),))])
     assert offered.k[0] > 0 and offered.kinds == [0]
     # its expected gain is that of the tokens it has, not of K
-    one = p._best_for([goodput.Row(choices=(goodput.Choice(0.9, offered=1),))], 4, (0,))
-    four = p._best_for([goodput.Row(choices=(goodput.Choice(0.9, offered=4),))], 4, (0,))
+    one = p._best_for([goodput.Row(choices=(goodput.Option(0.9, offered=1),))], 4, (0,))
+    four = p._best_for([goodput.Row(choices=(goodput.Option(0.9, offered=4),))], 4, (0,))
     assert one.tokens_per_s * 2.0 / goodput.expected_tokens(0.9, 1) == pytest.approx(
         four.tokens_per_s * 2.0 / goodput.expected_tokens(0.9, 4))
 
