@@ -1,13 +1,13 @@
-"""The drafting part: which draft kind each row of a cohort drafts with, how many tokens, and
-the proposals, as a typed `DraftedCohort` for the step loop to verify.
+"""The drafting part of a step: the drafting policy's plan for a cohort (coordinator/policy.py),
+carried out by calling the draft services, as a typed `DraftedCohort` for the step loop to
+verify.
 
-Drafts that cost next to nothing (a lookup: the n-gram draft) are asked for every row before
-planning, so the plan knows which rows they have something for and how much; what they offer
-costs nothing more to verify. While plans seldom draft with what one offers, it is asked only
-every few steps. The other kinds are called cheapest first; rows a kind proposed nothing for
-are planned again, among the kinds not called yet, before those are called; such a miss counts
-as a draft rejected at once. After the verify, `observe` feeds each row's outcome back to the
-policy and moves the draft's record of its valid cache.
+The policy asks the lookups due (drafts that cost next to nothing) for every row before it
+plans, through `_ask`; what they offer costs nothing more to verify. The other kinds are
+called for the rows planned with them, cheapest first; a row a kind proposes nothing for
+decodes plainly this step, and that miss counts as a draft rejected at once. After the verify,
+`observe` moves each draft's record of its valid cache and feeds each row's outcome back to the
+policy.
 """
 import dataclasses
 import functools
@@ -17,25 +17,14 @@ import time
 
 from batchspec import errors
 from coordinator import features, goodput, scheduler
-from coordinator.clients import ModelInfo, Proposal, ProposeSpec, Timing, VerifyOutcome
+from coordinator.clients import Proposal, ProposeSpec, Timing, VerifyOutcome
 from coordinator.drafts import DraftKind
-from coordinator.evidence import Decision, Evidence
 from coordinator.peers import Peers
+from coordinator.policy import CohortRow, DraftingPolicy, StepPlan
 from coordinator.sequence import Sequence, mixed
 from coordinator.stats import Recorder
 
 log = logging.getLogger(__name__)
-
-# A draft whose cheapest command costs at most this share of the target's (a lookup, not a
-# model) is asked for every row before the step is planned.
-ASK_FIRST_SHARE = 0.05
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftingConfig:
-    num_draft_tokens: int  # K, the most a row drafts in a step
-    draft_policy: str  # "goodput" or "fixed" (see EngineConfig)
-    min_draft_confidence: float | None  # None: calibrated drafts cut at break-even
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,13 +106,11 @@ class _Step:
     """One step's drafting in progress, every map keyed by row index."""
 
     seqs: list[Sequence]
-    called: set[int] = dataclasses.field(default_factory=set)  # kinds asked this step
     # kind index -> row -> what the kind, asked before planning, offered (non-empty only)
     offers: dict[int, dict[int, Proposal]] = dataclasses.field(default_factory=dict)
     # row -> (kind index, drafts it verifies), for rows that have their drafts
     drafted: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
-    # row -> the kind indices that proposed nothing for it, in call order
-    misses: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    missed: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> kind: nothing
     # (row, kind index) of those misses that a confidence cut made: not rejections
     declined: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     # row -> the latest answer a call planned for it gave (empty ones too)
@@ -131,20 +118,9 @@ class _Step:
     # (the service's own timing, round-trip seconds) of each draft call
     spent: list[tuple[Timing, float]] = dataclasses.field(default_factory=list)
 
-    def offered(self) -> dict[int, dict[int, int]]:
-        """{row: {kind: tokens}} the kinds asked before planning offered."""
-        return {i: {index: len(got[i].draft_token_ids)
-                    for index, got in self.offers.items() if i in got}
-                for i in range(len(self.seqs))}
-
-    def asked(self) -> dict[int, int]:
-        """Each row's kind to observe: the one it drafts with, else its last miss."""
-        asked = {i: indices[-1] for i, indices in self.misses.items()}
-        asked.update((i, index) for i, (index, _) in self.drafted.items())
-        return asked
-
     def result(self) -> DraftedCohort:
-        asked = self.asked()
+        asked = dict(self.missed)  # each row's kind to observe: its drafts' or its miss's
+        asked.update((i, index) for i, (index, _) in self.drafted.items())
         rows = [RowDraft(seq, self.drafted[i][1] if i in self.drafted else 0, asked.get(i),
                          self.answers.get(i)) for i, seq in enumerate(self.seqs)]
         timing = functools.reduce(operator.add, (t for t, _ in self.spent)) \
@@ -155,26 +131,6 @@ class _Step:
 def sampled(seqs: list[Sequence]) -> bool:
     """Whether a cohort has a sampled row: its evidence is kept apart from greedy cohorts'."""
     return not all(s.sampling.greedy for s in seqs)
-
-
-def realign_shares(cohort: DraftedCohort, verify_timing: Timing | None) -> tuple[float, float]:
-    """The target's seconds of re-stacking a verified cohort's rows, as the evidence weighs
-    them: (turnover, carried). Turnover: the rows are not the batch they last ran in, in its
-    order (requests joined or left), a copy that comes once per arrival and departure
-    whether or not the server drafts, so it says nothing about drafting (one such copy of a
-    newly formed batch took 241 ms, four plain steps' time, and made a yardstick of plain
-    steps measure a third too slow). Carried: the same batch after a step that verified
-    drafts, compacting the holes its rejected drafts left: drafting's cost, charged to that
-    step (a plain step after a drafted one paid 23 ms of a 114 ms step for it). Records what
-    each row ran with."""
-    ids = tuple(row.seq.seq_id for row in cohort.rows)
-    changed = any(row.seq.ran_with != ids for row in cohort.rows)
-    after_drafts = not changed and any(row.seq.ran_drafted for row in cohort.rows)
-    drafted = any(row.draft_token_ids for row in cohort.rows)
-    for row in cohort.rows:
-        row.seq.ran_with, row.seq.ran_drafted = ids, drafted
-    realign = verify_timing.realign_seconds if verify_timing is not None else 0.0
-    return (realign, 0.0) if changed else (0.0, realign if after_drafts else 0.0)
 
 
 # the draft kinds (by model) that refused rows: each logged once
@@ -199,141 +155,89 @@ def refuse(kind: DraftKind, seqs: list[Sequence], error) -> None:
 
 
 class Drafter:
-    def __init__(self, peers: Peers, config: DraftingConfig, recorder: Recorder,
-                 policy: goodput.GoodputPolicy | None = None,
-                 evidence: Evidence | None = None):
-        """policy: one to use as it is (a test's scripted one); else one is built from the
-        services' measured costs at `calibrate`. evidence: what drafted and plain steps
-        measured, consulted before planning a cohort (None: the policy alone)."""
+    def __init__(self, peers: Peers, policy: DraftingPolicy, recorder: Recorder):
         self.peers = peers
-        self.config = config
-        self.recorder = recorder
         self.policy = policy
-        self.evidence = evidence
-        self._target_unit_cost: float | None = None  # seconds of its cheapest measured command
+        self.recorder = recorder
 
     @property
     def kinds(self) -> list[DraftKind]:
         return self.peers.kinds
 
-    def calibrate(self, target: ModelInfo | None, infos: list[ModelInfo | None]) -> None:
-        """Start from what each service measured of its forwards at start-up: the goodput
-        policy's costs (without them every row drafts K) and the order kinds are asked in."""
-        fixed = self.config.draft_policy == "fixed"
-
-        def cost(info):
-            return None if fixed or info is None else \
-                goodput.ServiceCost(goodput.ForwardCosts(info.step_costs),
-                                    packs_positions=info.packs_positions)
-
-        self._target_unit_cost = min((s for _, _, s in target.step_costs), default=None) \
-            if target is not None else None
-        for kind, info in zip(self.kinds, infos):
-            kind.cost = cost(info)
-            kind.calibrated = info is not None and info.calibrated
-            if info is not None and info.step_costs:
-                kind.unit_cost = min(seconds for _, _, seconds in info.step_costs)
-        if self.policy is None:
-            self.policy = goodput.GoodputPolicy(
-                goodput.GoodputConfig(max_k=self.config.num_draft_tokens),
-                [kind.cost for kind in self.kinds], cost(target))
+    def calibrate(self, target, infos) -> None:
+        """The policy starts from what each service measured of its forwards at start-up."""
+        self.policy.calibrate(target, infos)
 
     # ---- a step's drafts ------------------------------------------------------------------------
     def draft(self, seqs: list[Sequence], timeout: float | None) -> DraftedCohort:
-        """Plan the cohort and call the drafts, the cheapest first; or, where drafted steps
-        have measured slower than plain ones for cohorts of this size and class, step aside:
-        the cohort then decodes plainly and no draft is asked."""
-        if self._aside(seqs):
-            return DraftedCohort([RowDraft(seq, aside=True) for seq in seqs])
+        """The policy's plan for the cohort, carried out: the lookups it asked first give
+        what they offered, the other kinds are called for their rows, cheapest first. A
+        cohort stepped aside decodes plainly and no draft is asked."""
         step = _Step(seqs)
-        early = self._ask_first(step, timeout)
-        plan, missed = self.plan(step), False
-        for kind in sorted(self.kinds, key=lambda kind: kind.unit_cost):
-            if missed:  # what was proposed is kept; the rows that missed may go elsewhere
-                plan, missed = self.plan(step), False
-            rows = [i for i in range(len(seqs))
-                    if i not in step.drafted and plan.kind(i) == kind.index]
-            if not rows:
-                continue
-            if kind.index in early:  # asked already: take what it offered
-                for i in rows:
-                    step.drafted[i] = (kind.index, plan.k[i])
-                    step.answers[i] = step.offers[kind.index][i]
-                continue
-            missed = self._call(kind, step, rows, plan, timeout)
-        for index in early:
-            self.kinds[index].asked(any(d == index for d, _ in step.drafted.values()))
-        self._observe_earlier_misses(step)
+        plan = self.policy.plan(self.cohort_rows(seqs),
+                                lambda index: self._ask(step, index, timeout))
+        if plan.aside:
+            return DraftedCohort([RowDraft(seq, aside=True) for seq in seqs])
+        for i in range(len(seqs)):
+            self._take_offer(step, i, plan.kind(i), plan.k[i])
+        for kind in sorted(self.kinds, key=lambda kind: self.policy.kinds[kind.index].unit_cost):
+            rows = [i for i in range(len(seqs)) if i not in step.drafted and kind.index == (
+                plan.fallback[i] if i in step.missed else plan.kind(i))]
+            if rows:
+                self._call(kind, step, rows, plan, timeout)
+            for i in [i for i in step.missed if i not in step.drafted]:
+                self._take_offer(step, i, plan.fallback[i], plan.k[i])
+        for i in step.missed:
+            if i in step.drafted:  # it drafted with its fallback: its miss is evidence too
+                self._observe_miss(step, i)
         return step.result()
 
-    def _aside(self, seqs: list[Sequence]) -> bool:
-        """Whether the evidence says to decode this cohort plainly. Sampled cohorts too: a
-        seeded request's tokens do not depend on whether its steps drafted."""
-        return self.evidence is not None and \
-            self.evidence.choose(len(seqs), sampled(seqs)) is Decision.PLAIN
+    @staticmethod
+    def _take_offer(step: _Step, i: int, index: int | None, k: int) -> None:
+        """Row i drafts with what kind `index`, asked before planning, offered it (if it
+        did)."""
+        if index in step.offers and i in step.offers[index]:
+            step.drafted[i] = (index, k)
+            step.answers[i] = step.offers[index][i]
 
-    def observe_step(self, cohort: DraftedCohort, num_committed: int, seconds: float,
-                     verify_timing: Timing | None = None) -> None:
-        """A verified cohort's measured delivery, for the evidence of its class. A step that asked
-        any draft counts as drafted even where nothing was verified (a lookup that found
-        nothing, a plan that kept every row plain after asking): what drafting costs is
-        weighed on its side, and the plain side is only steps that cost what decoding
-        without drafts does. Turnover is left out of both sides, and compaction after a
-        drafted step charged to it (see realign_shares)."""
-        turnover, carried = realign_shares(cohort, verify_timing)
-        if self.evidence is not None:
-            drafted = cohort.timing is not None or any(row.num_drafts for row in cohort.rows)
-            self.evidence.observe(len(cohort.rows), drafted, num_committed,
-                                  max(0.0, seconds - turnover), carried, sampled(cohort.seqs))
+    def cohort_rows(self, seqs: list[Sequence]) -> list[CohortRow]:
+        """The cohort as the policy sees it."""
+        return [CohortRow(
+            s.seq_id, goodput.sampling_band(s.sampling),
+            tuple(s.draft_append_need(kind.index)
+                  if kind.up and not s.drafts[kind.index].refused else None
+                  for kind in self.kinds),
+            tuple(s.drafts[kind.index].cache_len is None for kind in self.kinds),
+            s.committed_len - 1, s.draft_room) for s in seqs]
 
-    def _ask_first(self, step: _Step, timeout: float | None) -> list[int]:
-        """Ask the kinds due before planning for every row; the kinds asked. One not due this
-        step (DraftKind.ask_due: plans seldom use its offers) sits it out, as if asked and
-        offering nothing."""
-        asked = []
-        for kind in self.asked_first():
-            step.called.add(kind.index)
-            if not kind.ask_due():
-                continue
-            got = self._propose(kind, step, range(len(step.seqs)), self.config.num_draft_tokens,
-                                timeout)
-            step.offers[kind.index] = {i: p for i, p in got.items() if p.draft_token_ids}
-            asked.append(kind.index)
-        return asked
+    def _ask(self, step: _Step, index: int, timeout: float | None) -> dict[int, int]:
+        """Ask kind `index` for every row before planning: {row: tokens it offers}."""
+        got = self._propose(self.kinds[index], step, range(len(step.seqs)),
+                            self.policy.config.num_draft_tokens, timeout)
+        step.offers[index] = {i: p for i, p in got.items() if p.draft_token_ids}
+        return {i: len(p.draft_token_ids) for i, p in step.offers[index].items()}
 
-    def _call(self, kind: DraftKind, step: _Step, rows: list[int], plan: goodput.Plan,
-              timeout: float | None) -> bool:
-        """Call `kind` for the rows planned with it; True when some row got nothing."""
-        step.called.add(kind.index)
+    def _call(self, kind: DraftKind, step: _Step, rows: list[int], plan: StepPlan,
+              timeout: float | None) -> None:
+        """Call `kind` for the rows planned with it."""
         got = self._propose(kind, step, rows, max(plan.k[i] for i in rows), timeout)
         step.answers.update(got)
-        missed = False
         for i in rows:
             if i in got and got[i].draft_token_ids:
                 step.drafted[i] = (kind.index, plan.k[i])
-            else:
-                step.misses.setdefault(i, []).append(kind.index)
-                if i in got and got[i].cut:
-                    step.declined.add((i, kind.index))
-                missed = True
-        return missed
+                continue
+            self._observe_miss(step, i)  # an earlier one: the row's last is observed later
+            step.missed[i] = kind.index
+            if i in got and got[i].cut:
+                step.declined.add((i, kind.index))
 
-    def _observe_earlier_misses(self, step: _Step) -> None:
-        """`observe` sees the kind a row ends with (its drafts, or its last miss); any
-        earlier miss is observed here."""
-        asked = step.asked()
-        for i, indices in step.misses.items():
-            for index in indices:
-                if index != asked[i] and (i, index) not in step.declined:
-                    self.policy.observe(step.seqs[i].drafts[index].spec, 1, 0, index)
-
-    def asked_first(self) -> list[DraftKind]:
-        """The reachable drafts asked for every row before planning: with the goodput policy,
-        those whose cheapest command costs at most ASK_FIRST_SHARE of the target's."""
-        if not self.policy.calibrated or self._target_unit_cost is None:
-            return []
-        return [kind for kind in self.kinds if kind.up
-                and kind.unit_cost <= ASK_FIRST_SHARE * self._target_unit_cost]
+    def _observe_miss(self, step: _Step, i: int) -> None:
+        """Row i's miss, if it has one, as evidence: a draft rejected at once, unless a
+        confidence cut made it (a draft that declined is no rejection)."""
+        index = step.missed.get(i)
+        if index is not None and (i, index) not in step.declined:
+            seq = step.seqs[i]
+            self.policy.observe_miss(seq.seq_id, goodput.sampling_band(seq.sampling), index)
 
     def _propose(self, kind: DraftKind, step: _Step, rows, num_drafts: int,
                  timeout: float | None) -> dict[int, Proposal]:
@@ -352,7 +256,7 @@ class Drafter:
                 return {}
             proposals, timing, round_trip = self._send(
                 kind, ready, width, num_drafts, timeout,
-                self._cut(kind, len(step.seqs), len(ready), num_drafts))
+                self.policy.cut_at(kind.index, len(step.seqs), len(ready), num_drafts))
         except errors.Unavailable as error:
             self.peers.draft_lost(kind, error)
             return {}
@@ -369,17 +273,6 @@ class Drafter:
         row_of = {step.seqs[i].seq_id: i for i in rows}
         return {row_of[p.seq_id]: p for p in proposals}
 
-    def _cut(self, kind: DraftKind, rows: int, drafting: int, num_drafts: int) -> float:
-        """The confidence a call's drafts are cut at: --min-draft-confidence where given; else,
-        for a calibrated draft, the break-even of this step's shape (`rows` in the cohort,
-        `drafting` of them asked); else none (0)."""
-        if self.config.min_draft_confidence is not None:
-            return self.config.min_draft_confidence
-        if not (kind.calibrated and kind.cost is not None and self.policy.calibrated):
-            return 0.0
-        return goodput.break_even_confidence(self.policy.target, kind.cost, rows, drafting,
-                                             num_drafts)
-
     def _send(self, kind: DraftKind, seqs: list[Sequence], width: int, num_drafts: int,
               timeout: float | None, cut: float = 0.0) -> tuple[list[Proposal], Timing, float]:
         """One propose command; every row appends `width` committed tokens first, and each
@@ -392,66 +285,36 @@ class Drafter:
         proposals, timing = kind.client.propose(
             num_drafts, mixed(seqs), specs, timeout=timeout, min_confidence=cut)
         round_trip = time.perf_counter() - started
-        if kind.cost is not None and self.policy.calibrated:
-            drafted = max(len(p.draft_token_ids) for p in proposals)
-            if any(p.cut for p in proposals):  # a cut returns fewer drafts than it ran forwards
-                drafted = max(p.cache_len - s.committed_len + 1 for s, p in zip(seqs, proposals))
-            kind.cost.observe(goodput.draft_calls(len(seqs), width, drafted),
-                              timing.forward_seconds, round_trip)
+        drafted = max((len(p.draft_token_ids) for p in proposals), default=0)
+        if any(p.cut for p in proposals):  # a cut returns fewer drafts than it ran forwards
+            drafted = max(p.cache_len - s.committed_len + 1 for s, p in zip(seqs, proposals))
+        self.policy.observe_call(kind.index, len(seqs), width, drafted, timing.forward_seconds,
+                                 round_trip)
         return proposals, timing, round_trip
-
-    # ---- planning -------------------------------------------------------------------------------
-    def plan(self, step: _Step) -> goodput.Plan:
-        """Each row's draft kind and tokens to draft this step (0: none), by the policy,
-        greedy and sampled rows alike (a seeded request's tokens do not depend on the plan).
-        Rows drafted already this step keep their kind and K; kinds called already are not
-        asked again, except for what they offered before planning (a choice whose cost is
-        paid)."""
-        up = [kind for kind in self.kinds if kind.up]
-        if not up:
-            return goodput.Plan([0] * len(step.seqs), 0.0, [None] * len(step.seqs))
-        offered = step.offered()
-        rows = [self._row(step, i, up, offered[i]) for i in range(len(step.seqs))]
-        plan = self.policy.plan(rows)
-        # a kind not offered for the row (not reachable, asked already) cannot draft for it
-        indices = [plan.kind(i) for i in range(len(rows))]
-        indices = [d if d is not None and rows[i].choices[d] is not None else None
-                   for i, d in enumerate(indices)]
-        return goodput.Plan([n if d is not None else 0 for n, d in zip(plan.k, indices)],
-                            plan.tokens_per_s, indices)
-
-    def _row(self, step: _Step, i: int, up: list[DraftKind],
-             offered: dict[int, int]) -> goodput.Row:
-        """Row i as the policy sees it: a choice per kind that may still draft for it."""
-        s = step.seqs[i]
-        choices = [None] * len(self.kinds)
-        for kind in up:
-            state, tokens = s.drafts[kind.index], offered.get(kind.index)
-            if state.refused or not (i in step.drafted or kind.index not in step.called
-                                     or tokens):
-                continue
-            # a cold row (the draft holds nothing of it) is prefilled there if picked
-            choice = self.policy.choice(state.spec, s.draft_append_need(kind.index),
-                                        kind.index, cold=state.cache_len is None,
-                                        prefill=s.committed_len - 1)
-            choices[kind.index] = dataclasses.replace(choice, offered=tokens) \
-                if tokens else choice
-        forced_kind, forced_k = step.drafted.get(i, (0, None))
-        return goodput.Row(choices=tuple(choices), forced_k=forced_k, forced_kind=forced_kind,
-                           room=s.draft_room)
 
     # ---- after the verify -----------------------------------------------------------------------
     def observe_verify(self, cohort: DraftedCohort, timing: Timing, seconds: float) -> None:
         """The target's measured cost of verifying the cohort."""
-        if self.policy.calibrated:
-            drafts = [len(row.draft_token_ids) for row in cohort.rows]
-            calls = self.policy.target.verify_calls(len(drafts), sum(map(bool, drafts)),
-                                                    max(drafts))
-            self.policy.target.observe(calls, timing.forward_seconds, seconds)
+        self.policy.observe_verify([len(row.draft_token_ids) for row in cohort.rows],
+                                   timing.forward_seconds, seconds)
+
+    def observe_step(self, cohort: DraftedCohort, num_committed: int, seconds: float,
+                     verify_timing: Timing | None = None) -> None:
+        """A verified cohort's measured delivery, for the evidence of its class. A step that
+        asked any draft counts as drafted even where nothing was verified (a lookup that found
+        nothing, a plan that kept every row plain after asking): what drafting costs is
+        weighed on its side, and the plain side is only steps that cost what decoding
+        without drafts does."""
+        self.policy.observe_step(
+            tuple(row.seq.seq_id for row in cohort.rows),
+            cohort.timing is not None or any(row.num_drafts for row in cohort.rows),
+            any(row.draft_token_ids for row in cohort.rows), sampled(cohort.seqs),
+            num_committed, seconds,
+            verify_timing.realign_seconds if verify_timing is not None else 0.0)
 
     def observe(self, row: RowDraft, outcome: VerifyOutcome) -> None:
-        """Before the row's tokens are committed: what its draft got right, for the policy,
-        and how much of the draft's cache now holds committed tokens."""
+        """Before the row's tokens are committed: how much of the draft's cache now holds
+        committed tokens, and what its draft got right, for the policy."""
         seq, index = row.seq, row.kind_index
         answered = index is not None and row.proposal is not None
         drafted = len(row.proposal.draft_token_ids) if answered else 0
@@ -472,16 +335,16 @@ class Drafter:
             # K for every row: an exploration, far dearer than drafting as planned, which
             # would measure slower and keep the cohort aside.
             return
-        for d, state in enumerate(seq.drafts):
-            if d != index:
-                self.policy.observe(state.spec, 0, 0, d)  # not asked: its evidence fades
-            elif answered and row.proposal.cut:
-                # The draft declined what it was unsure of: the tokens it kept are the
-                # evidence (a rejection only if one of them was rejected), and a draft cut to
-                # nothing is none. The acceptance planned with is that of the drafts a row
-                # verifies, while the cut keeps their number to what pays.
-                self.policy.observe(state.spec, verified, min(outcome.num_accepted, verified), d)
-            elif answered:
-                # a kind that found nothing to propose is as good as one rejected at once
-                self.policy.observe(state.spec, max(row.num_drafts, 1),
-                                    min(outcome.num_accepted, row.num_drafts), d)
+        if not answered:
+            evidence = None
+        elif row.proposal.cut:
+            # The draft declined what it was unsure of: the tokens it kept are the evidence
+            # (a rejection only if one of them was rejected), and a draft cut to nothing is
+            # none. The acceptance planned with is that of the drafts a row verifies, while
+            # the cut keeps their number to what pays.
+            evidence = (verified, min(outcome.num_accepted, verified))
+        else:
+            # a kind that found nothing to propose is as good as one rejected at once
+            evidence = (max(row.num_drafts, 1), min(outcome.num_accepted, row.num_drafts))
+        self.policy.observe_row(seq.seq_id, goodput.sampling_band(seq.sampling), index,
+                                evidence)

@@ -20,13 +20,14 @@ from batchspec import errors
 from coordinator import commit, scheduler
 from coordinator.clients import Timing, VerifyOutcome, VerifySpec
 from coordinator.config import EngineConfig
-from coordinator.drafting import DraftedCohort, Drafter, DraftingConfig
+from coordinator.drafting import DraftedCohort, Drafter
 from coordinator.drafts import DraftKind
 from coordinator.evidence import Evidence
 from coordinator.peers import Peers, PeersConfig
+from coordinator.policy import DraftingConfig, DraftingPolicy
 from coordinator.pool import RequestPool
 from coordinator.requests import RequestHandle
-from coordinator.sequence import Sequence
+from coordinator.sequence import EVERY_KIND, Sequence, forget_caches
 from coordinator.stats import EngineStats, Recorder, StepRecord
 from coordinator.turnover import Turnover
 
@@ -52,10 +53,10 @@ def cohort_timeout(handles: list[RequestHandle]) -> float | None:
     return max(0.001, max(deadlines) - time.monotonic())
 
 
-def default_evidence(config: EngineConfig, policy) -> Evidence | None:
+def default_evidence(config: EngineConfig, planner) -> Evidence | None:
     """Step-aside evidence for the goodput policy the engine calibrates itself; none for
     "fixed" drafting, a policy given as it is, or --step-aside off."""
-    if config.step_aside and config.draft_policy == "goodput" and policy is None:
+    if config.step_aside and config.draft_policy == "goodput" and planner is None:
         return Evidence()
     return None
 
@@ -63,10 +64,10 @@ def default_evidence(config: EngineConfig, policy) -> Evidence | None:
 class Engine:
     def __init__(self, target, drafts: list[list], config: EngineConfig,
                  eos_token_ids: list[int], *, telemetry=None, router=None, seq_ids=None,
-                 policy=None, evidence=None, step_log=None):
+                 planner=None, evidence=None, step_log=None):
         """drafts: per draft kind, its replicas (clients), used one at a time; router: the
         Router this engine is one of (None: alone); seq_ids: an id counter shared by the
-        router's engines; policy: a goodput policy to use as it is (else one is calibrated);
+        router's engines; planner: a goodput policy to use as it is (else one is calibrated);
         evidence: an evidence.Evidence to consult (default: a new one under the goodput
         policy, none for a given policy or "fixed"); step_log: a stats.StepLog."""
         self.config = config
@@ -76,10 +77,11 @@ class Engine:
                            self.pool, PeersConfig(config.reconnect_backoff_s,
                                                   config.max_prefill_tokens),
                            self.recorder, router)
-        self.drafter = Drafter(self.peers, DraftingConfig(
-            config.num_draft_tokens, config.draft_policy, config.min_draft_confidence),
-            self.recorder, policy, evidence if evidence is not None else default_evidence(
-                config, policy))
+        self.policy = DraftingPolicy(
+            DraftingConfig(config.num_draft_tokens, config.draft_policy,
+                           config.min_draft_confidence), len(drafts), planner=planner,
+            evidence=evidence if evidence is not None else default_evidence(config, planner))
+        self.drafter = Drafter(self.peers, self.policy, self.recorder)
         self._thread: threading.Thread | None = None
         self._thread_exit = False
         self.turnover = Turnover(self.peers, self.pool, config.max_num_seqs)
@@ -100,10 +102,7 @@ class Engine:
     def adopt(self, handles: list[RequestHandle]) -> None:
         """Take over requests from another engine; they are prefilled here from their
         committed tokens at the next admission, ahead of new arrivals."""
-        for handle in handles:
-            handle.seq.target.forget()
-            for state in handle.seq.drafts:
-                state.forget()
+        forget_caches([h.seq for h in handles], target=True, drafts=EVERY_KIND)
         self.pool.requeue(handles)
 
     @property
@@ -327,6 +326,7 @@ class Engine:
     def _release(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             self.pool.deactivate(seq)
+        self.policy.forget([seq.seq_id for seq in seqs])
         self.peers.release(seqs)
 
     @contextlib.contextmanager
@@ -356,6 +356,7 @@ class Engine:
         except errors.BatchspecError as release_error:
             log.warning("releasing seq %d after a failure: %s", seq.seq_id, release_error)
             self.pool.deactivate(seq)
+            self.policy.forget([seq.seq_id])
         if seq.finish is None:
             self.recorder.telemetry.failed()
             handle.fail(error)

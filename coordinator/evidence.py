@@ -3,10 +3,11 @@
 The policy plans from predicted costs and acceptances; this keeps what steps actually
 delivered: committed tokens per second of the engine's own time (from choosing the cohort to
 streaming its tokens, draft prefills included; admissions and turnover copies, which the
-server pays whether it drafts or not, left out: drafting.realign_shares) of drafted steps
-and of plain steps, per batch-size bucket. Where drafted steps measure slower than plain ones,
-cohorts step aside (decode plainly, asking no draft at all, so they cost what the same
-server without drafts costs); where they measure faster again, the policy plans as before.
+server pays whether it drafts or not, left out: policy.DraftingPolicy.realign_shares) of
+drafted steps and of plain steps, per batch-size bucket. Where drafted steps measure slower
+than plain ones, cohorts step aside (decode plainly, asking no draft at all, so they cost what
+the same server without drafts costs); where they measure faster again, the policy plans as
+before.
 Each side is kept measured: while one is chosen, the other is tried every few steps of its
 bucket.
 

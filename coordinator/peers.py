@@ -17,11 +17,11 @@ import time
 
 from batchspec import errors
 from coordinator import features as features_lib
-from coordinator import goodput, scheduler
+from coordinator import scheduler
 from coordinator.clients import ModelInfo, Probe
 from coordinator.drafts import DraftKind
 from coordinator.pool import RequestPool
-from coordinator.sequence import DraftState, Sequence
+from coordinator.sequence import EVERY_KIND, DraftState, Sequence, forget_caches
 from coordinator.stats import Recorder
 
 log = logging.getLogger(__name__)
@@ -88,8 +88,7 @@ class Peers:
             prefill_fresh(self.target, seqs, self.pool.active_sequences())
         for s in seqs:
             s.target.cache_len = s.committed_len - 1
-            band = goodput.sampling_band(s.sampling)
-            s.drafts = [DraftState(spec=goodput.RowState(band=band)) for _ in self.kinds]
+            s.drafts = [DraftState() for _ in self.kinds]
 
     def warm(self, kind: DraftKind, seqs: list[Sequence]) -> bool:
         """Prefill, from the committed record, the rows draft `kind` holds nothing of;
@@ -118,8 +117,7 @@ class Peers:
             self.draft_lost(kind, error)
             return False
         for s in cold:
-            s.drafts[kind.index] = DraftState(s.committed_len - 1, s.committed_len - 1,
-                                              s.drafts[kind.index].spec)
+            s.drafts[kind.index] = DraftState(s.committed_len - 1, s.committed_len - 1)
         return True
 
     def release(self, seqs: list[Sequence]) -> None:
@@ -139,9 +137,7 @@ class Peers:
     def _free_drafts(self, seqs: list[Sequence]) -> None:
         """Release what the drafts hold of `seqs` and forget those records."""
         self._release_drafts(seqs)
-        for seq in seqs:
-            for state in seq.drafts:
-                state.forget()
+        forget_caches(seqs, drafts=EVERY_KIND)
 
     def _release_in(self, client, seqs: list[Sequence]) -> None:
         if not seqs:
@@ -162,7 +158,7 @@ class Peers:
                     error, "with the other drafts" if self.draft_up else "with the target alone")
         kind.up = False
         self._health_changed()
-        self._lost(kind.client, lambda seq: seq.drafts[kind.index])
+        self._lost(kind.client, kind.index)
 
     def replica_gone(self, address: str) -> None:
         """A service left the membership for good: nothing of it is retried or released."""
@@ -177,8 +173,7 @@ class Peers:
         self._release_in(kind.client, [s for s in self.pool.active_sequences()
                                        if s.drafts[kind.index].cache_len is not None])
         kind.client.reset()
-        for seq in self.pool.active_sequences():
-            seq.drafts[kind.index].forget()
+        forget_caches(self.pool.active_sequences(), drafts=[kind.index])
         kind.up = False
         kind.next_replica()
         self.schedule_retry(soon=True)
@@ -186,7 +181,7 @@ class Peers:
     def target_lost(self, error) -> None:
         self.target_up = False
         self._health_changed()
-        self._lost(self.target, lambda seq: seq.target)
+        self._lost(self.target)
         if self.hand_off():
             log.warning("target %s lost (%s): its requests moved to other replicas",
                         self.target.address, error)
@@ -197,15 +192,15 @@ class Peers:
         if self.router is not None:
             self.router.health_changed()
 
-    def _lost(self, client, cache_of) -> None:
-        """What losing any service means. Its stream is dropped; what it may still hold of
-        ours is stale (released when it is back); every sequence must be prefilled there again
-        (cache_of(seq) is the sequence's record of that service's cache); a retry is due."""
+    def _lost(self, client, kind: int | None = None) -> None:
+        """What losing any service means (the target, or draft kind `kind`'s replica). Its
+        stream is dropped; what it may still hold of ours is stale (released when it is
+        back); every sequence must be prefilled there again; a retry is due."""
         client.reset()
         seqs = self.pool.active_sequences()
-        self._mark_stale(client, [s for s in seqs if cache_of(s).cache_len is not None])
-        for seq in seqs:
-            cache_of(seq).forget()
+        self._mark_stale(client, [s for s in seqs if (
+            s.target if kind is None else s.drafts[kind]).cache_len is not None])
+        forget_caches(seqs, target=kind is None, drafts=() if kind is None else [kind])
         self.schedule_retry()
 
     def hand_off(self) -> bool:
@@ -224,11 +219,10 @@ class Peers:
         active = self.pool.active_sequences()
         self._release_in(self.target, [s for s in active if s.target.cache_len is not None])
         self._free_drafts(active)
-        for seq in active:
-            seq.target.forget()  # released (or marked stale): the loss below finds none
+        forget_caches(active, target=True)  # released (or marked stale): the loss finds none
         self.target_up = False
         self._health_changed()
-        self._lost(self.target, lambda seq: seq.target)
+        self._lost(self.target)
 
     # ---- reconnection ---------------------------------------------------------------------------
     def schedule_retry(self, soon: bool = False) -> None:
@@ -327,7 +321,7 @@ class Peers:
         handles = self.pool.handles_of(seqs)
         for seq in seqs:
             self.pool.deactivate(seq)
-            seq.target.forget()
+        forget_caches(seqs, target=True)
         self.pool.requeue(handles)
         log.info("%s is full: %d requests wait to be admitted again", self.target.address,
                  len(handles))

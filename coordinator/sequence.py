@@ -15,7 +15,6 @@ import enum
 import time
 
 from batchspec.params import SamplingParams
-from coordinator.goodput import RowState
 
 
 class Finish(enum.Enum):
@@ -47,22 +46,20 @@ class ServiceCache:
 
     cache_len: int | None = None  # None: not cached there (must prefill before use)
 
-    def forget(self) -> None:
-        """The service lost or never had the sequence: prefill it again before use."""
+    def _forget(self) -> None:  # forget_caches is the one caller
         self.cache_len = None
 
 
 @dataclasses.dataclass
 class DraftState(ServiceCache):
-    """What one draft kind has cached for a sequence, and how well it drafts for it."""
+    """What one draft kind has cached for a sequence."""
 
     valid_len: int = 0
-    spec: RowState = dataclasses.field(default_factory=RowState)  # its acceptance, for K
     # the kind refused the sequence's tokens (a vocabulary or a context it lacks): it never
     # drafts for it (forget keeps this)
     refused: bool = False
 
-    def forget(self) -> None:
+    def _forget(self) -> None:
         self.cache_len, self.valid_len = None, 0
 
 
@@ -80,9 +77,6 @@ class Sequence:
     stats: Stats = dataclasses.field(default_factory=Stats)
     last_step: int = 0  # engine step at which the sequence last advanced (for fairness)
     cohort: int | None = None  # the cohort it is stepped with (scheduler); None: not yet placed
-    # the seq_ids, in order, of the verify it last ran in (the target's batch it sits in)
-    ran_with: tuple[int, ...] = ()
-    ran_drafted: bool = False  # whether that verify verified drafts (left holes to compact)
     created: float = dataclasses.field(default_factory=time.monotonic)
     # Optional coordinator.text.TextStream: the generated text and its stop strings.
     text: object = dataclasses.field(default=None, repr=False, compare=False)
@@ -148,6 +142,23 @@ class Sequence:
     def draft_append_need(self, kind: int = 0) -> int:
         """Committed tokens draft `kind` must be fed before proposing (>= 1: the last one)."""
         return self.committed_len - min(self.drafts[kind].valid_len, self.committed_len - 1)
+
+
+EVERY_KIND = None  # forget_caches(drafts=EVERY_KIND): every draft kind's record
+
+
+def forget_caches(seqs, *, target: bool = False, drafts=()) -> None:
+    """The one place a sequence's record of what a service caches for it is forgotten: the
+    service lost or released it, or the sequence moves to another engine. `target`: the
+    target's record; `drafts`: the draft kinds' (indices, or EVERY_KIND). A forgotten record
+    means nothing is cached there: the sequence is prefilled there again before that service
+    serves it (the target at admission, a draft when a step first gives it the row)."""
+    for seq in seqs:
+        if target:
+            seq.target._forget()
+        for state in (seq.drafts if drafts is EVERY_KIND
+                      else [seq.drafts[index] for index in drafts]):
+            state._forget()
 
 
 def mixed(sequences: list[Sequence]) -> bool:

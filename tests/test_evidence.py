@@ -7,6 +7,9 @@ import random
 import pytest
 
 from coordinator.evidence import Decision, Evidence, EvidenceConfig, bucket_of
+from coordinator.policy import DraftingConfig
+
+CONFIG = DraftingConfig(num_draft_tokens=4, draft_policy="goodput", min_draft_confidence=None)
 
 
 def run(evidence: Evidence, rows: int, steps: int, drafted_rate: float, plain_rate: float,
@@ -172,6 +175,7 @@ def test_a_step_that_asked_a_draft_counts_as_drafted_even_with_nothing_verified(
     drafts found nothing to verify still paid for asking them."""
     from coordinator.clients import Timing
     from coordinator.drafting import DraftedCohort, Drafter, RowDraft
+    from coordinator.policy import DraftingPolicy
     from coordinator.sequence import Sequence
 
     seen = []
@@ -180,7 +184,7 @@ def test_a_step_that_asked_a_draft_counts_as_drafted_even_with_nothing_verified(
         def observe(self, rows, drafted, tokens, seconds, carried=0.0, sampled=False):
             seen.append(drafted)
 
-    drafter = Drafter(peers=None, config=None, recorder=None, evidence=Recording())
+    drafter = Drafter(None, DraftingPolicy(CONFIG, 0, evidence=Recording()), None)
     rows = [RowDraft(Sequence(i, [1, 2, 3], 8, frozenset())) for i in range(2)]
     drafter.observe_step(DraftedCohort(rows, Timing(0.01)), 2, 0.05)  # asked, nothing found
     drafter.observe_step(DraftedCohort(rows), 2, 0.04)  # stepped aside: no draft asked
@@ -193,19 +197,24 @@ def test_rows_of_a_cohort_aside_are_not_idle_for_the_plan():
     from coordinator import goodput
     from coordinator.clients import VerifyOutcome
     from coordinator.drafting import Drafter, RowDraft
+    from coordinator.policy import DraftingPolicy
     from coordinator.sequence import DraftState, Sequence
 
-    policy = goodput.GoodputPolicy(goodput.GoodputConfig(explore_every=4), [], None)
-    drafter = Drafter(peers=None, config=None, recorder=None, policy=policy)
+    planner = goodput.GoodputPolicy(goodput.GoodputConfig(explore_every=4), [], None)
+    policy = DraftingPolicy(CONFIG, 1, planner=planner)
+    drafter = Drafter(None, policy, None)
     aside = Sequence(1, [1, 2, 3], 8, frozenset(), drafts=[DraftState()])
     planned = Sequence(2, [1, 2, 3], 8, frozenset(), drafts=[DraftState()])
     for _ in range(6):
         drafter.observe(RowDraft(aside, aside=True), VerifyOutcome(1, 0, [5], 4))
         drafter.observe(RowDraft(planned), VerifyOutcome(2, 0, [5], 4))
-    assert aside.drafts[0].spec.idle_steps == 0
-    assert planned.drafts[0].spec.idle_steps == 6
-    assert policy.choice(planned.drafts[0].spec, 1, 0).acceptance == policy.config.optimism
-    assert policy.choice(aside.drafts[0].spec, 1, 0).acceptance < policy.config.optimism
+    assert policy.acceptance_state(1, 0) is None  # nothing observed of it
+    assert policy.acceptance_state(2, 0).idle_steps == 6
+    assert planner.choice(policy.acceptance_state(2, 0), 1, 0).acceptance == \
+        planner.config.optimism
+    assert planner.choice(goodput.RowState(), 1, 0).acceptance < planner.config.optimism
+    policy.forget([2])  # the sequence ended: its state goes
+    assert policy.acceptance_state(2, 0) is None
 
 
 def test_turnover_copies_are_left_out_and_compaction_is_charged_to_the_drafted_step():
@@ -216,6 +225,7 @@ def test_turnover_copies_are_left_out_and_compaction_is_charged_to_the_drafted_s
     back to the drafted step; after a plain step it is the step's own."""
     from coordinator.clients import Timing
     from coordinator.drafting import DraftedCohort, Drafter, RowDraft
+    from coordinator.policy import DraftingPolicy
     from coordinator.sequence import Sequence
 
     seen = []
@@ -224,7 +234,7 @@ def test_turnover_copies_are_left_out_and_compaction_is_charged_to_the_drafted_s
         def observe(self, rows, drafted, tokens, seconds, carried=0.0, sampled=False):
             seen.append((round(seconds, 3), round(carried, 3)))
 
-    drafter = Drafter(peers=None, config=None, recorder=None, evidence=Recording())
+    drafter = Drafter(None, DraftingPolicy(CONFIG, 0, evidence=Recording()), None)
     seqs = [Sequence(i, [1, 2, 3], 8, frozenset()) for i in range(3)]
     verify = Timing(compute_seconds=0.3, realign_seconds=0.24)
     step = [RowDraft(s) for s in seqs[:2]]

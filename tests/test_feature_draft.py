@@ -364,11 +364,11 @@ def with_character_tokenizer(target_dir: str, out) -> str:
     return str(out)
 
 
-def test_evaluate_draft_decode_reports_what_a_head_that_computes_the_targets_features_gets(
+def test_bench_head_check_reports_what_a_head_that_computes_the_targets_features_gets(
         heads, tmp_path):
-    """`batchspec evaluate-draft --decode`: every draft of the exact head is accepted, at every
+    """`batchspec bench --head-check`: every draft of the exact head is accepted, at every
     position; an untrained head's are not all."""
-    from batchspec_tools.drafting import decode_check
+    from batchspec_tools.bench import head_check
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"category": "c", "prompt": p}) + "\n"
@@ -376,7 +376,7 @@ def test_evaluate_draft_decode_reports_what_a_head_that_computes_the_targets_fea
     reports = {}
     for arch in ("exact", "llama"):
         target, head = heads[arch]
-        reports[arch] = decode_check.run(
+        reports[arch] = head_check.run(
             with_character_tokenizer(target, tmp_path / arch), head, prompts=str(prompts),
             num_prompts=2, max_new_tokens=9, k=3, head_dtype="float32", min_confidence=0.0)
     assert reports["exact"]["acceptance_by_position"] == [1.0, 1.0, 1.0]

@@ -379,7 +379,7 @@ def engine_for(target_dir, draft_dir, script, batch_size, **config):
                     EngineConfig(num_draft_tokens=4,
                                  cohort_policy=CohortPolicy(batch_size=batch_size),
                                  max_num_seqs=64, max_queue=64, **config),
-                    eos, policy=Scripted(script))
+                    eos, planner=Scripted(script))
     return engine, runners
 
 
@@ -417,7 +417,7 @@ def test_drafts_a_confidence_cut_declines_are_not_rejections(model_dirs, cut):
     recording = Recording(lambda step, batch: [3] * batch)
     engine, _ = engine_for(target_dir, target_dir, None, batch_size=2,
                            min_draft_confidence=cut)
-    engine.drafter.policy = recording
+    engine.policy.planner = recording
     drafted = run_self_drafted(engine, target_dir, seed=3, count=2, max_new=12)
     if cut == 1.0:
         assert drafted == 0 and set(recording.seen) == {(0, 0)}
@@ -544,7 +544,7 @@ def test_goodput_policy_over_grpc_is_exact(model_dirs, arch):
     with running_stack(target_dir, draft_dir, batch_size=8, num_draft_tokens=4,
                        draft_policy="goodput") as stack:
         results = generate_all(stack.stub(), requests)
-        assert stack.router.engines[0].drafter.policy.calibrated
+        assert stack.router.engines[0].policy.planner.calibrated
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     for (prompt, max_new), (tokens, _) in zip(requests, results):
         assert tokens == tiny_models.reference_greedy(model, prompt, max_new)

@@ -4,7 +4,6 @@ import dataclasses
 import random
 import subprocess
 import sys
-import types
 from collections import Counter
 
 import pytest
@@ -13,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from batchspec import errors
 from batchspec.v1 import generate_pb2
-from coordinator import drafts as drafts_lib
 from coordinator import goodput
+from coordinator import policy as policy_lib
 from draft_service.ngram import NgramIndex, NgramStore
 
 import tiny_models
@@ -172,11 +171,12 @@ def test_the_router_uses_both_drafts_and_survives_losing_one(model_dirs):
         drafter._propose = counting
         generate_all(stack.stub(), requests)
         # the n-gram draft does poorly on a tiny random model, but it was tried
-        assert counts[0] > 0 and counts[1] >= drafter.policy.config.min_evidence
+        assert counts[0] > 0 and counts[1] >= drafter.policy.planner.config.min_evidence
         stack.drafts[1][0].stop(0)  # the n-gram service goes away
         # new rows are cold there and it drafts poorly: let a starved kind be tried soon, so
         # the next round calls it and finds it gone
-        drafter.policy.config = dataclasses.replace(drafter.policy.config, starve_every=4)
+        planner = drafter.policy.planner
+        planner.config = dataclasses.replace(planner.config, starve_every=4)
         results = generate_all(stack.stub(), requests)
         assert not engine.peers.kinds[1].up and engine.peers.kinds[0].up
     model = AutoModelForCausalLM.from_pretrained(target_dir)
@@ -274,7 +274,7 @@ def test_an_offered_proposal_costs_nothing_more_and_counts_only_its_tokens():
 
 def test_the_lookup_is_asked_for_every_row_and_its_misses_are_no_rejections(model_dirs,
                                                                             monkeypatch):
-    monkeypatch.setattr(drafts_lib, "ASK_USE_FLOOR", 0.0)  # due every step (see below)
+    monkeypatch.setattr(policy_lib, "ASK_USE_FLOOR", 0.0)  # due every step (see below)
     target_dir, draft_dir = model_dirs["llama"]
     rng = random.Random(9)
     requests = [([rng.randrange(4, tiny_models.VOCAB) for _ in range(6)] * 4, 30)
@@ -283,10 +283,10 @@ def test_the_lookup_is_asked_for_every_row_and_its_misses_are_no_rejections(mode
     with running_stack(target_dir, draft_dir, batch_size=6, drafts=("model", "ngram"),
                        draft_policy="goodput", step_aside=False) as stack:
         drafter = stack.router.engines[0].drafter
-        assert [k.index for k in drafter.asked_first()] == [1]  # the lookup, not the model
+        assert drafter.policy.asked_first() == [1]  # the lookup, not the model
         counts = Counter()
         propose, draft, verified = drafter._propose, drafter.draft, drafter.observe
-        observe = drafter.policy.observe
+        observe = drafter.policy.planner.observe
 
         def counting_propose(kind, step, rows, *args):
             counts[f"asked {kind.index}"] += len(rows)
@@ -305,7 +305,7 @@ def test_the_lookup_is_asked_for_every_row_and_its_misses_are_no_rejections(mode
             return observe(state, num_drafts, num_accepted, kind)
         drafter._propose, drafter.draft, drafter.observe = (counting_propose, counting_draft,
                                                             counting_verified)
-        drafter.policy.observe = counting_observe
+        drafter.policy.planner.observe = counting_observe
         results = generate_all(stack.stub(), requests)
         # every row of every step was looked up once, before planning
         assert counts["asked 1"] == counts["rows"] > 0
@@ -317,15 +317,15 @@ def test_the_lookup_is_asked_for_every_row_and_its_misses_are_no_rejections(mode
 
 
 def test_a_lookup_whose_offers_go_unused_is_asked_only_every_few_steps():
-    kind = drafts_lib.DraftKind(1, [types.SimpleNamespace(address="lookup:1")])
+    kind = policy_lib.KindModel()
     assert all(kind.ask_due() for _ in range(5))  # a fresh kind is asked every step
     asks = 0
-    while kind.ask_use >= drafts_lib.ASK_USE_FLOOR:
+    while kind.ask_use >= policy_lib.ASK_USE_FLOOR:
         assert kind.ask_due()
         kind.asked(False)
         asks += 1
     assert asks > 10  # a run of unused asks, not one, makes it idle
-    due = [kind.ask_due() for _ in range(4 * drafts_lib.IDLE_ASK_EVERY)]
-    assert sum(due) == 4 and due[drafts_lib.IDLE_ASK_EVERY - 1]  # evidence keeps coming
+    due = [kind.ask_due() for _ in range(4 * policy_lib.IDLE_ASK_EVERY)]
+    assert sum(due) == 4 and due[policy_lib.IDLE_ASK_EVERY - 1]  # evidence keeps coming
     kind.asked(True)  # one ask a plan drafted with: asked every step again
-    assert kind.ask_use >= drafts_lib.ASK_USE_FLOOR and all(kind.ask_due() for _ in range(5))
+    assert kind.ask_use >= policy_lib.ASK_USE_FLOOR and all(kind.ask_due() for _ in range(5))

@@ -103,6 +103,8 @@ class BenchConfig:
     top_p: float = 1.0
     # instead of the sweep: a free model's steps stage by stage (batchspec_tools.bench.overhead)
     overhead: bool = False
+    # instead of the sweep: a feature head decoding in one process (bench.head_check)
+    head_check: bool = False
 
     def __post_init__(self):
         unknown = set(self.methods) - set(METHODS)
@@ -132,6 +134,10 @@ class BenchConfig:
                               or self.temperature > 0 or self.by_category or self.prompts):
             raise ValueError("--overhead serves its own free model and prompts: give it only "
                              "--max-new-tokens and --out")
+        if self.head_check and (self.overhead or self.concurrency or self.arrival_rates
+                                or self.temperature > 0 or len(self.ks) != 1):
+            raise ValueError("--head-check decodes greedily at batch 1 with one --ks: give it "
+                             "--draft, --ks, --prompts, --num-prompts, --max-new-tokens")
         if self.prompts is not None and not pathlib.Path(self.prompts).is_file():
             raise ValueError(f"--prompts {self.prompts}: no such file")
         from batchspec.runtime import models
@@ -210,6 +216,8 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     if config.overhead:
         paths = write_overhead(config)
+    elif config.head_check:
+        paths = write_head_check(config)
     else:
         paths = write_report(run(config), pathlib.Path(config.out))
     print("\n".join(f"wrote {p}" for p in paths))
@@ -300,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "almost nothing, plain and drafted (K = 4, all accepted) at 1 and "
                              "16 clients, each stage of a step in ms (coordinator, each RPC, "
                              "service work, forwards); with --max-new-tokens")
+    parser.add_argument("--head-check", action="store_true",
+                        help="instead of the sweep: a feature head (--draft, default "
+                             "smollm2-eagle) drafting --ks tokens for its target greedily in one "
+                             "process at batch 1, as the services do: acceptance by draft "
+                             "position, tokens per target pass, the head's cost per drafted "
+                             "token, features on the wire (--draft-dtype: the head's, default "
+                             "float32)")
     parser.add_argument("--min-draft-confidence", type=float,
                         default=EngineConfig.min_draft_confidence,
                         help="cut greedy drafts where the draft's confidence falls below "
@@ -338,7 +353,7 @@ def config_from_args(args) -> BenchConfig:
                        repeat=args.repeat, concurrency=ints(args.concurrency),
                        step_logs=args.step_logs, device=args.device,
                        draft_dtype=args.draft_dtype, temperature=args.temperature,
-                       top_p=args.top_p, overhead=args.overhead)
+                       top_p=args.top_p, overhead=args.overhead, head_check=args.head_check)
 
 
 # ---- the workload ------------------------------------------------------------------------------
@@ -892,6 +907,25 @@ def write_report(report: dict, out: pathlib.Path) -> list[pathlib.Path]:
         paths.append(out / "throughput.png")
         plot(report, paths[2])
     return paths
+
+
+def write_head_check(config: BenchConfig) -> list[pathlib.Path]:
+    """Run `--head-check` and write its report (head_check.json) under config.out."""
+    import json
+
+    from batchspec_tools.bench import head_check
+
+    report = head_check.run(
+        config.target, config.draft or "smollm2-eagle", prompts=config.prompts,
+        num_prompts=config.num_prompts, max_new_tokens=config.max_new_tokens, k=config.ks[0],
+        head_dtype=config.draft_dtype or "float32",
+        min_confidence=config.min_draft_confidence or 0.0)
+    out = pathlib.Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "head_check.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    return [path]
 
 
 def write_overhead(config: BenchConfig) -> list[pathlib.Path]:

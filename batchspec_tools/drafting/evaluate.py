@@ -10,9 +10,6 @@
 - cost: the median time of one decode step (one token, batch 1, a 200-token cache) of the
   draft over that of the target, measured the same way in the same process, both with the CPU
   kernel plans the services use (batchspec.runtime.fastlinear.tune).
-
-With --decode (a feature head): instead, greedy decoding the way the services draft and verify,
-at batch 1 (batchspec_tools.drafting.decode_check).
 """
 import json
 import logging
@@ -162,17 +159,6 @@ def build_parser():
                         help="the sampled agreement's top_p")
     parser.add_argument("--record", action="store_true",
                         help="store the result in the draft directory's manifest")
-    parser.add_argument("--decode", action="store_true",
-                        help="a feature head: decode greedily as the services do (acceptance by "
-                             "draft position, tokens per target pass, the head's cost per "
-                             "drafted token, features on the wire)")
-    parser.add_argument("--prompts", default="docs/bench/heldout_prompts.jsonl",
-                        help="--decode: a JSONL file of prompts")
-    parser.add_argument("-k", type=int, default=4, help="--decode: tokens drafted a step")
-    parser.add_argument("--draft-dtype", default="float32",
-                        help="--decode: the head's parameter dtype (the target's is float32)")
-    parser.add_argument("--min-confidence", type=float, default=0.0,
-                        help="--decode: cut each draft where its probability falls below this")
     return parser
 
 
@@ -191,19 +177,6 @@ def main(argv=None) -> int:
     if args.record and not draft_model.is_draft_dir(draft_dir):
         parser.error(f"--record needs a distilled draft directory, not {args.draft!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s evaluate %(message)s")
-    if args.decode:
-        if args.record or args.training_data or args.temperature:
-            parser.error("--decode is greedy on --prompts; it takes no --record, "
-                         "--training-data or --temperature")
-        if args.draft_dtype not in models.DTYPES or args.k < 1:
-            parser.error(f"--draft-dtype must be one of {models.DTYPES} and -k >= 1")
-        from batchspec_tools.drafting import decode_check
-
-        print(json.dumps(decode_check.run(
-            args.target, args.draft, prompts=args.prompts, num_prompts=args.num_prompts,
-            max_new_tokens=args.max_new_tokens, k=args.k, head_dtype=args.draft_dtype,
-            min_confidence=args.min_confidence), indent=2))
-        return 0
     result = evaluate(args.target, args.draft, num_layers=args.num_layers,
                       max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
                       training_data=args.training_data, temperature=args.temperature,

@@ -1,8 +1,8 @@
-"""`batchspec evaluate-draft --decode`: what a feature-level draft head delivers for its target,
-in one process at batch 1: greedy acceptance per draft position at K, what a drafted token
-costs against a target step, and what the features cost on the wire.
+"""`batchspec bench --head-check`: what a feature-level draft head delivers for its target, in
+one process at batch 1: greedy acceptance per draft position at K, what a drafted token costs
+against a target step, and what the features cost on the wire.
 
-    batchspec evaluate-draft --draft smollm2-eagle --decode \
+    batchspec bench --head-check --draft smollm2-eagle --ks 4 --num-prompts 16 \
         --prompts docs/bench/heldout_prompts.jsonl
 
 Each prompt is decoded greedily the way the services do it: the target verifies K drafts and
@@ -90,7 +90,7 @@ def plain_step_seconds(target, prompt, repeats=8):
     return statistics.median(times)
 
 
-def run(target_spec: str, head_spec: str, *, prompts: str, num_prompts: int | None,
+def run(target_spec: str, head_spec: str, *, prompts: str | None, num_prompts: int,
         max_new_tokens: int, k: int, head_dtype: str, min_confidence: float) -> dict:
     """The report of decoding `num_prompts` of `prompts` with the head's drafts."""
     torch.set_grad_enabled(False)
@@ -100,7 +100,7 @@ def run(target_spec: str, head_spec: str, *, prompts: str, num_prompts: int | No
     for model in (target_model, head_model):  # the kernels the services use
         fastlinear.tune(model, cache_dir.kernel_plans_file())
     target, head = runner_of(target_model, "target"), runner_of(head_model, "head")
-    rows = bench_prompts(num_prompts or 16, prompts)
+    rows = bench_prompts(num_prompts, prompts)
     stats = {"head_s": [], "verify_s": [], "tried": [0] * k, "accepted": [0] * k,
              "drafted": 0, "accepted_total": 0, "spent_s": 0.0, "wire_bytes": 0, "wire_rows": 0,
              "committed": 0, "steps": 0}

@@ -1,0 +1,102 @@
+"""The drafting policy alone: one plan per step from a cohort's rows, no service involved."""
+import types
+
+from coordinator import evidence as evidence_lib
+from coordinator.policy import CohortRow, DraftingConfig, DraftingPolicy
+
+GRID = [(r, t) for r in (1, 8) for t in (1, 2, 5)]
+
+
+def info(seconds: float, calibrated: bool = False):
+    """A service's ModelInfo as the policy reads it: what its forwards cost (`seconds` for
+    one position, a tenth of that for each further one)."""
+    return types.SimpleNamespace(
+        step_costs=[(r, t, seconds * (0.9 + 0.1 * r * t)) for r, t in GRID],
+        packs_positions=False, calibrated=calibrated)
+
+
+def policy(evidence=None) -> DraftingPolicy:
+    """Kind 0 a model draft at a fifth of the target's cost, kind 1 a lookup at next to
+    nothing."""
+    made = DraftingPolicy(DraftingConfig(4, "goodput", None), 2, evidence=evidence)
+    made.calibrate(info(0.05), [info(0.01), info(0.0001)])
+    return made
+
+
+def row(seq_id: int, catch_up=(1, 1), band: int = 0) -> CohortRow:
+    return CohortRow(seq_id, band, catch_up, cold=(False, False), prefill=8)
+
+
+class Asked:
+    """An `ask` that records the kinds asked and offers `offers` ({row: tokens})."""
+
+    def __init__(self, offers):
+        self.offers, self.kinds = offers, []
+
+    def __call__(self, kind):
+        self.kinds.append(kind)
+        return dict(self.offers)
+
+
+def test_the_lookup_is_asked_first_and_drafts_only_what_it_offered():
+    p = policy()
+    ask = Asked({0: 3})
+    plan = p.plan([row(1), row(2)], ask)
+    assert ask.kinds == [1] and plan.asked_first == (1,) and not plan.aside
+    assert plan.kind(1) != 1  # offered nothing: the lookup cannot draft for row 1
+
+
+def test_a_kind_that_cannot_draft_for_a_row_is_never_planned_for_it():
+    p = policy()
+    for _ in range(20):
+        plan = p.plan([row(1, catch_up=(None, None)), row(2, catch_up=(1, None))],
+                      Asked({}))
+        assert plan.kind(0) is None and plan.kind(1) in (0, None) and plan.k[0] == 0
+
+
+def test_a_cohort_the_evidence_steps_aside_asks_no_draft():
+    class Aside:
+        def choose(self, rows, sampled=False):
+            assert sampled  # a row of band 2 makes the cohort a sampled one
+            return evidence_lib.Decision.PLAIN
+
+    ask = Asked({0: 3})
+    plan = policy(Aside()).plan([row(1), row(2, band=2)], ask)
+    assert plan.aside and plan.k == (0, 0) and ask.kinds == []
+
+
+def test_what_a_row_accepted_moves_its_plan_and_is_forgotten_with_it():
+    p = policy()
+    for _ in range(30):  # kind 0 accepted every draft of row 1, none of row 2's
+        p.observe_row(1, 0, 0, (4, 4))
+        p.observe_row(2, 0, 0, (4, 0))
+    assert p.acceptance_state(1, 0).accepted > 10 and p.acceptance_state(2, 0).accepted == 0
+    assert p.acceptance_state(1, 1).idle_steps == 30  # the kind not asked: its evidence fades
+    plan = p.plan([row(1, catch_up=(1, None)), row(2, catch_up=(1, None))], Asked({}))
+    assert plan.k[0] > 0 and plan.kind(0) == 0 and plan.k[1] == 0
+    p.forget([1, 2])
+    assert p.acceptance_state(1, 0) is None and p.acceptance_state(2, 0) is None
+
+
+def test_without_measured_costs_every_row_drafts_k():
+    p = DraftingPolicy(DraftingConfig(3, "fixed", None), 1)
+    p.calibrate(info(0.05), [info(0.01)])
+    plan = p.plan([row(1, catch_up=(1,)), row(2, catch_up=(1,))], Asked({}))
+    assert plan.k == (3, 3) and plan.kinds == (0, 0) and plan.asked_first == ()
+
+
+def test_a_row_falls_back_to_its_next_kind_only_where_that_costs_nothing_more():
+    """Without measured costs a row whose kind proposes nothing drafts with its next best;
+    with them, only with what a lookup asked first offered it (paid for already)."""
+    fixed = DraftingPolicy(DraftingConfig(3, "fixed", None), 2)
+    fixed.calibrate(info(0.05), [info(0.01), info(0.01)])
+    plan = fixed.plan([row(1)], Asked({}))
+    assert plan.kind(0) is not None and plan.fallback == (1 - plan.kind(0),)
+    measured = policy()
+    for _ in range(30):  # the model draft accepts every draft of row 1, the lookup none
+        measured.observe_row(1, 0, 0, (4, 4))
+        measured.observe_row(1, 0, 1, (4, 0))
+    offered = measured.plan([row(1)], Asked({0: 2}))
+    assert offered.kind(0) == 0 and offered.fallback == (1,)
+    nothing = measured.plan([row(1)], Asked({}))
+    assert nothing.kind(0) == 0 and nothing.fallback == (None,)
