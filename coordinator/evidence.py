@@ -16,15 +16,13 @@ the two adjacent steps form a pair, and the decision follows the throughput of t
 drafted steps over that of their plain steps: decayed sums of each side's tokens over decayed
 sums of its seconds, every pair adding to both sides at once. Two adjacent steps ran on the
 machine as it was then, so a machine that slows down or speeds up (other processes, its host)
-moves both sides alike; sums of each side's own steps compared the plain yardstick measured
-at start-up with drafted steps measured later, and one round's yardstick, taken while the
-machine ran at half speed, made drafted steps that lost 30% look as fast: the server drafted
-on 147 of 157 8-row steps. Throughput, not a mean of each pair's ratio of rates: a lone row's
-drafted steps commit 1 to K + 1 tokens, and a (geometric) mean of per-step rates weighs the
-many one-token steps against the few long ones more than the tokens they deliver do. On
-served one-client chat it put drafting at 1.13x to 1.20x of plain steps where their tokens
-per second were 1.23x to 1.34x, so a stretch of hard prompts stepped aside and stayed there
-(coming back needs 1 + margin, which that mean rarely showed). Until a bucket has decided, its
+moves both sides alike, where sums of each side's own steps would compare a yardstick taken at
+one speed with drafted steps taken at another (a yardstick taken while the machine ran slow
+makes drafted steps that lose look as fast). Throughput, not a mean of each pair's ratio of
+rates: a lone row's drafted steps commit 1 to K + 1 tokens, and a (geometric) mean of per-step
+rates weighs the many one-token steps against the few long ones more than the tokens they
+deliver do, so it underrates drafting, and a bucket once aside would rarely show the 1 +
+margin it needs to come back. Until a bucket has decided, its
 steps alternate after the yardstick, so the pairs come at once.
 
 Invariants: a decision changes only when the paired ratio differs from 1 by more than

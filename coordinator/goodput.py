@@ -42,13 +42,10 @@ import math
 from batchspec import packing
 
 # A packed verify of B rows, c of them drafting, costs plain + (wide - plain) * (c / B) ** this:
-# the first drafting rows cost most. Verifies of SmolLM2-135M on a 2-core EPYC (K = 1,
-# scripts/verify_width.py at d840292)
-# paid these shares of the full-width extra: 0.85 for 1 row of 8, 0.96
-# for 3 of 8; 0.52 for 1 of 16, 0.71 for 4 of 16; 0.21 for 1 of 32, 0.46 for 8 of 32. 0.35
-# fits them as a whole (0.48, 0.71; 0.38, 0.62; 0.30, 0.62) better than a square root did
-# (0.35, 0.61; 0.25, 0.50; 0.18, 0.50), which priced a few drafting rows at about half their
-# cost: plans verified a lookup's offers for a few rows of 32, at half again a plain step.
+# concave in c, since the first drafting rows cost most (the whole batch turns wide in
+# attention, and the linear layers leave their small-batch kernels). An exponent too large
+# prices a few drafting rows below their cost, and plans then widen large batches' verifies
+# for a few rows' drafts; the value is fitted to packed verifies at 8, 16 and 32 rows.
 PARTIAL_EXPONENT = 0.35
 
 
@@ -69,8 +66,8 @@ class GoodputConfig:
     min_evidence: float = 8.0
     # a kind forced on a cohort (short of evidence, or starved of it) is forced on at most
     # this many of its rows: a few rows' drafts buy the evidence, while forcing every row
-    # widens a large batch's whole verify at once (32 rows at K = 4 on a 2-core CPU: 1.2 s,
-    # where a plain step takes 0.11); the other rows draft only where the plan says it pays
+    # widens a large batch's whole verify at once (several plain steps' time where verifies
+    # are compute-bound); the other rows draft only where the plan says it pays
     explorers: int = 2
     prior_acceptance: float = 0.6  # before any row has been verified
     prior_weight: float = 2.0  # pseudo-observations of the running mean behind each row's estimate

@@ -18,7 +18,9 @@ import dataclasses
 import time
 
 from batchspec import errors
+from batchspec.params import SamplingParams
 from batchspec.runtime.cachebook import CacheBook, StepCost
+from batchspec.runtime.rows import ProposedRow, ProposeRow
 
 NGRAM_MODEL = "ngram"
 
@@ -84,13 +86,6 @@ class NgramConfig:
             raise ValueError("n-gram sizes: need 1 <= min_n <= max_n")
 
 
-@dataclasses.dataclass(frozen=True)
-class NgramProposal:
-    seq_id: int
-    draft_token_ids: list[int]
-    cache_len: int
-
-
 class NgramStore(CacheBook):
     """The n-gram draft's caches (one NgramIndex per sequence) and its commands."""
 
@@ -114,26 +109,30 @@ class NgramStore(CacheBook):
             self.caches[seq_id].truncate(keep)
         return [keep for _, _, keep in entries]
 
-    def propose(self, rows, num_drafts: int) -> list[NgramProposal]:
-        """rows: (seq_id, expected_cache_len, keep_len, append_token_ids) each; every row
-        proposes up to num_drafts tokens (rows may append different numbers of tokens)."""
+    def propose(self, rows: list[ProposeRow], num_drafts: int) -> list[ProposedRow]:
+        """Every row proposes up to num_drafts tokens (rows may append different numbers of
+        tokens); a lookup has no sampling of its own (point masses: see the verifier)."""
         if num_drafts < 1:
             raise errors.InvalidArgument("num_draft_tokens must be >= 1")
-        self.check_unique([r[0] for r in rows])
-        for seq_id, expected, keep, append in rows:
+        self.check_unique([r.seq_id for r in rows])
+        for seq_id, expected, keep, append in _fields(rows):
             if not append:
                 raise errors.InvalidArgument(
                     f"sequence {seq_id}: append_token_ids must end with the last committed token")
             self.check_row(seq_id, expected, keep, append, num_drafts)
         proposals = []
-        for seq_id, _, keep, append in rows:
+        for seq_id, _, keep, append in _fields(rows):
             index = self.caches[seq_id]
             index.truncate(keep)
             index.extend(append)
             drafts = index.propose(num_drafts)
             index.extend(drafts[:-1])  # the last draft is never "fed", as in the model draft
-            proposals.append(NgramProposal(seq_id, drafts, index.length))
+            proposals.append(ProposedRow(seq_id, drafts, index.length))
         return proposals
+
+
+def _fields(rows: list[ProposeRow]):
+    return [(r.seq_id, r.expected_cache_len, r.keep_len, r.append_token_ids) for r in rows]
 
 
 def measure_costs(store: NgramStore, rows=(1, 8, 64), tokens=(1, 8),
@@ -147,7 +146,8 @@ def measure_costs(store: NgramStore, rows=(1, 8, 64), tokens=(1, 8),
         store.prefill([(seq_id, pattern) for seq_id in ids])
         try:
             for num_tokens in tokens:
-                specs = [(s, context, context - 1, [pattern[-1]]) for s in ids]
+                specs = [ProposeRow(s, context, context - 1, [pattern[-1]], SamplingParams())
+                         for s in ids]
                 started = time.perf_counter()
                 proposals = store.propose(specs, num_tokens)
                 seconds = time.perf_counter() - started

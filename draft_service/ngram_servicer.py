@@ -1,10 +1,11 @@
-"""gRPC edge of the n-gram draft: the DraftService protocol over an NgramStore, no torch."""
+"""gRPC edge of the n-gram draft: the DraftService protocol over an NgramStore, no torch (a
+command converted by batchspec.runtime.wire, the store called, the result converted)."""
 import logging
 import time
 
 from batchspec import errors
-from batchspec.runtime import service
-from batchspec.v1 import cache_pb2, draft_pb2, draft_pb2_grpc
+from batchspec.runtime import service, wire
+from batchspec.v1 import draft_pb2, draft_pb2_grpc
 from draft_service import ngram
 
 log = logging.getLogger(__name__)
@@ -15,17 +16,12 @@ class NgramServicer(service.ModelServicer, draft_pb2_grpc.DraftServiceServicer):
 
     def handle_own(self, kind, command):
         started = time.perf_counter()
-        if not command.entries:
+        rows = wire.propose_rows(command)
+        if not rows:
             raise errors.InvalidArgument("propose names no sequence")
-        proposals = self.runner.propose(
-            [(e.seq_id, e.expected_cache_len, e.keep_len, list(e.append_token_ids))
-             for e in command.entries], command.num_draft_tokens)
-        seconds = time.perf_counter() - started
-        return "propose", draft_pb2.ProposeResult(
-            timing=cache_pb2.CommandTiming(compute_seconds=seconds, forward_seconds=seconds),
-            entries=[draft_pb2.ProposeResultEntry(
-                seq_id=p.seq_id, draft_token_ids=p.draft_token_ids, cache_len=p.cache_len)
-            for p in proposals])
+        proposals = self.runner.propose(rows, command.num_draft_tokens)
+        return "propose", wire.propose_result(proposals, wire.timing(time.perf_counter()
+                                                                     - started))
 
 
 def build_store(config: service.ServiceConfig) -> ngram.NgramStore:

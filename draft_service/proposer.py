@@ -1,32 +1,11 @@
 """The draft's K-step proposal loop over a group."""
-import dataclasses
 
 import torch
 
 from batchspec import errors
-from batchspec.params import SamplingParams
 from batchspec.runtime import runner as runner_lib
 from batchspec.runtime import sampling
-
-
-@dataclasses.dataclass(frozen=True)
-class ProposeRow:
-    seq_id: int
-    expected_cache_len: int
-    keep_len: int
-    append_token_ids: list[int]  # committed tokens after keep_len, ending with the last one
-    sampling: SamplingParams
-    # a feature head: the target's features of the position before each appended token
-    # [len(append_token_ids), width]; None for other drafts
-    features: torch.Tensor | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class ProposedRow:
-    seq_id: int
-    draft_token_ids: list[int]
-    cache_len: int
-    cut: bool = False  # min_confidence ended it before num_drafts
+from batchspec.runtime.rows import ProposedRow, ProposeRow
 
 
 def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: int, *,
@@ -83,9 +62,9 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
 
 def top_probability(logits: torch.Tensor) -> torch.Tensor:
     """[batch, vocab] logits -> [batch] probability of the argmax token. The draft's
-    confidence at a position, for sampled rows too: on held-out chat the shipped head's first
-    sampled drafts (temperature 0.8, top-p 0.95) were accepted about as often as this says,
-    where the processed probability of the sampled token itself said far less."""
+    confidence at a position, for sampled rows too: the target accepts a seeded sample where
+    its own choice with the same noise is the draft's, which tracks how peaked the draft is
+    (this), not how probable the sampled token alone was."""
     return 1.0 / torch.exp(logits - logits.max(-1, keepdim=True).values).sum(-1)
 
 

@@ -1,35 +1,11 @@
 """Verification of a group's drafts in one target forward pass."""
-import dataclasses
 
 import torch
 
-from batchspec.params import SamplingParams
 from batchspec.runtime import logprobs as logprobs_lib
 from batchspec.runtime import runner as runner_lib
 from batchspec.runtime import sampling
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyRow:
-    seq_id: int
-    expected_cache_len: int
-    append_token_ids: list[int]  # committed tokens not yet cached (normally the last one)
-    draft_token_ids: list[int]  # this row's drafted tokens (0..K)
-    sampling: SamplingParams
-    num_top: int | None = None  # log-probabilities of the outputs (and num_top alternatives)
-    # structured output: [K + 1, vocab] True where a token may be output j; None: any token
-    token_masks: torch.Tensor | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifiedRow:
-    seq_id: int
-    num_accepted: int
-    output_token_ids: list[int]  # accepted drafts + the recovered or bonus token
-    cache_len: int
-    logprobs: list[logprobs_lib.TokenLogprobs] | None = None  # one per output token
-    # [positions cached by this verify, hidden] their features (with keep_features)
-    features: torch.Tensor | None = None
+from batchspec.runtime.rows import VerifiedRow, VerifyRow
 
 
 def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bool,
@@ -89,21 +65,6 @@ def masked(logits: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:
             n = r.token_masks.shape[0]
             logits[i, :n].masked_fill_(~r.token_masks.to(logits.device), float("-inf"))
     return logits
-
-
-def decode_masks(masks: list[bytes], vocab_size: int) -> torch.Tensor:
-    """Wire masks (bit t % 8 of byte t // 8 allows token t) as [len(masks), vocab] bools.
-    Raises ValueError for a mask too short for the vocabulary or allowing no token."""
-    need = (vocab_size + 7) // 8
-    if any(len(m) < need for m in masks):
-        raise ValueError(f"a token mask is shorter than the vocabulary's {need} bytes")
-    raw = torch.frombuffer(bytearray(b"".join(m[:need] for m in masks)),
-                           dtype=torch.uint8).reshape(len(masks), need)
-    bits = (raw[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
-    allowed = bits.reshape(len(masks), need * 8)[:, :vocab_size].bool()
-    if not allowed.any(dim=1).all():
-        raise ValueError("a token mask allows no token")
-    return allowed
 
 
 def accept(rows: list[VerifyRow], drafts: torch.Tensor, logits: torch.Tensor,

@@ -11,8 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from batchspec import errors
 from batchspec.params import SamplingParams
-from batchspec.runtime import draft_model, features_wire, models, tiny
+from batchspec.runtime import draft_model, models, tiny, wire
 from batchspec.runtime import runner as runner_lib
+from batchspec.runtime.rows import VerifyRow
 from batchspec.v1 import cache_pb2, draft_pb2, generate_pb2, target_pb2
 from coordinator import features as features_lib
 from draft_service import proposer
@@ -44,24 +45,24 @@ def runner(model_dir):
 
 def test_features_travel_as_float16_rows_and_a_short_payload_is_refused():
     values = torch.randn(3, 8)
-    message = features_wire.to_message(values)
+    message = wire.features_message(values)
     assert (message.num_positions, message.width, len(message.values_f16)) == (3, 8, 48)
-    assert torch.equal(features_wire.from_message(message, "x"), values.half().float())
+    assert torch.equal(wire.features_tensor(message, "x"), values.half().float())
     message.values_f16 = message.values_f16[:-2]
     with pytest.raises(errors.InvalidArgument, match="need 48 bytes"):
-        features_wire.from_message(message, "x")
+        wire.features_tensor(message, "x")
 
 
 def test_a_feature_log_feeds_each_token_the_features_of_the_position_before_it():
     rows = torch.arange(12, dtype=torch.float32).reshape(4, 3)  # positions 0..3, width 3
-    log = features_lib.from_message(features_wire.to_message(rows))
+    log = features_lib.from_message(wire.features_message(rows))
     assert log.length == 4
-    fed = features_wire.from_message(log.fed_with(0, 3), "x")
+    fed = wire.features_tensor(log.fed_with(0, 3), "x")
     assert torch.equal(fed, torch.cat([torch.zeros(1, 3), rows[:2]]))  # zeros before token 0
-    assert torch.equal(features_wire.from_message(log.fed_with(2, 5), "x"), rows[1:4])
+    assert torch.equal(wire.features_tensor(log.fed_with(2, 5), "x"), rows[1:4])
     with pytest.raises(ValueError):
         log.fed_with(2, 6)  # token 5 needs position 4, not known
-    assert not log.extend(features_wire.to_message(torch.zeros(1, 4)))  # another width
+    assert not log.extend(wire.features_message(torch.zeros(1, 4)))  # another width
     assert log.length == 4  # ... and nothing of it appended
 
 
@@ -73,7 +74,7 @@ def test_the_targets_features_agree_across_prefill_verify_and_recomputation(mode
     target = runner(model_dirs[arch][0])
     prompt = [5, 6, 7, 8, 9]
     _, kept = target.prefill_features([(1, prompt[:-1])], keep=True)
-    outcomes, _ = verifier.verify(target, [verifier.VerifyRow(
+    outcomes, _ = verifier.verify(target, [VerifyRow(
         1, 4, [prompt[-1]], [10, 11, 12], SamplingParams())], realign=False,
         keep_features=True)
     outcome = outcomes[0]
@@ -97,13 +98,13 @@ def test_services_refuse_features_where_they_do_not_belong(model_dirs, heads):
     target = TargetServicer(runner(target_dir))
     assert head.feature_width() == 64 and plain_draft.feature_width() == 0
     assert target.feature_width() == 64
-    rows = features_wire.to_message(torch.zeros(3, 64))
+    rows = wire.features_message(torch.zeros(3, 64))
     with pytest.raises(errors.InvalidArgument, match="reads the target's features"):
         head.handle("prefill", cache_pb2.PrefillCommand(entries=[
             cache_pb2.PrefillEntry(seq_id=1, token_ids=[5, 6, 7])]))
     with pytest.raises(errors.InvalidArgument, match="send 3 rows of 64"):
         head.handle("prefill", cache_pb2.PrefillCommand(entries=[cache_pb2.PrefillEntry(
-            seq_id=1, token_ids=[5, 6, 7], features=features_wire.to_message(
+            seq_id=1, token_ids=[5, 6, 7], features=wire.features_message(
                 torch.zeros(2, 64)))]))
     with pytest.raises(errors.InvalidArgument, match="reads no features"):
         plain_draft.handle("prefill", cache_pb2.PrefillCommand(entries=[
@@ -122,7 +123,7 @@ def test_services_refuse_features_where_they_do_not_belong(model_dirs, heads):
     _, proposed = head.handle("propose", draft_pb2.ProposeCommand(
         num_draft_tokens=3, entries=[draft_pb2.ProposeEntry(
             seq_id=1, expected_cache_len=3, keep_len=3, append_token_ids=[8],
-            features=features_wire.to_message(torch.zeros(1, 64)))]))
+            features=wire.features_message(torch.zeros(1, 64)))]))
     assert len(proposed.entries[0].draft_token_ids) == 3 and proposed.entries[0].cache_len == 6
     _, found = target.handle("features", target_pb2.FeaturesCommand(entries=[
         target_pb2.FeaturesEntry(seq_id=9, token_ids=[5, 6, 7, 8])]))

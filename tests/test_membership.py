@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from batchspec import errors
-from batchspec.runtime import service
+from batchspec.runtime import service, wire
 from batchspec.runtime.cachebook import CacheBook
 from coordinator import membership
 from coordinator.config import CoordinatorConfig
@@ -177,11 +177,11 @@ def test_the_gate_refuses_new_sequences_when_draining_or_full():
     with pytest.raises(errors.Draining) as refused:
         gate.admit(book, [(2, [2])])
     # the wire keeps what it is: UNAVAILABLE, reason DRAINING, rebuilt as Draining
-    wire = service.command_error(refused.value)
-    rebuilt = errors.from_status_code(wire.code, wire.message, wire.reason)
-    assert wire.reason == "DRAINING" and type(rebuilt) is errors.Draining
+    sent = wire.error(refused.value)
+    rebuilt = errors.from_status_code(sent.code, sent.message, sent.reason)
+    assert sent.reason == "DRAINING" and type(rebuilt) is errors.Draining
     assert isinstance(rebuilt, errors.Unavailable)
-    assert type(errors.from_status_code(wire.code, wire.message)) is errors.Unavailable
+    assert type(errors.from_status_code(sent.code, sent.message)) is errors.Unavailable
 
 
 def test_sequence_ids_of_two_coordinators_do_not_collide():

@@ -11,6 +11,8 @@ from test_sampling_e2e import NUM_SAMPLES, assert_follows_the_target, sample_ser
 from transformers import AutoModelForCausalLM
 
 from batchspec import errors
+from batchspec.params import SamplingParams
+from batchspec.runtime.rows import ProposeRow
 from batchspec.v1 import generate_pb2
 from coordinator import goodput
 from coordinator import policy as policy_lib
@@ -27,6 +29,11 @@ def index_of(tokens, min_n=2, max_n=4):
     index.extend(tokens)
     return index
 
+
+
+def rows(*fields) -> list[ProposeRow]:
+    """Propose rows from (seq_id, expected_cache_len, keep_len, append_token_ids)."""
+    return [ProposeRow(*f, SamplingParams()) for f in fields]
 
 def test_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix():
     #        0  1  2  3  4  5  6  7  8  9 10 11
@@ -63,11 +70,11 @@ def test_store_keeps_the_model_drafts_cache_lengths():
     store = NgramStore()
     assert store.prefill([(1, [4, 5, 6, 4, 5]), (2, [9])]) == [5, 1]
     # seq 1 appends its last committed token (6): "5 6" occurred, 4 5 6 ... follows
-    [p1, p2] = store.propose([(1, 5, 5, [6]), (2, 1, 1, [8])], 3)
+    [p1, p2] = store.propose(rows((1, 5, 5, [6]), (2, 1, 1, [8])), 3)
     assert p1.draft_token_ids == [4, 5, 6] and p1.cache_len == 5 + 1 + 3 - 1
     assert p2.draft_token_ids == [] and p2.cache_len == 2  # nothing found: nothing drafted
     # the coordinator rolls back to what it verified and appends the new committed tokens
-    [again] = store.propose([(1, 8, 7, [4, 9])], 2)
+    [again] = store.propose(rows((1, 8, 7, [4, 9])), 2)
     assert store.caches[1].tokens[:9] == [4, 5, 6, 4, 5, 6, 4, 4, 9]
 
 
@@ -77,13 +84,13 @@ def test_store_refuses_what_the_model_runner_refuses():
     with pytest.raises(errors.AlreadyExists):
         store.prefill([(1, [1])])
     with pytest.raises(errors.FailedPrecondition):
-        store.propose([(1, 2, 2, [3])], 2)  # the service holds 3, not 2
+        store.propose(rows((1, 2, 2, [3])), 2)  # the service holds 3, not 2
     with pytest.raises(errors.NotFound):
-        store.propose([(7, 0, 0, [3])], 2)
+        store.propose(rows((7, 0, 0, [3])), 2)
     with pytest.raises(errors.InvalidArgument):
-        store.propose([(1, 3, 4, [3])], 2)  # keep past the cache
+        store.propose(rows((1, 3, 4, [3])), 2)  # keep past the cache
     with pytest.raises(errors.InvalidArgument):
-        store.propose([(1, 3, 3, [-1])], 2)
+        store.propose(rows((1, 3, 3, [-1])), 2)
     with pytest.raises(errors.InvalidArgument):
         store.trim([(1, 3, 5)])
     assert store.caches[1].tokens == [1, 2, 3]  # nothing refused changed anything

@@ -9,6 +9,7 @@ import torch
 from batchspec import packing
 from batchspec.runtime import attention, fastlinear, models
 from batchspec.runtime import runner as runner_lib
+from batchspec.runtime.rows import VerifyRow
 
 
 def test_prefill_chunks_bound_padding_and_keep_every_prompt():
@@ -256,7 +257,7 @@ def test_forwards_pass_the_cache_by_the_keyword_the_installed_transformers_takes
             group.step(torch.tensor([[10]]), num_logits=1,
                        features=runner_lib.zero_features(runner, 1, 1))
         else:
-            verifier.verify(runner, [verifier.VerifyRow(1, 5, [10], [11, 12],
+            verifier.verify(runner, [VerifyRow(1, 5, [10], [11, 12],
                                                         SamplingParams())], realign=False)
 
 

@@ -10,6 +10,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from batchspec import errors
 from batchspec.params import SamplingParams
 from batchspec.runtime import compute
+from batchspec.runtime.rows import ProposeRow, VerifyRow
 from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
 from draft_service import proposer
 
@@ -123,8 +124,8 @@ def test_unsure_greedy_drafts_stop_early_and_sampled_ones_do_not(draft):
 
 
 def test_the_confidence_cut_is_per_row_and_weighs_the_whole_draft():
-    rows = [proposer.ProposeRow(i, 3, 3, [11], GREEDY) for i in (1, 2)] + [
-        proposer.ProposeRow(3, 3, 3, [11], SamplingParams(temperature=1.0, seed=3))]
+    rows = [ProposeRow(i, 3, 3, [11], GREEDY) for i in (1, 2)] + [
+        ProposeRow(3, 3, 3, [11], SamplingParams(temperature=1.0, seed=3))]
     cut = proposer._Cut(rows, 4, 0.6)
     cut.after(0, torch.tensor([0.9, 0.5, 0.8]))  # row 2 is cut before its first draft
     assert cut.lengths[1] == 0 and not cut.done
@@ -219,7 +220,7 @@ def test_acceptance_runs_on_the_logits_device():
     stands in for a second device, so the check runs where there is no GPU."""
     from target_service import verifier
 
-    rows = [verifier.VerifyRow(seq_id=i, expected_cache_len=3, append_token_ids=[1],
+    rows = [VerifyRow(seq_id=i, expected_cache_len=3, append_token_ids=[1],
                                draft_token_ids=[2, 3][:n],
                                sampling=SamplingParams()) for i, n in enumerate((2, 1))]
     logits = torch.zeros(2, 3, 8, device="meta")

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from batchspec.params import SamplingParams
 from batchspec.runtime import sampling
+from batchspec.runtime.rows import VerifyRow
 from batchspec.v1 import generate_pb2
 from batchspec_tools.bench.grammar_mask import GrammarMask
 from coordinator.grammar import Grammars, ResponseFormat, allows
@@ -201,7 +202,7 @@ def test_sampling_under_a_mask_draws_from_the_targets_masked_distribution():
     for seed in range(n):
         params = SamplingParams(temperature=1.0, seed=seed)
         draft = sampling.choose(q_logits, [params], [0])[0]
-        rows = [verifier.VerifyRow(seed, 0, [0], draft.tolist(), params, token_masks=mask)]
+        rows = [VerifyRow(seed, 0, [0], draft.tolist(), params, token_masks=mask)]
         constrained = verifier.masked(logits.expand(1, 2, vocab), rows)
         result = verifier.accept(rows, draft[None], constrained, torch.tensor([1]))
         first.append(int(result.output_token_ids[0, 0]))

@@ -36,9 +36,9 @@ class _Plan(threading.local):
 
 _PLAN = _Plan()
 
-# The cost model of split_rows, microseconds, measured on a 2-core x86 CPU (float32): an SDPA
-# call and its slicing; then, per row and cached position, reading its keys and values, and
-# each folded query token's work.
+# The cost model of split_rows, microseconds (float32 on an x86 CPU; only their ratios steer
+# the choice): an SDPA call and its slicing; then, per row and cached position, reading its
+# keys and values, and each folded query token's work.
 CALL_US = 30.0
 ROW_POSITION_US = 0.086
 QUERY_POSITION_US = 0.008

@@ -4,11 +4,10 @@ torch's CPU build runs its parallel kernels on GNU OpenMP. Each OS thread that s
 parallel region gets its own team of workers, and libgomp lets workers spin between regions
 (what keeps a decode step's hundreds of small regions fast) only while the process holds no more
 OpenMP threads than cores. A model loaded on the main thread and then run from a gRPC handler
-thread makes two teams, and from then on every worker sleeps between regions: a decode step
-runs measurably slower on a second thread after a warm-up on the main one than when one thread
-does everything (scripts/thread_cost.py at commit d840292 measured it). So a
-service loads, tunes and runs its model on this one thread, and its handler threads hand their
-commands to it.
+thread makes two teams, and from then on every worker sleeps between regions, so a decode step
+runs slower on a second thread after a warm-up on the main one than when one thread does
+everything. So a service loads, tunes and runs its model on this one thread, and its handler
+threads hand their commands to it.
 
 Invariant: in a service process, every torch call goes through `run`.
 """

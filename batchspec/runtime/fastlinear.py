@@ -176,9 +176,9 @@ _PLANS: dict[tuple, tuple[int, ...]] = {}
 # MAX_ROWS: the plan of shapes not worth timing (a model small enough to live in the CPU cache
 # gains little either way).
 DEFAULT_PLAN = tuple([2] + list(range(2, MAX_ROWS + 1)) + [USUAL])
-# A lone weight, or a whole model's linear weights, smaller than this is not timed. A feature
-# head in bfloat16 (18 MB for SmolLM2's) is above it: beside a target it does not stay in the
-# CPU cache, and its products are twice as fast packed as weight-major.
+# A lone weight, or a whole model's linear weights, smaller than this is not timed: it stays in
+# the CPU cache, where the kernels differ little. A model above it (a feature head beside its
+# target) is read from memory each step, where the kernels' layouts differ most.
 MIN_TIMED_BYTES = 8 << 20
 
 

@@ -137,8 +137,7 @@ def to_model_cache(layers: list[LayerKV] | None) -> DynamicCache:
     they are a `Batch`, its forwards write into the batch's buffers.
 
     (DynamicCache(ddp_cache_data=layers) would copy every tensor, as big a copy as a
-    realignment: it appends the data to empty layers with torch.cat; scripts/group_steps.py
-    at commit d840292 timed both.)"""
+    realignment: it appends the data to empty layers with torch.cat.)"""
     cache = DynamicCache()
     cache.layer_class_to_replicate = AppendLayer
     buffers = getattr(layers, "buffers", None) or [None] * len(layers or ())

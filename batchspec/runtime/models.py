@@ -23,8 +23,7 @@ SMOLLM2_EAGLE = "smollm2-eagle"
 SHIPPED_DRAFTS = (SMOLLM2_DRAFT, SMOLLM2_EAGLE)
 DRAFTS_DIR = pathlib.Path(__file__).parent.parent / "drafts"
 PACKAGED_DRAFT = DRAFTS_DIR / SMOLLM2_DRAFT
-# A target's shipped drafts, the best first: what `--draft-model auto` picks (the order the
-# served benchmarks against `--draft-model none` measured, docs/benchmarks.md).
+# A target's shipped drafts, the best first: what `--draft-model auto` picks.
 BEST_SHIPPED = {SMOLLM2: (SMOLLM2_EAGLE, SMOLLM2_DRAFT)}
 DTYPES = ("float32", "bfloat16", "float16")
 # --dtype may also be AUTO: for a target, float32 with a GGUF file's linear layers
@@ -116,9 +115,8 @@ def served_draft_dtype(flag: str, spec: str, device: str) -> str:
 def draft_dtype(spec: str, device: str) -> str:
     """What a draft service's --dtype auto means for draft `spec` on `device`: bfloat16 for a
     feature head on a CPU that multiplies bfloat16 natively, float32 otherwise. A draft's
-    numbers never reach the output (the target verifies every token), and the shipped head
-    drafts the same tokens in bfloat16 at about two thirds of the time on one thread
-    (docs/benchmarks.md, "The head in bfloat16")."""
+    numbers never reach the output (the target verifies every token), and a head reads half
+    the bytes in bfloat16."""
     if device != "cpu" or not is_feature_head(spec):
         return "float32"
     from batchspec.runtime import fastlinear

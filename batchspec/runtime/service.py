@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 from batchspec import cliargs, errors, security
 from batchspec import server as server_lib
 from batchspec.metrics import ServiceMetrics, serve_metrics
-from batchspec.params import SamplingParams
-from batchspec.runtime import cache_dir, compute, features_wire, models
+from batchspec.runtime import cache_dir, compute, models, wire
 from batchspec.v1 import cache_pb2
 
 if TYPE_CHECKING:  # the n-gram draft serves without torch
@@ -97,19 +96,18 @@ def serve_commands(commands, runner: CacheBook, handle, result_type, context,
                     metrics.observe(kind, time.monotonic() - received, runner)
             yield result_type(command_id=command.command_id, **{field: payload})
         except errors.BatchspecError as error:
-            yield result_type(command_id=command.command_id, error=command_error(error))
+            yield result_type(command_id=command.command_id, error=wire.error(error))
         except Exception as error:  # a bug: say so without killing the stream
             log.exception("command %s failed", kind)
-            yield result_type(command_id=command.command_id, error=command_error(error))
+            yield result_type(command_id=command.command_id, error=wire.error(error))
         if not context.is_active():
             return
 
 
 def timing(group, started: float) -> cache_pb2.CommandTiming:
     """How a group command spent its time (started: its time.perf_counter() at receipt)."""
-    return cache_pb2.CommandTiming(compute_seconds=time.perf_counter() - started,
-                                   realign_seconds=group.realign_seconds,
-                                   forward_seconds=group.forward_seconds)
+    return wire.timing(time.perf_counter() - started, group.realign_seconds,
+                       group.forward_seconds)
 
 
 class ModelServicer:
@@ -165,7 +163,8 @@ class ModelServicer:
         # under the runner's lock, as a command runs: a consistent snapshot, and an answer
         # means the service takes commands (the coordinator probes a lost service this way)
         with self.runner.lock:
-            return describe(self.runner, self.dtype, self.gate, self.feature_width())
+            return wire.model_info(self.runner, self.dtype, self.gate, self.feature_width(),
+                                   models.calibrated(getattr(self.runner, "model", None)))
 
     def feature_width(self) -> int:
         """ModelInfo.feature_width: what a target returns or a draft reads (0: none)."""
@@ -173,7 +172,7 @@ class ModelServicer:
 
     def handle(self, kind, command):
         if kind == "prefill":
-            self.gate.admit(self.runner, [(e.seq_id, e.token_ids) for e in command.entries])
+            self.gate.admit(self.runner, wire.prefill_entries(command))
         handled = handle_cache_command(self.runner, kind, command)
         return handled if handled is not None else self.handle_own(kind, command)
 
@@ -181,60 +180,23 @@ class ModelServicer:
         raise NotImplementedError
 
 
-def command_error(error: BaseException) -> cache_pb2.CommandError:
-    code = errors.to_status_code(error)
-    return cache_pb2.CommandError(code=errors.code_number(code), message=str(error),
-                                  reason=errors.reason_of(error))
-
-
 def handle_cache_command(runner: CacheBook, kind: str, command):
     """The commands both services obey, or None for a kind that is the service's own."""
     if kind == "prefill":
-        entries = [(e.seq_id, list(e.token_ids)) for e in command.entries]
-        copies = {e.seq_id: e.copy_from for e in command.entries if e.HasField("copy_from")}
-        features = {e.seq_id: features_wire.from_message(e.features, f"sequence {e.seq_id}")
-                    for e in command.entries if e.HasField("features")}
+        entries, copies = wire.prefill_entries(command), wire.prefill_copies(command)
+        features = wire.prefill_features(command)
         if features and not getattr(runner, "reads_features", 0):
             raise errors.InvalidArgument(f"{runner.name} reads no features; send none")
         if copies and features:
             raise errors.InvalidArgument("copy_from cannot be sent with features")
         lens = runner.prefill_copies(entries, copies) if copies else \
             runner.prefill(entries, features) if features else runner.prefill(entries)
-        return "prefill", cache_pb2.PrefillResult(cache_lens=lens)
+        return "prefill", wire.prefill_result(lens)
     if kind == "trim":
-        lens = runner.trim([(e.seq_id, e.expected_cache_len, e.keep_len) for e in command.entries])
-        return "trim", cache_pb2.TrimResult(cache_lens=lens)
+        return "trim", wire.trim_result(runner.trim(wire.trim_entries(command)))
     if kind == "release":
-        remaining = runner.release(list(command.seq_ids))
-        return "release", cache_pb2.ReleaseResult(num_sequences=remaining)
+        return "release", wire.release_result(runner.release(list(command.seq_ids)))
     return None
-
-
-def describe(runner: CacheBook, dtype: str, gate: Gate,
-             feature_width: int = 0) -> cache_pb2.ModelInfo:
-    return cache_pb2.ModelInfo(model=runner.name, vocab_size=runner.vocab_size,
-                               feature_width=feature_width, vocabulary=runner.vocabulary,
-                               calibrated=models.calibrated(getattr(runner, "model", None)),
-                               instance_id=gate.instance_id, draining=gate.draining.is_set(),
-                               max_sequences=gate.max_sequences,
-                               max_cached_tokens=gate.max_cached_tokens,
-                               eos_token_ids=runner.eos_token_ids,
-                               max_context_len=runner.max_context_len,
-                               num_sequences=len(runner.caches),
-                               num_cached_tokens=runner.num_cached_tokens(),
-                               device=str(runner.device), dtype=dtype,
-                               packs_positions=getattr(runner, "packs_positions", False),
-                               step_costs=[cache_pb2.StepCost(rows=c.rows, tokens=c.tokens,
-                                                              context=c.context,
-                                                              seconds=c.seconds)
-                                           for c in runner.step_costs])
-
-
-def to_sampling(params: cache_pb2.SamplingParams) -> SamplingParams:
-    if params.temperature < 0 or params.top_k < 0 or not 0 <= params.top_p <= 1:
-        raise errors.InvalidArgument("sampling: temperature >= 0, top_k >= 0, top_p in (0, 1]")
-    return SamplingParams(temperature=params.temperature, top_k=params.top_k,
-                             top_p=params.top_p or 1.0, seed=params.seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,9 +235,7 @@ def threads_for(role: str, config: ServiceConfig) -> int | None:
     """The CPU threads a service computes with: --threads when given; else one for a draft on
     the CPU, torch's default (every core) otherwise (None). A draft's forwards are small: more
     threads gain it little alone, and where the services share cores (a CPU deployment) its
-    parallel regions wait for workers the other processes hold; with one core busy, one
-    thread measured 3 to 4 times faster for a feature head and for a layer draft
-    (measured by scripts/draft_threads.py, in the history at d840292)."""
+    parallel regions would wait for workers the other processes hold."""
     if config.threads:
         return config.threads
     return 1 if role == "draft" and config.device == "cpu" else None

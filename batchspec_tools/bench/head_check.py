@@ -19,8 +19,9 @@ import time
 import torch
 
 from batchspec.params import SamplingParams
-from batchspec.runtime import cache_dir, fastlinear, features_wire, models
+from batchspec.runtime import cache_dir, fastlinear, models, wire
 from batchspec.runtime import runner as runner_lib
+from batchspec.runtime.rows import ProposeRow, VerifyRow
 from batchspec_tools.data import bench_prompts
 from draft_service import proposer
 from target_service import verifier
@@ -45,7 +46,7 @@ def decode(target, head, prompt, k, max_new_tokens, stats, min_confidence=0.0):
         rows = features[valid - 1:len(tokens) - 1] if valid else torch.cat(
             [torch.zeros(1, features.shape[1]), features[:len(tokens) - 1]])
         started = time.perf_counter()
-        proposals, _ = proposer.propose(head, [proposer.ProposeRow(
+        proposals, _ = proposer.propose(head, [ProposeRow(
             1, head_len, valid, append, SamplingParams(), rows)], k, realign=False,
             min_confidence=min_confidence)
         forwards, spent = proposals[0].cache_len - len(tokens) + 1, time.perf_counter() - started
@@ -54,7 +55,7 @@ def decode(target, head, prompt, k, max_new_tokens, stats, min_confidence=0.0):
         drafts = proposals[0].draft_token_ids
         stats["drafted"] += len(drafts)
         started = time.perf_counter()
-        outcomes, _ = verifier.verify(target, [verifier.VerifyRow(
+        outcomes, _ = verifier.verify(target, [VerifyRow(
             1, len(tokens) - 1, [tokens[-1]], drafts, SamplingParams())],
             realign=False, keep_features=True)
         stats["verify_s"].append(time.perf_counter() - started)
@@ -65,7 +66,7 @@ def decode(target, head, prompt, k, max_new_tokens, stats, min_confidence=0.0):
             if position <= outcome.num_accepted and position < len(drafts):
                 stats["tried"][position] += 1
                 stats["accepted"][position] += position < outcome.num_accepted
-        stats["wire_bytes"] += features_wire.to_message(outcome.features).ByteSize()
+        stats["wire_bytes"] += wire.features_message(outcome.features).ByteSize()
         stats["wire_rows"] += outcome.features.shape[0]
         features = torch.cat([features, outcome.features])
         head_len, valid = proposals[0].cache_len, len(tokens)  # its own drafts are not kept

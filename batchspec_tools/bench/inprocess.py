@@ -2,8 +2,9 @@
 engine, minus serialisation and RPC (for the benchmark's in-process methods)."""
 import time
 
-from batchspec.runtime import features_wire, models
+from batchspec.runtime import models, wire
 from batchspec.runtime import runner as runner_lib
+from batchspec.runtime.rows import ProposeRow, VerifyRow
 from coordinator.clients import ModelInfo, Proposal, Timing, VerifyOutcome
 from draft_service import proposer
 from target_service import verifier
@@ -57,7 +58,7 @@ class _InProcess:
     def prefill(self, entries, copies=None, features=None):
         if features:  # a feature head: each token's features, as the wire carries them
             return self.runner.prefill(entries, {
-                s: features_wire.from_message(f, f"sequence {s}") for s, f in features.items()})
+                s: wire.features_tensor(f, f"sequence {s}") for s, f in features.items()})
         return (self.runner.prefill_copies(entries, copies) if copies
                 else self.runner.prefill(entries))
 
@@ -71,10 +72,10 @@ class _InProcess:
 class InProcessDraft(_InProcess):
     def propose(self, num_drafts, realign, specs, timeout=None, min_confidence=0.0):
         started = time.perf_counter()
-        rows = [proposer.ProposeRow(s.seq_id, s.expected_cache_len, s.keep_len,
+        rows = [ProposeRow(s.seq_id, s.expected_cache_len, s.keep_len,
                                     list(s.append_token_ids), s.sampling,
                                     None if s.features is None
-                                    else features_wire.from_message(s.features, "propose"))
+                                    else wire.features_tensor(s.features, "propose"))
                 for s in specs]
         proposals, group = proposer.propose(self.runner, rows, num_drafts, realign=realign,
                                             min_confidence=min_confidence)
@@ -94,21 +95,21 @@ class InProcessTarget(_InProcess):
         if not return_features:
             return super().prefill(entries, copies, features)
         lens, kept = self.runner.prefill_features(entries, keep=True)
-        return lens, [features_wire.to_message(kept[s]) for s, _ in entries]
+        return lens, [wire.features_message(kept[s]) for s, _ in entries]
 
     def features(self, prefixes):
-        return [features_wire.to_message(f)
+        return [wire.features_message(f)
                 for f in self.runner.features([t for _, t in prefixes])]
 
     def verify(self, realign, specs, timeout=None, return_features=None):
         if return_features is None:
             return_features = self.features_for_drafts
         started = time.perf_counter()
-        rows = [verifier.VerifyRow(s.seq_id, s.expected_cache_len, list(s.append_token_ids),
+        rows = [VerifyRow(s.seq_id, s.expected_cache_len, list(s.append_token_ids),
                                    list(s.draft_token_ids), s.sampling) for s in specs]
         outcomes, group = verifier.verify(self.runner, rows, realign=realign,
                                           keep_features=return_features)
         return [VerifyOutcome(o.seq_id, o.num_accepted, o.output_token_ids, o.cache_len,
                               features=None if o.features is None
-                              else features_wire.to_message(o.features))
+                              else wire.features_message(o.features))
                 for o in outcomes], _timing(group, started)
