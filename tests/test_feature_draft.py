@@ -3,6 +3,7 @@ draft service obeying the same cache commands, and greedy output through the ser
 to the target's own, on a Llama-style and a GPT-2-style target."""
 import argparse
 import json
+import os
 import shutil
 
 import pytest
@@ -253,6 +254,35 @@ def test_a_head_that_computes_what_the_target_computes_has_every_draft_accepted(
         assert stats.num_accepted_tokens == stats.num_drafted_tokens == 9
 
 
+def test_a_head_served_over_q8_0_blocks_keeps_the_output_the_targets(heads):
+    """`--dtype auto` serves a draft directory over Q8_0 blocks of its weights on a CPU (the
+    kernels build in CI): each linear layer multiplies by blocks that hold exactly its
+    (quantized) weight, the output stays the target's, and the head that computes what the
+    target computes still has nearly all its drafts accepted."""
+    from batchspec.runtime import gguf_blocks
+
+    if not gguf_blocks.load():
+        if os.environ.get("CI"):
+            pytest.fail("the GGUF kernels must build in CI")
+        pytest.skip("no C++ compiler to build the GGUF kernels")
+    target_dir, head_dir = heads["exact"]
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    with running_stack(target_dir, head_dir, batch_size=4, num_draft_tokens=3,
+                       draft_dtype="auto") as stack:
+        head = stack.draft_runner.model
+        quantized = [m for m in (head.fuse, head.lm_head, *head.body.layers[0].mlp.children())
+                     if gguf_blocks.blocks_of(getattr(m, "weight", torch.empty(0))) is not None]
+        assert len(quantized) >= 4 and all(torch.equal(gguf_blocks.blocks_of(
+            m.weight).dequantize(), m.weight) for m in quantized)
+        drafted = accepted = 0
+        for prompt in PROMPTS[:3]:
+            tokens, stats = generate(stack, prompt, 13)
+            assert tokens == tiny.greedy_ignoring_eos(model, prompt, 13)
+            drafted += stats.num_drafted_tokens
+            accepted += stats.num_accepted_tokens
+        assert drafted >= 27 and accepted >= 0.8 * drafted  # a rejection adds a step
+
+
 def test_a_head_served_in_bfloat16_keeps_the_output_the_targets(heads):
     """`--dtype auto` serves a feature head in bfloat16 on CPUs that multiply it natively:
     its drafts may differ from float32 ones, the output may not. The head that computes
@@ -272,21 +302,23 @@ def test_a_head_served_in_bfloat16_keeps_the_output_the_targets(heads):
         assert drafted == 27 and accepted >= 0.8 * drafted
 
 
-def test_auto_picks_bfloat16_for_a_feature_head_on_a_cpu_that_multiplies_it(
-        heads, model_dirs, monkeypatch):
-    from batchspec.runtime import fastlinear
+def test_auto_picks_q8_0_blocks_for_a_draft_on_a_cpu_else_bfloat16_for_a_head(
+        heads, model_dirs, tmp_path, monkeypatch):
+    from batchspec.runtime import fastlinear, gguf_blocks
     from batchspec.runtime.service import add_service_arguments, config_from_args
 
     _, head_dir = heads["llama"]
-    _, layer_draft = model_dirs["llama"]
-    for native, expected in ((True, "bfloat16"), (False, "float32")):
+    _, plain_draft = model_dirs["llama"]  # a model directory, not a distilled draft
+    for kernels, native, expected in ((True, True, "auto"), (False, True, "bfloat16"),
+                                      (False, False, "float32")):
+        monkeypatch.setattr(gguf_blocks, "load", lambda kernels=kernels: kernels)
         monkeypatch.setattr(fastlinear, "native_bfloat16", lambda native=native: native)
         assert models.draft_dtype(head_dir, "cpu") == expected
         parser = argparse.ArgumentParser()
         add_service_arguments(parser, 0, "draft")
         assert config_from_args(parser.parse_args(["--model", head_dir])).dtype == expected
+        assert models.draft_dtype(plain_draft, "cpu") == "float32"  # as --dtype says
     assert models.draft_dtype(head_dir, "cuda:0") == "float32"  # a GPU: as --dtype says
-    assert models.draft_dtype(layer_draft, "cpu") == "float32"  # not measured: as before
     assert models.draft_dtype("ngram", "cpu") == "float32"
     # what serve gives its draft services
     assert models.draft_service_dtype("float32") == "auto"

@@ -147,3 +147,30 @@ def test_a_gguf_target_is_served_token_for_token_as_transformers_decodes_it(
         assert tokens == tiny_models.reference_greedy(reference, prompt, max_new)
     finishes = {last.finish_reason for _, last in results}
     assert generate_pb2.FINISH_REASON_LENGTH in finishes
+
+
+def test_a_draft_quantized_at_load_multiplies_by_blocks_that_hold_its_weights():
+    """gguf_blocks.quantize_q8_0 (a draft served with --dtype auto on a CPU): every bias-free
+    linear layer gets Q8_0 blocks, its weight becomes exactly what they hold, within half a
+    quantization step of what it was, and the model's logits through the blocks are those of
+    its float32 weights up to summation order."""
+    model = tiny.llama(seed=5).eval()
+    before = {n: m.weight.detach().clone() for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear)}
+    ids = torch.tensor([[3, 9, 27, 4]])
+    assert gguf_blocks.quantize_q8_0(model) == len(before)
+    for name, module in model.named_modules():
+        if name in before:
+            blocks = gguf_blocks.blocks_of(module.weight)
+            assert torch.equal(blocks.dequantize(), module.weight)
+            step = before[name].abs().reshape(-1, 32).amax(-1) / 127
+            assert ((module.weight - before[name]).abs().reshape(-1, 32)
+                    <= step[:, None] * 0.6 + 1e-6).all()  # half a step, d in float16
+    fastlinear.patch_linears(model)
+    with torch.inference_mode():
+        quantized = model(ids).logits
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                del module.weight._batchspec_gguf
+        floats = model(ids).logits
+    assert torch.allclose(quantized, floats, atol=1e-4)

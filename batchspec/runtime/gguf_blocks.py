@@ -189,6 +189,45 @@ def attach(model: torch.nn.Module, gguf_path: str) -> int:
     return attached
 
 
+def quantize_q8_0(model: torch.nn.Module) -> int:
+    """Give a draft's linear layers (bias-free, inputs a multiple of 32 wide) and its
+    weight-major output head Q8_0 blocks made from their weights, each weight replaced by what
+    its blocks hold (so both paths multiply by the same, quantized, draft); returns how many
+    got them (0 where the kernels cannot be loaded). A draft's numbers never reach the output
+    (the target verifies every token, and a sampled draft's tokens are what its own logits
+    chose), so a draft may be quantized where a target may not."""
+    if not load():
+        return 0
+    found = []
+    for module in model.modules():
+        linear = isinstance(module, torch.nn.Linear) and module.bias is None
+        if (linear or getattr(module, "uses_weight_major", False)) \
+                and module.weight.dim() == 2 and module.weight.shape[1] % 32 == 0 \
+                and module.weight.device.type == "cpu" and blocks_of(module.weight) is None:
+            blocks = _q8_0(module.weight.detach())
+            with torch.no_grad():
+                module.weight.data = blocks.dequantize()
+            found.append((module, blocks))
+    attached = 0
+    for module, blocks, max_rows in _timed(found):
+        if max_rows:
+            module.weight._batchspec_gguf = dataclasses.replace(blocks, max_rows=max_rows)
+            attached += 1
+    read, floats = weight_bytes(model)
+    log.info("Q8_0 blocks: %d of the draft's %d linear layers multiply by them, %.0f MB read "
+             "for %.0f MB of float32 weights", attached, len(found), read / 1e6, floats / 1e6)
+    return attached
+
+
+def _q8_0(weight: torch.Tensor) -> Blocks:
+    """[out, in] float weight -> Q8_0 Blocks, quantized as llama.cpp does (gguf-py)."""
+    import gguf
+    import numpy as np
+
+    raw = gguf.quants.quantize(weight.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+    return Blocks("q8_0", torch.from_numpy(np.ascontiguousarray(raw)), weight.shape[1])
+
+
 # Row counts timed for each shape: a layer multiplies by its blocks up to the largest count
 # from which on every smaller one they were faster than its float32 weight.
 TIMED_ROWS = (1, 2, 4, 8, 16)
@@ -214,7 +253,7 @@ def _timed(found: list):
     for members in groups.values():
         best = 0
         for rows in TIMED_ROWS:
-            x = torch.randn(rows, members[0][0].in_features)
+            x = torch.randn(rows, members[0][0].weight.shape[1])
             by_blocks = _least(lambda: [b.product(x) for _, b in members])
             floats = _least(lambda: [fastlinear.weight_major(x, m.weight) for m, _ in members])
             if by_blocks >= floats:
@@ -271,7 +310,9 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     blocks = floats = 0
     seen = set()
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
+        weighted = isinstance(module, torch.nn.Linear) or getattr(module, "uses_weight_major",
+                                                                  False)
+        if weighted and id(module.weight) not in seen:
             seen.add(id(module.weight))
             found = blocks_of(module.weight)
             if found is not None:

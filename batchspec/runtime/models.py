@@ -113,15 +113,29 @@ def served_draft_dtype(flag: str, spec: str, device: str) -> str:
 
 
 def draft_dtype(spec: str, device: str) -> str:
-    """What a draft service's --dtype auto means for draft `spec` on `device`: bfloat16 for a
-    feature head on a CPU that multiplies bfloat16 natively, float32 otherwise. A draft's
-    numbers never reach the output (the target verifies every token), and a head reads half
-    the bytes in bfloat16."""
-    if device != "cpu" or not is_feature_head(spec):
+    """What a draft service's --dtype auto means for draft `spec` on `device`: on a CPU, for a
+    distilled draft directory (a feature head, a layer draft), AUTO where the block kernels
+    load (float32 activations over Q8_0 blocks of its weights, made at load: see
+    gguf_blocks.quantize_q8_0), else bfloat16 for a feature head on a CPU that multiplies
+    bfloat16 natively; float32 otherwise. A draft's numbers never reach the output (the target
+    verifies every token), and a quantized draft reads a quarter of its float32 bytes."""
+    if device != "cpu" or not is_draft_directory(spec):
         return "float32"
-    from batchspec.runtime import fastlinear
+    from batchspec.runtime import fastlinear, gguf_blocks
 
-    return "bfloat16" if fastlinear.native_bfloat16() else "float32"
+    if gguf_blocks.load():
+        return AUTO
+    return "bfloat16" if is_feature_head(spec) and fastlinear.native_bfloat16() else "float32"
+
+
+def is_draft_directory(spec: str) -> bool:
+    """Whether `spec` names a distilled draft directory (a shipped one or a path)."""
+    path = model_path(spec)
+    if not pathlib.Path(path).is_dir():
+        return False  # (and no torch imported for the n-gram draft)
+    from batchspec.runtime import draft_model
+
+    return draft_model.is_draft_dir(path)
 
 
 def is_feature_head(spec: str) -> bool:
@@ -157,7 +171,10 @@ def load_causal_lm(spec: str, *, dtype: str = "float32", device: str = "cpu",
     if draft_model.is_draft_dir(spec):
         if num_layers is not None:
             raise ValueError("a distilled draft directory fixes its own number of layers")
-        return load_draft(spec, dtype=dtype, device=device)
+        model = load_draft(spec, dtype=dtype, device=device)
+        if as_stored and torch.device(device).type == "cpu":
+            gguf_blocks.quantize_q8_0(model)  # AUTO: a draft reads a quarter of the bytes
+        return model
     source = resolve(spec)
     log.info("loading %s (%s) on %s", spec, dtype, device)
     path, kwargs = source.path, {}

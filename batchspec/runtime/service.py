@@ -271,9 +271,12 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int,
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     if role == "draft":
         parser.add_argument("--dtype", default=models.AUTO, choices=models.DTYPE_CHOICES,
-                            help="parameter dtype (default auto: bfloat16 for a feature head "
-                                 "on a CPU that multiplies bfloat16 natively, else float32; "
-                                 "drafts never change the output)")
+                            help="parameter dtype (default auto: on a CPU, a distilled draft "
+                                 "directory's linear layers multiply by Q8_0 blocks of its "
+                                 "weights made at load, or without the block kernels a "
+                                 "feature head in bfloat16 where the CPU multiplies it "
+                                 "natively; float32 otherwise; drafts never change the "
+                                 "output)")
     else:
         parser.add_argument("--dtype", default=models.AUTO, choices=models.DTYPE_CHOICES,
                             help="parameter dtype (default auto: float32, where a GGUF "
