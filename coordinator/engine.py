@@ -3,22 +3,20 @@
 One engine thread owns every Sequence; request threads talk to it only through the pool
 (`submit`, `cancel`) and each request's event queue. The loop is all this module holds; its
 parts live beside it: the request pool (`pool`), the model services and their losses
-(`peers`), the choice of drafts and their proposals (`drafting`), and the commit of a row's
+(`peers`; their retries: `reconnect`), the drafting policy's plan (`policy`) and the
+proposals (`drafting`), the verify command (`verifying`), and the commit of a row's
 verification (`commit`). The engine keeps every committed token, so a lost service is
 re-prefilled from this record: a draft outage leaves the other draft kinds, then target-only
 decoding; a target outage makes requests wait (bounded by their deadlines) or moves them to
 another replica.
 """
-import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
 
 from batchspec import errors
 from coordinator import commit, scheduler
-from coordinator.clients import Timing, VerifyOutcome, VerifySpec
 from coordinator.config import EngineConfig
 from coordinator.drafting import DraftedCohort, Drafter
 from coordinator.drafts import DraftKind
@@ -30,27 +28,9 @@ from coordinator.requests import RequestHandle
 from coordinator.sequence import EVERY_KIND, Sequence, forget_caches
 from coordinator.stats import EngineStats, Recorder, StepRecord
 from coordinator.turnover import Turnover
+from coordinator.verifying import Verified, Verifier, cohort_timeout
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Verified:
-    """The target's answer to a cohort's verify command."""
-
-    outcomes: list[VerifyOutcome]  # one per row, in row order
-    timing: Timing
-    seconds: float  # coordinator-side round trip
-
-
-def cohort_timeout(handles: list[RequestHandle]) -> float | None:
-    """How long a cohort's commands may wait in a service: until the last row's deadline
-    (None when a row has none). A row whose deadline passes mid-step is ended after the
-    step, so one request's short deadline never costs its cohort mates a step."""
-    deadlines = [h.deadline for h in handles]
-    if not deadlines or None in deadlines:
-        return None
-    return max(0.001, max(deadlines) - time.monotonic())
 
 
 def default_evidence(config: EngineConfig, planner) -> Evidence | None:
@@ -85,10 +65,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._thread_exit = False
         self.turnover = Turnover(self.peers, self.pool, config.max_num_seqs)
+        self.verifier = Verifier(self.peers, self.pool, config.overlap)
         self._prepared: DraftedCohort | None = None  # drafted while the last cohort verified
-        self._overlapping: bool | None = None  # config.overlap, resolved by configure()
-        # runs verify commands, so that the engine thread can draft meanwhile
-        self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify")
 
     # ---- request side (any thread) --------------------------------------------------------------
     def submit(self, *args, **kwargs) -> RequestHandle:
@@ -140,28 +118,16 @@ class Engine:
         self.pool.wake()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self._verifier.shutdown(wait=False)
+        self.verifier.shutdown()
         for handle in self.pool.handles():
             handle.fail(errors.Unavailable("the coordinator stopped"))
 
     def configure(self) -> None:
         """Ask each service once what its forwards cost and what device it runs on: the
-        drafter calibrates from the costs, and overlap "auto" is on unless every service
-        runs on CPU (then they share the host's cores, and running both at once slows each
-        down)."""
+        drafter calibrates from the costs, the verifier decides whether to overlap."""
         target, infos = self.peers.describe()
         self.drafter.calibrate(target, infos)
-        self._overlapping = self.config.overlap == "on"
-        if self.config.overlap == "auto" and self.peers.kinds:
-            devices = {info.device.split(":")[0] or None if info else None
-                       for info in [target] + infos}
-            self._overlapping = devices != {"cpu"} and None not in devices
-            log.info("drafting the next cohort while the target verifies: %s (devices %s)",
-                     "on" if self._overlapping else "off", sorted(map(str, devices)))
-
-    def overlapping(self) -> bool:
-        """Whether this step drafts the next cohort while the target verifies."""
-        return self._overlapping and self.peers.draft_up
+        self.verifier.configure(target, infos)
 
     def _run(self) -> None:
         while True:
@@ -185,7 +151,7 @@ class Engine:
         if not self.turnover.moved_away():
             return False
         self._prepared = None
-        self._verifier.shutdown(wait=False)
+        self.verifier.shutdown()
         self.turnover.end(self)
         return True
 
@@ -194,7 +160,7 @@ class Engine:
         """Drop cancelled/expired requests, admit, then verify one cohort, and (overlapping)
         draft for the next cohort while the target verifies this one. A failure fails only
         the requests of the part that failed (see _isolated)."""
-        if self._overlapping is None:
+        if not self.verifier.configured:
             self.configure()
         self._reap()
         if not self.peers.ensure():
@@ -220,14 +186,14 @@ class Engine:
             return
         current = constrained
         in_flight = None
-        if self.overlapping():
-            in_flight = self._verifier.submit(self._verify, current)
+        if self.verifier.overlapping():
+            in_flight = self.verifier.submit(current)
             # the next cohort's draft runs while the target verifies (disjoint rows)
             self._prepared = self._prepare(exclude={s.seq_id for s in current.seqs})
             self.stats.num_overlapped_steps += self._prepared is not None
         with self._isolated("step", self.pool.handles_of(current.seqs)):
             try:
-                verified = in_flight.result() if in_flight else self._verify(current)
+                verified = in_flight.result() if in_flight else self.verifier.verify(current)
             except errors.Unavailable as error:
                 self._target_lost(error)
                 return
@@ -284,18 +250,6 @@ class Engine:
         with self._isolated("draft", handles):
             return self.drafter.draft(cohort.sequences, cohort_timeout(handles))
         return None
-
-    def _verify(self, cohort: DraftedCohort) -> Verified:
-        """Verify a drafted cohort (on the verifier thread when overlapping)."""
-        specs = [VerifySpec(row.seq.seq_id, row.seq.target.cache_len,
-                            row.seq.token_ids[row.seq.target.cache_len:], row.draft_token_ids,
-                            row.seq.sampling, row.seq.logprobs,
-                            row.token_masks)
-                 for row in cohort.rows]
-        started = time.perf_counter()
-        outcomes, timing = self.peers.target.verify(
-            cohort.mixed, specs, timeout=cohort_timeout(self.pool.handles_of(cohort.seqs)))
-        return Verified(outcomes, timing, time.perf_counter() - started)
 
     def _finish(self, cohort: DraftedCohort, verified: Verified, started: float) -> None:
         """Commit a verified cohort (on the engine thread); `started`: when its step began."""

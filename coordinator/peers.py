@@ -18,9 +18,10 @@ import time
 from batchspec import errors
 from coordinator import features as features_lib
 from coordinator import scheduler
-from coordinator.clients import ModelInfo, Probe
+from coordinator.clients import ModelInfo
 from coordinator.drafts import DraftKind
 from coordinator.pool import RequestPool
+from coordinator.reconnect import Reconnect
 from coordinator.sequence import EVERY_KIND, DraftState, Sequence, forget_caches
 from coordinator.stats import Recorder
 
@@ -53,9 +54,7 @@ class Peers:
         # lost the stream (a release that failed, or a loss while they were cached); released
         # when the service answers again, unless it restarted empty
         self._stale: dict[str, set[int]] = {}
-        self._probes: dict[str, Probe] = {}  # service address -> its probe in flight
-        self._next_retry = 0.0
-        self._retry_delay = config.reconnect_backoff_s[0]
+        self.reconnect = Reconnect(config.reconnect_backoff_s)
 
     @property
     def draft_up(self) -> bool:
@@ -227,19 +226,16 @@ class Peers:
     # ---- reconnection ---------------------------------------------------------------------------
     def schedule_retry(self, soon: bool = False) -> None:
         """soon: from the first delay again (a service left on purpose; another may answer)."""
-        if soon:
-            self._retry_delay = self.config.reconnect_backoff_s[0]
-        self._next_retry = time.monotonic() + self._retry_delay
-        self._retry_delay = min(self._retry_delay * 2, self.config.reconnect_backoff_s[1])
+        self.reconnect.schedule(soon)
 
     def retry_now(self) -> None:
         """Make the next `ensure` (on the engine thread) probe lost services at once."""
-        self._next_retry = 0.0
+        self.reconnect.now()
         self.pool.wake()
 
     def ensure(self) -> bool:
         """Reconnect lost services when their retry is due; True when the target is usable."""
-        if self.all_up() or time.monotonic() < self._next_retry:
+        if self.all_up() or not self.reconnect.due():
             return self.target_up
         if not self.target_up:
             self.target_up = self._reconnect(self.target, self._resync_target)
@@ -250,14 +246,14 @@ class Peers:
             if not kind.up and kind.replicas:
                 kind.up = self._reconnect_draft(kind)
         if self.all_up():
-            self._retry_delay = self.config.reconnect_backoff_s[0]
+            self.reconnect.settled()
         else:
-            self.schedule_retry()
+            self.reconnect.schedule()
         return self.target_up
 
     def retry_pause(self) -> float:
         """How long the engine waits before asking `ensure` again while the target is down."""
-        return min(0.05, self._retry_delay)
+        return self.reconnect.pause()
 
     def _reconnect_draft(self, kind: DraftKind) -> bool:
         """Try the kind's replicas in turn, starting with the current one."""
@@ -269,7 +265,7 @@ class Peers:
         return False
 
     def _reconnect(self, client, resync) -> bool:
-        info = self._probe_answer(client)
+        info = self.reconnect.answer(client)
         if info is None or info.draining:
             return False
         try:
@@ -290,18 +286,6 @@ class Peers:
             return False
         log.info("%s is back: caches refilled from the coordinator's record", client.address)
         return True
-
-    def _probe_answer(self, client) -> ModelInfo | None:
-        """The service's ModelInfo once a probe found it taking commands again; else None,
-        with a probe in flight (a new one when the last went unanswered). gRPC carries the
-        probes, so a hung service cannot stall decoding while we wait."""
-        probe = self._probes.get(client.address)
-        if probe is not None and not probe.done():
-            return None
-        info = self._probes.pop(client.address).info() if probe is not None else None
-        if info is None:
-            self._probes[client.address] = client.probe()
-        return info
 
     def _resync_target(self) -> None:
         seqs = self.pool.active_sequences()

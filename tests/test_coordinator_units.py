@@ -222,7 +222,7 @@ def test_a_request_finding_no_target_has_the_lost_ones_probed_at_once():
     router.start()
     try:
         engine.peers.target_lost("the target went away")
-        assert engine.peers._next_retry > time.monotonic() + 10  # its retry backed off
+        assert engine.peers.reconnect.next_retry > time.monotonic() + 10  # its retry backed off
         started = time.monotonic()
         with pytest.raises(errors.Unavailable, match="no target service is reachable"):
             router.submit([5, 6, 7], 4)

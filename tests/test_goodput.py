@@ -597,11 +597,11 @@ def test_overlap_auto_is_off_when_both_services_share_the_cpu(model_dirs):
     target_dir, draft_dir = model_dirs["llama"]
     engine, _ = engine_for(target_dir, draft_dir, lambda step, batch: [1] * batch, batch_size=1)
     engine.configure()
-    assert engine.config.overlap == "auto" and not engine.overlapping()
+    assert engine.config.overlap == "auto" and not engine.verifier.overlapping()
     gpu = dataclasses.replace(engine.peers.target.describe(), device="cuda:0")
     engine.peers.target.describe = lambda timeout=0.0: gpu
     engine.configure()
-    assert engine.overlapping()
+    assert engine.verifier.overlapping()
 
 
 def test_a_calibration_wrong_in_its_slope_is_corrected_per_command_size():

@@ -1,0 +1,80 @@
+"""Running a cohort's verify: one command to the target, on a worker thread where the step
+overlaps it with drafting the next cohort (`--overlap`; "auto": only where no service runs on
+the CPU, since services that share the host's cores slow each other down)."""
+import concurrent.futures
+import dataclasses
+import logging
+import time
+
+from coordinator.clients import Timing, VerifyOutcome, VerifySpec
+from coordinator.drafting import DraftedCohort
+from coordinator.peers import Peers
+from coordinator.pool import RequestPool
+from coordinator.requests import RequestHandle
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    """The target's answer to a cohort's verify command."""
+
+    outcomes: list[VerifyOutcome]  # one per row, in row order
+    timing: Timing
+    seconds: float  # coordinator-side round trip
+
+
+def cohort_timeout(handles: list[RequestHandle]) -> float | None:
+    """How long a cohort's commands may wait in a service: until the last row's deadline
+    (None when a row has none). A row whose deadline passes mid-step is ended after the
+    step, so one request's short deadline never costs its cohort mates a step."""
+    deadlines = [h.deadline for h in handles]
+    if not deadlines or None in deadlines:
+        return None
+    return max(0.001, max(deadlines) - time.monotonic())
+
+
+class Verifier:
+    def __init__(self, peers: Peers, pool: RequestPool, overlap: str):
+        """overlap: "on", "off" or "auto" (decided by `configure`)."""
+        self.peers = peers
+        self.pool = pool
+        self.overlap = overlap
+        self._overlapping: bool | None = None  # `overlap`, resolved by configure()
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify")
+
+    @property
+    def configured(self) -> bool:
+        return self._overlapping is not None
+
+    def configure(self, target, infos) -> None:
+        """Resolve "auto" from the devices the services (their ModelInfo, None where not
+        known) report: on unless every service runs on the CPU."""
+        self._overlapping = self.overlap == "on"
+        if self.overlap == "auto" and self.peers.kinds:
+            devices = {info.device.split(":")[0] or None if info else None
+                       for info in [target] + infos}
+            self._overlapping = devices != {"cpu"} and None not in devices
+            log.info("drafting the next cohort while the target verifies: %s (devices %s)",
+                     "on" if self._overlapping else "off", sorted(map(str, devices)))
+
+    def overlapping(self) -> bool:
+        """Whether this step drafts the next cohort while the target verifies."""
+        return bool(self._overlapping) and self.peers.draft_up
+
+    def submit(self, cohort: DraftedCohort) -> concurrent.futures.Future:
+        """Verify on the worker thread; the future's result is what `verify` returns."""
+        return self._thread.submit(self.verify, cohort)
+
+    def verify(self, cohort: DraftedCohort) -> Verified:
+        specs = [VerifySpec(row.seq.seq_id, row.seq.target.cache_len,
+                            row.seq.token_ids[row.seq.target.cache_len:], row.draft_token_ids,
+                            row.seq.sampling, row.seq.logprobs, row.token_masks)
+                 for row in cohort.rows]
+        started = time.perf_counter()
+        outcomes, timing = self.peers.target.verify(
+            cohort.mixed, specs, timeout=cohort_timeout(self.pool.handles_of(cohort.seqs)))
+        return Verified(outcomes, timing, time.perf_counter() - started)
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=False)
