@@ -323,13 +323,11 @@ class Row:
 
     acceptance: float = 0.0
     catch_up: int = 1
-    forced_k: int | None = None  # must draft this many, room allowing (drafted already)
     explore: bool = False
     choices: tuple[Option | None, ...] = ()
-    forced_kind: int = 0  # the kind a forced row drafts with
     # the most drafts worth verifying: a step commits at most a row's drafts and one more
     # token, so a row with n tokens left to commit gains nothing from drafts past n - 1 (and
-    # drafts nothing on its last token, forced or not); None: no end in sight
+    # drafts nothing on its last token); None: no end in sight
     room: int | None = None
 
     def drafts(self, k: int) -> int:
@@ -440,12 +438,9 @@ class GoodputPolicy:
         rows = _few_explorers(_one_cold_explorer(rows), self.config.explorers)
         for kind in range(len(self.drafts)):
             self._plans_since[kind] = self._plans_since.get(kind, 0) + 1
-        rows = [r if r.forced_k is None or r.drafts(r.forced_k) else
-                dataclasses.replace(r, forced_k=None) for r in rows]  # forced, at its end
         if not self.calibrated:
             return self._fixed(rows)
-        forced = {r.forced_k for r in rows if r.forced_k is not None}
-        if not forced and self.target.stale(1, self.config.measure_plain_every):
+        if self.target.stale(1, self.config.measure_plain_every):
             return self._best_for(rows, 0, ())  # the yardstick, measured
         must = {kind for r in rows for kind, c in enumerate(r.options()) if c and c.explore
                 and self.usable(kind)}
@@ -453,11 +448,7 @@ class GoodputPolicy:
         if hopeless:  # evidence could not change the plan here: gathering it is waste
             rows = [_not_exploring(r, hopeless) for r in rows]
             must -= hopeless
-        must |= {r.forced_kind for r in rows if r.forced_k is not None}
-        if forced:
-            candidates = [max(forced)]
-        else:
-            candidates = list(range(1 if must else 0, self.config.max_k + 1))
+        candidates = list(range(1 if must else 0, self.config.max_k + 1))
         plans = []
         for k in candidates:
             plans += [self._best_for(rows, k, kinds) for kinds in self._kind_sets(rows, must)] \
@@ -508,10 +499,9 @@ class GoodputPolicy:
             options = row.options()
             for d in kinds:
                 c = options[d] if d < len(options) else None
-                if c is None or (row.forced_k is not None and d != row.forced_kind) \
-                        or not row.drafts(k):
+                if c is None or not row.drafts(k):
                     continue
-                required = row.forced_k is not None or c.explore
+                required = c.explore
                 drafts = row.drafts(k if c.offered is None else min(k, c.offered))
                 gain = (expected_tokens(c.acceptance, drafts) - 1.0) * self.delivered(d)
                 pairs.append((required, gain, i, d, c.catch_up, c.offered is not None,
@@ -545,14 +535,12 @@ class GoodputPolicy:
                     best[1], [picked.get(i) for i in range(batch)])
 
     def _fixed(self, rows: list[Row]) -> Plan:
-        """Every row drafts max_k (a forced row its own K and kind), with the kind it must
-        explore, else the one it accepts best; a row no kind can draft for drafts nothing."""
+        """Every row drafts max_k, with the kind it must explore, else the one it accepts
+        best; a row no kind can draft for drafts nothing."""
         k, kinds = [], []
         for row in rows:
             options = [(d, c) for d, c in enumerate(row.options()) if c is not None]
-            if row.forced_k is not None:
-                kind, n = row.forced_kind, row.drafts(row.forced_k)
-            elif options:
+            if options:
                 kind = max(options, key=lambda o: (o[1].explore, o[1].acceptance))[0]
                 n = row.drafts(self.config.max_k)
             else:
