@@ -254,6 +254,17 @@ def test_a_head_that_computes_what_the_target_computes_has_every_draft_accepted(
         assert stats.num_accepted_tokens == stats.num_drafted_tokens == 9
 
 
+def exact_with_drafts(stack, model) -> tuple[int, int]:
+    """(drafted, accepted) tokens of 13-token answers to three prompts, each the target's."""
+    drafted = accepted = 0
+    for prompt in PROMPTS[:3]:
+        tokens, stats = generate(stack, prompt, 13)
+        assert tokens == tiny.greedy_ignoring_eos(model, prompt, 13)
+        drafted += stats.num_drafted_tokens
+        accepted += stats.num_accepted_tokens
+    return drafted, accepted
+
+
 def test_a_head_served_over_q8_0_blocks_keeps_the_output_the_targets(heads):
     """`--dtype auto` serves a draft directory over Q8_0 blocks of its weights on a CPU (the
     kernels build in CI): each linear layer multiplies by blocks that hold exactly its
@@ -274,12 +285,7 @@ def test_a_head_served_over_q8_0_blocks_keeps_the_output_the_targets(heads):
                      if gguf_blocks.blocks_of(getattr(m, "weight", torch.empty(0))) is not None]
         assert len(quantized) >= 4 and all(torch.equal(gguf_blocks.blocks_of(
             m.weight).dequantize(), m.weight) for m in quantized)
-        drafted = accepted = 0
-        for prompt in PROMPTS[:3]:
-            tokens, stats = generate(stack, prompt, 13)
-            assert tokens == tiny.greedy_ignoring_eos(model, prompt, 13)
-            drafted += stats.num_drafted_tokens
-            accepted += stats.num_accepted_tokens
+        drafted, accepted = exact_with_drafts(stack, model)
         assert drafted >= 27 and accepted >= 0.8 * drafted  # a rejection adds a step
 
 
@@ -293,12 +299,7 @@ def test_a_head_served_in_bfloat16_keeps_the_output_the_targets(heads):
     with running_stack(target_dir, head_dir, batch_size=4, num_draft_tokens=3,
                        draft_dtype="bfloat16") as stack:
         assert stack.draft_runner.model.fuse.weight.dtype == torch.bfloat16
-        drafted = accepted = 0
-        for prompt in PROMPTS[:3]:
-            tokens, stats = generate(stack, prompt, 13)
-            assert tokens == tiny.greedy_ignoring_eos(model, prompt, 13)
-            drafted += stats.num_drafted_tokens
-            accepted += stats.num_accepted_tokens
+        drafted, accepted = exact_with_drafts(stack, model)
         assert drafted == 27 and accepted >= 0.8 * drafted
 
 
