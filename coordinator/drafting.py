@@ -5,7 +5,8 @@ verify.
 The policy asks the lookups due (drafts that cost next to nothing) for every row before it
 plans, through `_ask`; what they offer costs nothing more to verify. The other kinds are
 called for the rows planned with them, cheapest first; a row a kind proposes nothing for
-decodes plainly this step, and that miss counts as a draft rejected at once. After the verify,
+drafts with its fallback (StepPlan.fallback) or else decodes plainly this step, and that miss
+counts as a draft rejected at once (unless a confidence cut made it). After the verify,
 `observe` moves each draft's record of its valid cache and feeds each row's outcome back to the
 policy.
 """

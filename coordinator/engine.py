@@ -164,7 +164,7 @@ class Engine:
             self.configure()
         self._reap()
         if not self.peers.ensure():
-            time.sleep(self.peers.retry_pause())
+            time.sleep(self.peers.reconnect.pause())
             return
         self.turnover.watch()
         if self.peers.target_draining and self.turnover.target_leaving():

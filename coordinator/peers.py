@@ -175,7 +175,7 @@ class Peers:
         forget_caches(self.pool.active_sequences(), drafts=[kind.index])
         kind.up = False
         kind.next_replica()
-        self.schedule_retry(soon=True)
+        self.reconnect.schedule(soon=True)
 
     def target_lost(self, error) -> None:
         self.target_up = False
@@ -200,7 +200,7 @@ class Peers:
         self._mark_stale(client, [s for s in seqs if (
             s.target if kind is None else s.drafts[kind]).cache_len is not None])
         forget_caches(seqs, target=kind is None, drafts=() if kind is None else [kind])
-        self.schedule_retry()
+        self.reconnect.schedule()
 
     def hand_off(self) -> bool:
         """Give every request to other engines, if there are any to take them."""
@@ -224,10 +224,6 @@ class Peers:
         self._lost(self.target)
 
     # ---- reconnection ---------------------------------------------------------------------------
-    def schedule_retry(self, soon: bool = False) -> None:
-        """soon: from the first delay again (a service left on purpose; another may answer)."""
-        self.reconnect.schedule(soon)
-
     def retry_now(self) -> None:
         """Make the next `ensure` (on the engine thread) probe lost services at once."""
         self.reconnect.now()
@@ -250,10 +246,6 @@ class Peers:
         else:
             self.reconnect.schedule()
         return self.target_up
-
-    def retry_pause(self) -> float:
-        """How long the engine waits before asking `ensure` again while the target is down."""
-        return self.reconnect.pause()
 
     def _reconnect_draft(self, kind: DraftKind) -> bool:
         """Try the kind's replicas in turn, starting with the current one."""

@@ -151,7 +151,7 @@ class Turnover:
         kind.replicas.append(client)
         if len(kind.replicas) == 1:  # the kind had none: probe it before use
             kind.current, kind.up = 0, False
-            self.peers.schedule_retry(soon=True)
+            self.peers.reconnect.schedule(soon=True)
         if preferred is not None and kind.client.address != preferred:
             self._switch_replica(kind, preferred)
 

@@ -105,7 +105,9 @@ def test_bench_refuses_bad_load_settings_and_missing_prompts():
 
     for bad in ({"arrival_rates": (0.0,)}, {"arrival_rates": (-1.0,)}, {"load_batch_size": 0},
                 {"prompts": "/no/such/prompts.jsonl"},
-                {"by_category": True, "arrival_rates": (1.0,)}, {"repeat": 0}):
+                {"by_category": True, "arrival_rates": (1.0,)}, {"repeat": 0},
+                {"head_check": True, "draft": "smollm2-draft"},  # a layer draft, not a head
+                {"head_check": True, "concurrency": (1,)}):
         with pytest.raises(ValueError):
             BenchConfig(**bad)
 

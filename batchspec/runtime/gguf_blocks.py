@@ -155,7 +155,7 @@ def attach(model: torch.nn.Module, gguf_path: str) -> int:
                  getattr(config, "model_type", None))
         return 0
     tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
-    attached, skipped, found = 0, [], []
+    skipped, found = [], []
     name_of = {id(m): n for n, m in model.named_modules()}
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or module.bias is not None:
@@ -174,12 +174,8 @@ def attach(model: torch.nn.Module, gguf_path: str) -> int:
             skipped.append(name)
             continue
         found.append((module, blocks))
-    for module, blocks, max_rows in _timed(found):
-        if max_rows:
-            module.weight._batchspec_gguf = dataclasses.replace(blocks, max_rows=max_rows)
-            attached += 1
-        else:
-            skipped.append(name_of[id(module)])
+    attached = _attach_timed(found)
+    skipped += [name_of[id(m)] for m, _ in found if blocks_of(m.weight) is None]
     read, floats = weight_bytes(model)
     log.info("GGUF blocks: %d linear layers multiply by the file's blocks (%s) up to %s rows, "
              "%.0f MB read for %.0f MB of float32 weights; %d keep float32%s", attached,
@@ -208,11 +204,7 @@ def quantize_q8_0(model: torch.nn.Module) -> int:
             with torch.no_grad():
                 module.weight.data = blocks.dequantize()
             found.append((module, blocks))
-    attached = 0
-    for module, blocks, max_rows in _timed(found):
-        if max_rows:
-            module.weight._batchspec_gguf = dataclasses.replace(blocks, max_rows=max_rows)
-            attached += 1
+    attached = _attach_timed(found)
     read, floats = weight_bytes(model)
     log.info("Q8_0 blocks: %d of the draft's %d linear layers multiply by them, %.0f MB read "
              "for %.0f MB of float32 weights", attached, len(found), read / 1e6, floats / 1e6)
@@ -226,6 +218,17 @@ def _q8_0(weight: torch.Tensor) -> Blocks:
 
     raw = gguf.quants.quantize(weight.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
     return Blocks("q8_0", torch.from_numpy(np.ascontiguousarray(raw)), weight.shape[1])
+
+
+def _attach_timed(found: list) -> int:
+    """Attach each (module, blocks) of `found` where its blocks multiply some rows faster
+    than its float32 weight (_timed), with that many rows; returns how many got them."""
+    attached = 0
+    for module, blocks, max_rows in _timed(found):
+        if max_rows:
+            module.weight._batchspec_gguf = dataclasses.replace(blocks, max_rows=max_rows)
+            attached += 1
+    return attached
 
 
 # Row counts timed for each shape: a layer multiplies by its blocks up to the largest count

@@ -138,6 +138,12 @@ class BenchConfig:
                                 or self.temperature > 0 or len(self.ks) != 1):
             raise ValueError("--head-check decodes greedily at batch 1 with one --ks: give it "
                              "--draft, --ks, --prompts, --num-prompts, --max-new-tokens")
+        if self.head_check:
+            from batchspec.runtime import models
+
+            if not models.is_feature_head(self.draft or models.SMOLLM2_EAGLE):
+                raise ValueError(f"--head-check drafts with a feature head: --draft "
+                                 f"{self.draft!r} is not one (e.g. {models.SMOLLM2_EAGLE})")
         if self.prompts is not None and not pathlib.Path(self.prompts).is_file():
             raise ValueError(f"--prompts {self.prompts}: no such file")
         from batchspec.runtime import models
@@ -913,10 +919,11 @@ def write_head_check(config: BenchConfig) -> list[pathlib.Path]:
     """Run `--head-check` and write its report (head_check.json) under config.out."""
     import json
 
+    from batchspec.runtime import models
     from batchspec_tools.bench import head_check
 
     report = head_check.run(
-        config.target, config.draft or "smollm2-eagle", prompts=config.prompts,
+        config.target, config.draft or models.SMOLLM2_EAGLE, prompts=config.prompts,
         num_prompts=config.num_prompts, max_new_tokens=config.max_new_tokens, k=config.ks[0],
         head_dtype=config.draft_dtype or "float32",
         min_confidence=config.min_draft_confidence or 0.0)
