@@ -1,7 +1,6 @@
 """The `batchspec` command: serve, generate, and the three services as subcommands."""
 import argparse
 import logging
-import pathlib
 import signal
 import subprocess
 import sys
@@ -130,6 +129,7 @@ def serve_flags():
 
 
 def serve(argv) -> int:
+    from batchspec.runtime import models
     from coordinator import config
 
     parser = serve_parser()
@@ -153,7 +153,7 @@ def serve(argv) -> int:
                        "--target", f"127.0.0.1:{services[0][1]}"]
     for _, port, _ in services[1:]:
         coordinator_cmd += ["--draft", f"127.0.0.1:{port}"]
-    tokenizer = args.tokenizer or find_tokenizer(args.target_model)
+    tokenizer = args.tokenizer or models.tokenizer_file(args.target_model)
     if tokenizer:
         coordinator_cmd += ["--tokenizer", tokenizer]
     coordinator_cmd += config.forward(args, serve_flags())
@@ -226,7 +226,9 @@ def run_services(args, services, coordinator_cmd: list[str], public_tls=None) ->
 
 
 def draft_command(args, name: str, port: int) -> list[str]:
-    """The command line of one draft service of `batchspec serve`."""
+    """The command line of one draft service of `batchspec serve`. A draft of another
+    vocabulary than the target's is served as a draft of the target's tokens
+    (--target-tokenizer)."""
     cmd = [sys.executable, "-m", "draft_service", "--port", str(port)]
     if name == "ngram":
         return cmd + ["--model", "ngram"]
@@ -236,6 +238,11 @@ def draft_command(args, name: str, port: int) -> list[str]:
 
     cmd += ["--model", model, "--device", args.draft_device or args.device,
             "--dtype", models.draft_service_dtype(args.dtype, args.draft_dtype)]
+    own, target = models.vocabulary_digest(model), models.vocabulary_digest(args.target_model)
+    if own and target and own != target:
+        log.info("the draft %s has another tokenizer than the target %s: it drafts in its "
+                 "own tokens, translated to the target's", model, args.target_model)
+        cmd += ["--target-tokenizer", args.tokenizer or models.tokenizer_file(args.target_model)]
     return cmd + (["--num-layers", str(layers)] if layers else [])
 
 
@@ -250,22 +257,6 @@ def pick_draft(target: str, draft: str | None, layers: int | None):
     if shipped is not None and layers is None:
         return shipped, None
     return target, layers or DEFAULT_DRAFT_LAYERS
-
-
-def find_tokenizer(model: str) -> str | None:
-    """The target's tokenizer as a tokenizer.json the coordinator can read without torch:
-    a model dir's own file, or one exported once from a GGUF file into the user cache."""
-    from batchspec.runtime import models
-
-    source = models.resolve(model)
-    local = pathlib.Path(source.path)
-    if source.gguf_file is None:
-        return str(local / "tokenizer.json") if (local / "tokenizer.json").is_file() else None
-    out = models.gguf_cache_dir(source, "tokenizers")
-    if not (out / "tokenizer.json").is_file():
-        log.info("exporting the tokenizer of %s to %s", model, out)
-        models.export_tokenizer(model, out)
-    return str(out / "tokenizer.json")
 
 
 def add_client_tls_arguments(parser: argparse.ArgumentParser) -> None:

@@ -46,22 +46,18 @@ def describe(client, timeout_s: float) -> ModelInfo:
 
 
 def check_draft(info: ModelInfo, target: ModelInfo, address: str) -> None:
-    """Refuse a draft whose token ids cannot mean the target's tokens: a larger vocabulary,
-    or another one of another size (a draft of another tokenizer: its ids stand for other
-    text). One of the same size whose tokens read differently is served, with a warning (the
-    same vocabulary can be written down two ways; a draft whose drafts are rejected costs
-    speed, not correctness)."""
-    if info.vocab_size > target.vocab_size or (
-            info.vocabulary and target.vocabulary and info.vocabulary != target.vocabulary
-            and info.vocab_size != target.vocab_size):
+    """Refuse a draft whose token ids do not mean the target's tokens: a larger vocabulary,
+    or another one (its digest, the token each id stands for, differs). Such a draft is
+    served as a draft of the target's tokens, translating through text; its service then
+    reports the target's vocabulary."""
+    other = info.vocabulary and target.vocabulary and info.vocabulary != target.vocabulary
+    if info.vocab_size > target.vocab_size or other:
         raise errors.FailedPrecondition(
-            f"the draft at {address} ({info.model}) has a vocabulary of {info.vocab_size} "
-            f"tokens, not the target's ({target.vocab_size} tokens, {target.model}): they do "
-            "not share a tokenizer, and a draft's token ids must mean the target's tokens")
-    if info.vocabulary and target.vocabulary and info.vocabulary != target.vocabulary:
-        log.warning("the draft at %s (%s) reads its %d token ids as other tokens than the "
-                    "target (%s) does: its drafts may mostly be rejected", address,
-                    info.model, info.vocab_size, target.model)
+            f"the draft at {address} ({info.model}) has another vocabulary than the target "
+            f"({info.vocab_size} tokens against {target.vocab_size}, {target.model}): they "
+            "do not share a tokenizer, so its token ids stand for other text. Serve it as a "
+            "draft of the target's tokens: start its draft service with --target-tokenizer "
+            "and the target's tokenizer.json (batchspec serve does so itself)")
 
 
 def check_target(info: ModelInfo, target: ModelInfo, address: str) -> None:

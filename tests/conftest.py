@@ -70,6 +70,19 @@ def start_draft(model_dir, port=0, dtype="float32"):
                                        DRAFT_NAME)
 
 
+def start_translating(model_dir, target_tokenizer, port=0):
+    """A draft of another tokenizer than the target's, proposing the target's tokens, as
+    `python -m draft_service --model DIR --target-tokenizer T`."""
+    from draft_service.__main__ import hosting
+
+    config = service.ServiceConfig(model=model_dir, port=port, device=TEST_DEVICE,
+                                   target_tokenizer=target_tokenizer)
+    make_servicer, build, warm = hosting(config)
+    return service.start_model_service(config, make_servicer,
+                                       draft_pb2_grpc.add_DraftServiceServicer_to_server,
+                                       DRAFT_NAME, build=build, warm=warm)
+
+
 def start_ngram(port=0):
     """The model-free n-gram draft service, as `python -m draft_service --model ngram`."""
     from draft_service.__main__ import hosting
@@ -95,13 +108,15 @@ def wait_for(predicate, timeout=10.0):
 def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, metrics_port=None,
                   stall_timeout_s=120.0, drafts=("model",), tokenizer=None, http_port=None,
                   api_key_file=None, draft_dtype="float32", target_dtype="float32",
-                  **engine_kwargs):
+                  target_tokenizer=None, step_log=None, **engine_kwargs):
     """Target, drafts and coordinator servers in this process, on free loopback ports.
-    drafts: the draft services, in order: "model" (the draft_dir model, in draft_dtype) or
-    "ngram"."""
+    drafts: the draft services, in order: "model" (the draft_dir model, in draft_dtype),
+    "ngram", or "translating" (the draft_dir model of another tokenizer than the target's,
+    whose tokenizer.json is target_tokenizer)."""
     target_server, target_port, _, target_runner = start_target(target_dir, dtype=target_dtype)
-    started = [start_ngram() if kind == "ngram" else start_draft(draft_dir, dtype=draft_dtype)
-               for kind in drafts]
+    started = [start_ngram() if kind == "ngram"
+               else start_translating(draft_dir, target_tokenizer) if kind == "translating"
+               else start_draft(draft_dir, dtype=draft_dtype) for kind in drafts]
     draft_server, draft_port, _, draft_runner = started[0]
     # fixed K unless a test asks for adaptive draft length: tiny drafts are rarely confident
     engine_kwargs.setdefault("min_draft_confidence", 0.0)
@@ -119,7 +134,7 @@ def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, me
         drafts=tuple(f"127.0.0.1:{port}" for _, port, _, _ in started), port=0,
         engine=engine_config, connect_timeout_s=10, metrics_port=metrics_port,
         stall_timeout_s=stall_timeout_s, tokenizer=tokenizer, http_port=http_port,
-        api_key_file=api_key_file)
+        api_key_file=api_key_file, step_log=step_log)
     running = coordinator_main.start(config)
     try:
         yield Stack(target_port, draft_port, running.port, running.router, target_runner,

@@ -353,11 +353,11 @@ def test_copies_of_a_prompt_follow_the_prefill_that_returns_features_all_or_noth
     assert target.released == [[4]]  # computed, then released: admitted again later
 
 
-def test_a_draft_of_another_vocabulary_is_refused_at_start_and_a_doubtful_one_warned(caplog):
-    """check_draft: a draft whose ids index a vocabulary of another size and another digest
-    (another tokenizer) is refused with a message that says so; one of the target's size
-    whose tokens read differently is served with a warning; one that matches, or whose
-    service knows no tokenizer, is taken silently."""
+def test_a_draft_of_another_vocabulary_is_refused_at_start(caplog):
+    """check_draft: a draft whose ids mean other tokens than the target's (another digest,
+    whatever its size) is refused with a message that says how to serve it (translated to
+    the target's tokens); one that matches, or whose service knows no tokenizer, is taken
+    silently."""
     import logging
 
     from coordinator import fleet
@@ -366,13 +366,12 @@ def test_a_draft_of_another_vocabulary_is_refused_at_start_and_a_doubtful_one_wa
         return ModelInfo("m", size, [2], 256, 0, 0, vocabulary=vocabulary)
 
     target = info(96, "words")
-    with pytest.raises(errors.FailedPrecondition, match="do not share a tokenizer"):
-        fleet.check_draft(info(28, "characters"), target, "draft:1")
+    for other in (info(28, "characters"), info(96, "other words")):
+        with pytest.raises(errors.FailedPrecondition, match="--target-tokenizer"):
+            fleet.check_draft(other, target, "draft:1")
     with pytest.raises(errors.FailedPrecondition):
         fleet.check_draft(info(100, ""), target, "draft:1")  # larger: never
     with caplog.at_level(logging.WARNING, logger="coordinator.fleet"):
         fleet.check_draft(info(96, "words"), target, "draft:1")
         fleet.check_draft(info(28, ""), target, "draft:1")  # unknown: the runtime refuses rows
         assert not caplog.text
-        fleet.check_draft(info(96, "other words"), target, "draft:1")
-        assert "other tokens" in caplog.text

@@ -296,9 +296,8 @@ def export_tokenizer(spec: str, out_dir: pathlib.Path) -> pathlib.Path:
 def vocabulary_digest(spec: str) -> str:
     """ModelInfo.vocabulary for a model: a digest of each token id's token, in id order, read
     from its GGUF file or its tokenizer.json ("" where it has neither). A draft directory
-    (distilled, or a feature head) indexes its base model's vocabulary."""
-    import hashlib
-
+    (distilled, or a feature head) indexes its base model's vocabulary. Two models of one
+    digest mean the same text by each token id."""
     from batchspec.runtime import draft_model
 
     path = model_path(spec)
@@ -310,7 +309,39 @@ def vocabulary_digest(spec: str) -> str:
             if source.gguf_file else _tokenizer_json_tokens(pathlib.Path(source.path))
     except (OSError, ValueError, KeyError):
         tokens = []
+    return _digest(tokens)
+
+
+def tokenizer_digest(tokenizer_json: str) -> str:
+    """vocabulary_digest of a tokenizer.json file (or a directory holding one)."""
+    path = pathlib.Path(tokenizer_json)
+    return _digest(_tokenizer_json_tokens(path if path.is_dir() else path.parent))
+
+
+def _digest(tokens: list[str]) -> str:
+    import hashlib
+
     return hashlib.sha256("\n".join(tokens).encode()).hexdigest()[:32] if tokens else ""
+
+
+def tokenizer_file(spec: str) -> str | None:
+    """A model's tokenizer as a tokenizer.json readable without torch: a model dir's own file
+    (a draft directory: its base model's), or one exported once from a GGUF file into the
+    user cache; None where the model has none."""
+    from batchspec.runtime import draft_model
+
+    path = model_path(spec)
+    if draft_model.is_draft_dir(path):
+        return tokenizer_file(draft_model.read_manifest(path)["base_model"])
+    source = resolve(spec)
+    local = pathlib.Path(source.path)
+    if source.gguf_file is None:
+        return str(local / "tokenizer.json") if (local / "tokenizer.json").is_file() else None
+    out = gguf_cache_dir(source, "tokenizers")
+    if not (out / "tokenizer.json").is_file():
+        log.info("exporting the tokenizer of %s to %s", spec, out)
+        export_tokenizer(spec, out)
+    return str(out / "tokenizer.json")
 
 
 def _gguf_tokens(path: pathlib.Path) -> list[str]:

@@ -215,6 +215,8 @@ class ServiceConfig:
     max_sequences: int = 0  # over every client; 0: unlimited
     max_cached_tokens: int = 0  # cached positions over every client; 0: unlimited
     threads: int = 0  # CPU threads torch computes with; 0: the role's default (see threads_for)
+    # a draft of another tokenizer: the target's tokenizer.json, whose tokens it drafts
+    target_tokenizer: str | None = None
 
     def __post_init__(self):
         models.check_spec(self.model)
@@ -277,6 +279,12 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int,
                                  "feature head in bfloat16 where the CPU multiplies it "
                                  "natively; float32 otherwise; drafts never change the "
                                  "output)")
+        parser.add_argument("--target-tokenizer", default=None, metavar="TOKENIZER_JSON",
+                            help="for a draft of another tokenizer than the target's: the "
+                                 "target's tokenizer.json (or its directory); the service "
+                                 "then takes and proposes the target's tokens, translating "
+                                 "through text (batchspec serve sets it where the two "
+                                 "differ)")
     else:
         parser.add_argument("--dtype", default=models.AUTO, choices=models.DTYPE_CHOICES,
                             help="parameter dtype (default auto: float32, where a GGUF "
@@ -312,6 +320,7 @@ def config_from_args(args) -> ServiceConfig:
                          num_layers=args.num_layers, grace_s=args.grace,
                          metrics_port=args.metrics_port, max_sequences=args.max_sequences,
                          max_cached_tokens=args.max_cached_tokens, threads=args.threads,
+                         target_tokenizer=getattr(args, "target_tokenizer", None),
                          tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_ca))
 
 

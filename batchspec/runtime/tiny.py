@@ -12,9 +12,9 @@ VOCAB = 96
 EOS = 3  # placeholder in the configs; save_pair picks a real one per model (pick_eos)
 
 
-def llama(seed: int) -> LlamaForCausalLM:
+def llama(seed: int, vocab: int = VOCAB) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, initializer_range=0.2,
                          eos_token_id=EOS, bos_token_id=1, pad_token_id=EOS,
@@ -22,9 +22,9 @@ def llama(seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-def gpt2(seed: int) -> GPT2LMHeadModel:
+def gpt2(seed: int, vocab: int = VOCAB) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+    config = GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                         initializer_range=0.2, eos_token_id=EOS, bos_token_id=1)
     return GPT2LMHeadModel(config).eval()
 
@@ -82,6 +82,105 @@ def save_pair(arch: str, root: pathlib.Path, noise: float = 0.08) -> tuple[str, 
         paths.append(str(path))
     return paths[0], paths[1]
 
+
+
+# ---- a pair of two tokenizers ---------------------------------------------------------------
+EOS_TEXT = "<eos>"
+_WORDS = {"subject": ["the cat", "a dog", "the old man", "my sister", "the bird", "a robot"],
+          "verb": ["sees", "likes", "finds", "chases", "paints", "calls"],
+          "object": ["the ball", "a red box", "the moon", "her friend", "the garden",
+                     "a small fish"],
+          "end": [".", " today.", " again.", " at night."]}
+
+
+def corpus(count: int, seed: int = 0) -> list[str]:
+    """`count` short documents of made-up sentences: text two tiny models of different
+    tokenizers can both learn, so that one drafts what the other writes, often but not
+    always."""
+    import random
+
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(count):
+        sentences = [" ".join([rng.choice(_WORDS["subject"]), rng.choice(_WORDS["verb"]),
+                               rng.choice(_WORDS["object"])]) + rng.choice(_WORDS["end"])
+                     for _ in range(rng.randint(2, 4))]
+        docs.append(" ".join(s[0].upper() + s[1:] for s in sentences))
+    return docs
+
+
+def byte_bpe_tokenizer(texts: list[str], vocab_size: int):
+    """A GPT-2-style byte-level BPE tokenizer trained on texts, with EOS_TEXT as a special
+    token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tokenizer
+
+
+def character_tokenizer(texts: list[str]):
+    """A character-level tokenizer of the characters in texts, with EOS_TEXT special."""
+    from tokenizers import AddedToken, Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    chars = sorted(set("".join(texts)))
+    tokenizer = Tokenizer(WordLevel({c: i for i, c in enumerate(["<unk>"] + chars)},
+                                    unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tokenizer.add_special_tokens([AddedToken(EOS_TEXT, special=True)])
+    return tokenizer
+
+
+def train_on(model, tokenizer, texts: list[str], steps: int, seed: int = 0, length: int = 48):
+    """Train `model` for `steps` batches of `length`-token windows of texts (each followed
+    by EOS) under `tokenizer`. Returns the model, in eval mode."""
+    eos = tokenizer.token_to_id(EOS_TEXT)
+    ids = [t for text in texts for t in tokenizer.encode(text).ids + [eos]]
+    data = torch.tensor(ids)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - length - 1, (32,), generator=generator)
+        batch = torch.stack([data[s:s + length] for s in starts.tolist()])
+        loss = model(batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+def save_translating_pair(arch: str, root: pathlib.Path, steps: int = 300) -> tuple[str, str]:
+    """(target dir, draft dir): a target of `arch` with a byte-level BPE tokenizer and a draft
+    of the other architecture with a character-level one, both trained a little on the same
+    text (corpus), each saved with its tokenizer. Their ids mean different text: the draft
+    serves the target through translation (draft_service.translating)."""
+    from transformers import PreTrainedTokenizerFast
+
+    texts = corpus(400)
+    target_tokens = byte_bpe_tokenizer(texts, vocab_size=320)
+    draft_tokens = character_tokenizer(texts)
+    other = "gpt2" if arch == "llama" else "llama"
+    paths = []
+    for name, build, tokenizer, seed in (("target", BUILDERS[arch], target_tokens, 0),
+                                         ("draft", BUILDERS[other], draft_tokens, 1)):
+        torch.manual_seed(seed)
+        model = train_on(build(seed, vocab=tokenizer.get_vocab_size()), tokenizer, texts,
+                         steps, seed)
+        eos = tokenizer.token_to_id(EOS_TEXT)
+        model.config.eos_token_id = model.generation_config.eos_token_id = eos
+        path = root / f"{arch}-{name}-{'bpe' if name == 'target' else 'chars'}"
+        model.save_pretrained(path)
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TEXT,
+                                unk_token="<unk>" if name == "draft" else None
+                                ).save_pretrained(path)
+        paths.append(str(path))
+    return paths[0], paths[1]
 
 
 def save_one_layer_target(root: pathlib.Path) -> str:

@@ -1,0 +1,166 @@
+"""Text between two tokenizers, exactly, with the `tokenizers` library (no torch): what each
+token id stands for as bytes, text to ids, and where two tokenizations of one text share a
+boundary.
+
+A draft of another tokenizer than the target's (draft_service.translating) reads the target's
+committed tokens as text and writes its proposals back as target tokens through this module.
+Everything here is checked in bytes: a token whose bytes are not known exactly (an unknown
+token, a decoder that inserts spaces) ends what can be mapped, so nothing is ever sent that
+the draft did not write.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+from tokenizers import Tokenizer
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in for each byte (ByteLevel pre-tokenizer and decoder)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+def _decoder_types(decoder: dict | None) -> set[str]:
+    if not decoder:
+        return set()
+    if decoder.get("type") == "Sequence":
+        return {t for d in decoder.get("decoders", []) for t in _decoder_types(d)}
+    return {decoder.get("type", "")}
+
+
+class TokenTable:
+    """A tokenizer's ids as bytes. `bytes_of[i]` is what id i stands for in a text (an added
+    token: its content), or None where that is not known exactly (then nothing after it maps)."""
+
+    def __init__(self, tokenizer: Tokenizer, name: str = ""):
+        self.tokenizer = tokenizer
+        self.name = name
+        spec = json.loads(tokenizer.to_str())
+        decoders = _decoder_types(spec.get("decoder"))
+        alphabet = _byte_level_alphabet()
+        added = {t["id"]: t["content"] for t in spec.get("added_tokens", [])}
+        unknown = spec.get("model", {}).get("unk_token")
+        self.bytes_of: list[bytes | None] = []
+        for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+            token = tokenizer.id_to_token(i)
+            if i in added:
+                self.bytes_of.append(added[i].encode())
+            elif token is None or token == unknown:
+                self.bytes_of.append(None)
+            elif "ByteLevel" in decoders:
+                self.bytes_of.append(bytes(alphabet[c] for c in token)
+                                     if all(c in alphabet for c in token) else None)
+            elif "Metaspace" in decoders or "ByteFallback" in decoders:
+                self.bytes_of.append(_metaspace_bytes(token))
+            elif decoders - {"Fuse", "Strip"}:
+                self.bytes_of.append(None)  # WordPiece, BPE suffixes...: spaces it inserts
+            else:
+                self.bytes_of.append(token.encode())
+
+    @classmethod
+    def from_file(cls, path: str) -> "TokenTable":
+        """From a tokenizer.json, or a directory holding one."""
+        file = pathlib.Path(path)
+        if file.is_dir():
+            file = file / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {path}")
+        return cls(Tokenizer.from_file(str(file)), str(path))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.bytes_of)
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of `text` alone: no special tokens added, added tokens recognised."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def text_bytes(self, token_ids) -> bytes:
+        """The bytes of `token_ids` up to the first one not known exactly."""
+        return b"".join(mapped(self, token_ids)[1])
+
+    def check_exact(self, sample: str) -> None:
+        """Raise ValueError unless the characters of `sample` that this tokenizer knows
+        (each alone spelled back exactly), at least half of them, encode together to ids
+        that spell them back: a tokenizer whose text cannot be read back exactly (one that
+        drops spaces, say) cannot be translated."""
+        known = "".join(c for c in sample if self.text_bytes(self.encode(c)) == c.encode())
+        if len(known) < len(sample) / 2 or self.text_bytes(self.encode(known)) != known.encode():
+            raise ValueError(f"the tokenizer at {self.name or '(given)'} does not spell its "
+                             "tokens as the text they stand for, so its tokens cannot be "
+                             "mapped to another tokenizer's exactly")
+
+
+def _metaspace_bytes(token: str) -> bytes:
+    """A SentencePiece-style token: "▁" is a space, <0xNN> a raw byte."""
+    if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        try:
+            return bytes([int(token[3:5], 16)])
+        except ValueError:
+            pass
+    return token.replace("▁", " ").encode()
+
+
+def mapped(table: TokenTable, token_ids) -> tuple[int, list[bytes]]:
+    """(how many of `token_ids` have known bytes, counted from the first; their bytes)."""
+    pieces = []
+    for token_id in token_ids:
+        piece = table.bytes_of[token_id] if 0 <= token_id < table.vocab_size else None
+        if not piece:  # unknown, or no text at all: no boundary can be placed after it
+            break
+        pieces.append(piece)
+    return len(pieces), pieces
+
+
+def complete_text(data: bytes) -> tuple[str, int]:
+    """The longest prefix of `data` that is whole UTF-8 characters, as text, and its length
+    in bytes (a byte-level token may end inside a character)."""
+    try:
+        return data.decode("utf-8"), len(data)
+    except UnicodeDecodeError as error:
+        return data[:error.start].decode("utf-8"), error.start
+
+
+def offsets(pieces: list[bytes]) -> list[int]:
+    """Byte offsets of the boundaries after each piece."""
+    out, at = [], 0
+    for piece in pieces:
+        at += len(piece)
+        out.append(at)
+    return out
+
+
+def shared_boundaries(a: list[bytes], b: list[bytes]) -> list[tuple[int, int]]:
+    """(i, j) for each byte offset where a[:i] and b[:j] end together (i, j >= 1)."""
+    where_b = {offset: j + 1 for j, offset in enumerate(offsets(b))}
+    return [(i + 1, where_b[offset]) for i, offset in enumerate(offsets(a))
+            if offset in where_b]
+
+
+def to_tokens(table: TokenTable, data: bytes) -> list[int]:
+    """The tokens of `table` that spell a prefix of `data`, each meant whole: the text (whole
+    characters) encoded, kept while the tokens' bytes are the text's, and the last dropped,
+    since more text would change it (the end of a word, a merge)."""
+    text, _ = complete_text(data)
+    if not text:
+        return []
+    ids = table.encode(text)
+    count, pieces = mapped(table, ids)
+    good = 0
+    for good, offset in enumerate(offsets(pieces), start=1):  # noqa: B007
+        if text.encode()[:offset] != b"".join(pieces[:good]):
+            good -= 1
+            break
+    return ids[:max(0, min(good, count) - 1)]
