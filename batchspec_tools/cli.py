@@ -238,11 +238,7 @@ def draft_command(args, name: str, port: int) -> list[str]:
 
     cmd += ["--model", model, "--device", args.draft_device or args.device,
             "--dtype", models.draft_service_dtype(args.dtype, args.draft_dtype)]
-    own, target = models.vocabulary_digest(model), models.vocabulary_digest(args.target_model)
-    if own and target and own != target:
-        log.info("the draft %s has another tokenizer than the target %s: it drafts in its "
-                 "own tokens, translated to the target's", model, args.target_model)
-        cmd += ["--target-tokenizer", args.tokenizer or models.tokenizer_file(args.target_model)]
+    cmd += models.translation_flags(model, args.target_model, args.tokenizer)
     return cmd + (["--num-layers", str(layers)] if layers else [])
 
 

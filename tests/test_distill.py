@@ -194,3 +194,43 @@ def test_distill_refuses_a_bad_setting_with_usage(capsys):
     with pytest.raises(SystemExit) as stopped:
         distill_tool.main(["--kind", "bogus", "--out", "unused"])
     assert stopped.value.code == 2 and "kind must be one of" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_distill_bytes_makes_a_draft_of_another_tokenizer_that_serves_translated(tiny_target,
+                                                                                   tmp_path):
+    """--kind bytes: a byte-level model trained from scratch on the target's answers, saved
+    with its own tokenizer (the target's special tokens whole) and a record of how it was
+    made; its vocabulary is not the target's, so serve starts it translating, and a
+    translating runner over it proposes target tokens."""
+    from batchspec.runtime import service
+    from batchspec_tools import cli
+    from draft_service import translating
+
+    out = tmp_path / "bytes"
+    done = subprocess.run(
+        [sys.executable, "-m", "batchspec_tools", "distill", "--kind", "bytes", "--target",
+         tiny_target, "--out", str(out), "--num-prompts", "8", "--max-new-tokens", "8",
+         "--gen-batch-size", "4", "--steps", "3", "--batch-size", "2", "--num-layers", "1"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "byte draft step 3/3" in done.stderr
+    record = json.loads((out / "batchspec_training.json").read_text())
+    assert record["kind"] == "bytes" and record["num_sequences"] == 8 and record["num_bytes"]
+    table = json.loads((out / "tokenizer.json").read_text())
+    assert {t["content"] for t in table["added_tokens"]} == {"<unk>", "<s>", "</s>"}
+    assert models.vocabulary_digest(str(out)) != models.vocabulary_digest(tiny_target)
+    args = cli.serve_parser().parse_args(["--target-model", tiny_target, "--draft-model",
+                                          str(out)])
+    assert "--target-tokenizer" in cli.draft_command(args, str(out), 1234)
+    runner = translating.build_runner(service.ServiceConfig(
+        model=str(out), target_tokenizer=tiny_target))
+    prompt = runner.target.encode("Hello there")
+    runner.prefill([(1, prompt[:-1])])
+    from batchspec.params import SamplingParams
+    from batchspec.runtime.rows import ProposeRow
+
+    proposed, _ = runner.propose([ProposeRow(1, len(prompt) - 1, len(prompt) - 1,
+                                             prompt[-1:], SamplingParams())], 3)
+    assert proposed[0].cache_len == runner.caches[1].length >= len(prompt)
+    assert all(0 <= t < runner.vocab_size for t in proposed[0].draft_token_ids)

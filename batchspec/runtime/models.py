@@ -324,6 +324,18 @@ def _digest(tokens: list[str]) -> str:
     return hashlib.sha256("\n".join(tokens).encode()).hexdigest()[:32] if tokens else ""
 
 
+def translation_flags(draft: str, target: str, target_tokenizer: str | None = None) -> list[str]:
+    """The draft service's flags to serve `draft` for `target`: where their vocabularies
+    differ (another tokenizer), --target-tokenizer and the target's tokenizer.json, so that
+    it takes and proposes the target's tokens; else none."""
+    own, theirs = vocabulary_digest(draft), vocabulary_digest(target)
+    if not (own and theirs and own != theirs):
+        return []
+    log.info("the draft %s has another tokenizer than the target %s: it drafts in its own "
+             "tokens, translated to the target's", draft, target)
+    return ["--target-tokenizer", target_tokenizer or tokenizer_file(target)]
+
+
 def tokenizer_file(spec: str) -> str | None:
     """A model's tokenizer as a tokenizer.json readable without torch: a model dir's own file
     (a draft directory: its base model's), or one exported once from a GGUF file into the

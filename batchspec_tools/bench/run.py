@@ -526,14 +526,17 @@ def normalise(breakdown: dict, seconds: float) -> dict:
 def service_commands(workload: Workload) -> list[tuple[str, str, list[str]]]:
     """(role, module, its flags) of each service a GrpcStack starts, in GrpcStack.SERVICES
     order: the target and the model draft on the workload's device, the n-gram draft (no
-    model, no device) beside them."""
+    model, no device) beside them; a model draft of another tokenizer than the target's
+    translating to the target's tokens."""
+    from batchspec.runtime import models
+
     device = ["--device", workload.device]
     layers = ["--num-layers", str(workload.draft_layers)] if workload.draft_layers else []
     return [("target", "target_service",
              ["--model", workload.target, "--dtype", workload.dtype, *device]),
             ("model", "draft_service",
              ["--model", workload.draft, "--dtype", workload.draft_service_dtype, *device,
-              *layers]),
+              *layers, *models.translation_flags(workload.draft, workload.target)]),
             ("ngram", "draft_service", ["--model", "ngram"])]
 
 

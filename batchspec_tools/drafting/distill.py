@@ -31,7 +31,7 @@ from batchspec_tools.data import read_jsonl, right_padded
 log = logging.getLogger("batchspec_tools.drafting.distill")
 DATA_FILE = "data.jsonl"  # the target's answers, one JSON object per line, appended as made
 SELF_INSTRUCT_FILE = "self_instruct.jsonl"  # the target's sampled requests and prompts
-KINDS = ("layers", "feature")
+KINDS = ("layers", "feature", "bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,9 @@ class DistillConfig:
     device: str = "cpu"
     # "layers": the target's first num_layers layers with low-rank deltas; "feature": a
     # feature-level (EAGLE-style) head reading the target's features (num_layers, lora_rank,
-    # lora_alpha and teacher_top_k do not apply; see batchspec_tools.drafting.feature_head)
+    # lora_alpha and teacher_top_k do not apply; see batchspec_tools.drafting.feature_head);
+    # "bytes": a byte-level model of num_layers layers trained from scratch, a draft of
+    # another tokenizer (see batchspec_tools.drafting.byte_draft)
     kind: str = "layers"
     # draw the num_prompts training prompts at random (seeded) from the first prompt_pool
     # ones instead of taking the first num_prompts (0): more kinds of work for fewer answers
@@ -131,6 +133,12 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
         fixed = random.Random(config.seed).sample(pool, len(pool))[:config.num_prompts]
     written = self_instruct_prompts(config, target, tokenizer, out / SELF_INSTRUCT_FILE, fixed)
     data = generate_data(config, target, tokenizer, out / DATA_FILE, fixed + written)
+    if config.kind == "bytes":
+        from batchspec_tools.drafting import byte_draft
+
+        del target
+        return byte_draft.distill_bytes(config, tokenizer, data, out, command, started,
+                                        prompts_note(config, written))
     eos_ids = models.eos_token_ids(target)
     vocab_path = out / "vocab.json"
     if vocab_path.exists():  # resuming: the head (and the teacher's indices) stay as they were
