@@ -79,6 +79,7 @@ class BenchConfig:
     quick: bool = False
     min_draft_confidence: float = EngineConfig.min_draft_confidence
     draft_policy: str = EngineConfig.draft_policy  # methods 4-6
+    step_aside: bool = EngineConfig.step_aside  # the gRPC methods' coordinators
     # Poisson arrival rates (requests per second) for the arrival-driven load over gRPC
     arrival_rates: tuple[float, ...] = ()
     load_batch_size: int = 32  # the coordinator's --batch-size under that load
@@ -177,6 +178,7 @@ class Workload:
     device: str = "cpu"  # of both models, in every method
     draft_dtype: str | None = None  # the served model draft's (BenchConfig.draft_dtype)
     sampling: dict = dataclasses.field(default_factory=dict)  # temperature, top_p; {}: greedy
+    step_aside: bool = EngineConfig.step_aside  # the gRPC methods' coordinators
 
     def request_fields(self, i: int) -> dict:
         """GenerateRequest fields of prompt i's request: its sampling settings, seeded i."""
@@ -261,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
                         default=EngineConfig.draft_policy,
                         help="batchspec's draft length: goodput (the default of `serve`) or "
                              "fixed K")
+    parser.add_argument("--step-aside", choices=("on", "off"),
+                        default="on" if EngineConfig.step_aside else "off",
+                        help="the gRPC methods' --step-aside (on, as `serve`: decode plainly "
+                             "where drafted steps measure slower; off: the policy alone "
+                             "decides, which with --draft-policy fixed drafts every step)")
     parser.add_argument("--arrival-rates", default="",
                         help="also run an arrival-driven load over gRPC: Poisson arrivals at "
                              "these rates (requests/s, comma-separated), batchspec against "
@@ -352,7 +359,7 @@ def config_from_args(args) -> BenchConfig:
                        batch_sizes=batch_sizes, ks=ks,
                        methods=tuple(m for m in args.methods.split(",") if m), out=args.out,
                        min_draft_confidence=args.min_draft_confidence,
-                       draft_policy=args.draft_policy,
+                       draft_policy=args.draft_policy, step_aside=args.step_aside == "on",
                        arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",") if x),
                        load_batch_size=args.load_batch_size, dtype=args.dtype,
                        prompts=args.prompts, by_category=args.by_category,
@@ -367,6 +374,7 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
     workload = _workload(config, scratch)
     if config.temperature > 0:
         workload.sampling = {"temperature": config.temperature, "top_p": config.top_p}
+    workload.step_aside = config.step_aside
     return workload
 
 
@@ -607,6 +615,8 @@ class GrpcStack:
                    "--max-num-seqs", str(max(64, len(workload.prompts))),
                    "--draft-policy", workload.draft_policy,
                    "--metrics-port", str(metrics_port), *extra]
+        if not workload.step_aside and "--step-aside" not in extra:
+            command += ["--step-aside", "off"]
         if workload.min_draft_confidence is not None:
             command += ["--min-draft-confidence", str(workload.min_draft_confidence)]
         for role in drafts:
