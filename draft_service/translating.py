@@ -105,7 +105,7 @@ class TranslatingRunner(CacheBook):
 
     def __init__(self, inner, target: TokenTable, draft: TokenTable, *, eos_token_ids,
                  vocabulary: str):
-        super().__init__(name=f"{inner.name} (tokens of {target.name})",
+        super().__init__(name=f"{inner.name} (in the target's tokens)",
                          vocab_size=target.vocab_size, eos_token_ids=list(eos_token_ids),
                          max_context_len=inner.max_context_len, device=inner.device)
         self.inner = inner

@@ -255,7 +255,7 @@ def test_a_draft_whose_vocabulary_does_not_fit_is_refused_at_start(model_dirs, t
             targets=(f"127.0.0.1:{target_port}",),
             drafts=tuple(f"127.0.0.1:{port}" for _, port, _, _ in drafts), port=0,
             connect_timeout_s=10)
-        with pytest.raises(errors.FailedPrecondition, match="vocabulary of 128 tokens"):
+        with pytest.raises(errors.FailedPrecondition, match="128 tokens against 96"):
             coordinator_main.start(config)
     finally:
         target.stop(0)

@@ -145,13 +145,14 @@ def train_on(model, tokenizer, texts: list[str], steps: int, seed: int = 0, leng
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
-    for _ in range(steps):
-        starts = torch.randint(0, len(data) - length - 1, (32,), generator=generator)
-        batch = torch.stack([data[s:s + length] for s in starts.tolist()])
-        loss = model(batch, labels=batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    with torch.enable_grad():  # whatever the calling thread's mode (services turn it off)
+        for _ in range(steps):
+            starts = torch.randint(0, len(data) - length - 1, (32,), generator=generator)
+            batch = torch.stack([data[s:s + length] for s in starts.tolist()])
+            loss = model(batch, labels=batch).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
     return model.eval()
 
 

@@ -91,10 +91,10 @@ def plain_step_seconds(target, prompt, repeats=8):
     return statistics.median(times)
 
 
+@torch.no_grad()
 def run(target_spec: str, head_spec: str, *, prompts: str | None, num_prompts: int,
         max_new_tokens: int, k: int, head_dtype: str, min_confidence: float) -> dict:
     """The report of decoding `num_prompts` of `prompts` with the head's drafts."""
-    torch.set_grad_enabled(False)
     tokenizer = models.load_tokenizer(target_spec)
     target_model = models.load_causal_lm(target_spec)
     head_model = models.load_causal_lm(head_spec, dtype=head_dtype)

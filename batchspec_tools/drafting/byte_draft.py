@@ -83,6 +83,7 @@ def train(model, ids, config) -> float:
     window = min(WINDOW, len(ids) - 1)
     losses = []
     model.train()
+    torch.set_grad_enabled(True)  # this process trains only
     for step in range(config.steps):
         scale = min(1.0, (step + 1) / config.warmup_steps) * 0.5 * (
             1 + math.cos(math.pi * step / config.steps))
