@@ -30,6 +30,9 @@ from draft_service.servicer import DraftServicer
 
 # Most draft forwards per target token asked, whatever the measured ratio of tokens.
 MAX_FORWARDS_PER_TOKEN = 8
+# Anchors kept: (0, 0) and those within this many target tokens of a record's end. A step
+# rolls a record back by a few tokens only; one rolled back further re-feeds from the start.
+ANCHOR_WINDOW = 256
 
 
 @dataclasses.dataclass
@@ -74,10 +77,16 @@ def rebase(record: Record, keep: int, append: list[int], target: TokenTable,
     while same < min(len(stream), len(record.draft_ids)) \
             and stream[same] == record.draft_ids[same]:
         same += 1
-    anchors = [a for a in record.anchors if a[0] <= t_a] + [
-        (t_a + i, d_a + j) for i, j in retokenize.shared_boundaries(target_pieces, draft_pieces)]
+    anchors = _recent([a for a in record.anchors if a[0] <= t_a] + [
+        (t_a + i, d_a + j) for i, j in retokenize.shared_boundaries(target_pieces, draft_pieces)],
+        len(tokens))
     return Feed(stream, min(same, max(0, len(stream) - 1)), same,
                 data[used:] if count == len(segment) else None, anchors)
+
+
+def _recent(anchors: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    """(0, 0) and the anchors within ANCHOR_WINDOW target tokens of `length`, in order."""
+    return [a for a in anchors if a == (0, 0) or a[0] >= length - ANCHOR_WINDOW]
 
 
 def proposal_tokens(feed: Feed, drafted: list[int], target: TokenTable, draft: TokenTable,

@@ -269,3 +269,16 @@ def test_rows_of_both_kinds_and_both_samplings_in_one_cohort_stay_exact(pairs, t
             accepted_by_kind[kind] += accepted
     assert accepted_by_kind[0] > 0 and accepted_by_kind[1] > 0, accepted_by_kind
     assert any({0, 1} <= set(step["kinds"]) for step in steps)  # both kinds in one step
+
+
+def test_a_long_record_keeps_recent_anchors_and_a_far_rollback_feeds_from_the_start(tables):
+    target, draft = tables
+    text = " ".join(tiny.corpus(12, seed=3))
+    tokens = target.encode(text)
+    assert len(tokens) > translating.ANCHOR_WINDOW + 50
+    feed = translating.rebase(translating.Record([]), 0, tokens, target, draft)
+    assert feed.anchors[0] == (0, 0) and len(feed.anchors) <= translating.ANCHOR_WINDOW + 2
+    assert all(t >= len(tokens) - translating.ANCHOR_WINDOW for t, _ in feed.anchors[1:])
+    record = translating.Record(tokens, feed.stream, feed.anchors)
+    again = translating.rebase(record, 10, tokens[10:], target, draft)
+    assert again.stream == draft.encode(text) and again.keep == len(again.stream) - 1
