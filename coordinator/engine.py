@@ -43,20 +43,21 @@ def default_evidence(config: EngineConfig, planner) -> Evidence | None:
 
 class Engine:
     def __init__(self, target, drafts: list[list], config: EngineConfig,
-                 eos_token_ids: list[int], *, telemetry=None, router=None, seq_ids=None,
+                 eos_token_ids: list[int], *, telemetry=None, handover=None, seq_ids=None,
                  planner=None, evidence=None, step_log=None):
-        """drafts: per draft kind, its replicas (clients), used one at a time; router: the
-        Router this engine is one of (None: alone); seq_ids: an id counter shared by the
-        router's engines; planner: a goodput policy to use as it is (else one is calibrated);
-        evidence: an evidence.Evidence to consult (default: a new one under the goodput
-        policy, none for a given policy or "fixed"); step_log: a stats.StepLog."""
+        """drafts: per draft kind, its replicas (clients), used one at a time; handover: the
+        coordinator.handover.Handover of the engines this one is one of (None: alone);
+        seq_ids: an id counter shared by those engines; planner: a goodput policy to use as
+        it is (else one is calibrated); evidence: an evidence.Evidence to consult (default: a
+        new one under the goodput policy, none for a given policy or "fixed"); step_log: a
+        stats.StepLog."""
         self.config = config
         self.recorder = Recorder(telemetry, step_log)
         self.pool = RequestPool(config.max_num_seqs, config.max_queue, eos_token_ids, seq_ids)
         self.peers = Peers(target, [DraftKind(i, replicas) for i, replicas in enumerate(drafts)],
                            self.pool, PeersConfig(config.reconnect_backoff_s,
                                                   config.max_prefill_tokens),
-                           self.recorder, router)
+                           self.recorder, handover)
         self.policy = DraftingPolicy(
             DraftingConfig(config.num_draft_tokens, config.draft_policy,
                            config.min_draft_confidence), len(drafts), planner=planner,

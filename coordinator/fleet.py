@@ -98,7 +98,7 @@ class Fleet:
             TargetClient(address, self.config.stall_timeout_s, self.credentials, tls_name),
             drafts,
             self.config.engine, self.target.eos_token_ids, telemetry=self.telemetry,
-            router=self.router, seq_ids=self.seq_ids, step_log=self.step_log))
+            handover=self.router.handover, seq_ids=self.seq_ids, step_log=self.step_log))
 
     def _draft_client(self, address: str) -> DraftClient:
         return DraftClient(address, self.config.stall_timeout_s, self.credentials,

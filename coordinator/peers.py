@@ -39,15 +39,15 @@ class PeersConfig:
 
 class Peers:
     def __init__(self, target, kinds: list[DraftKind], pool: RequestPool, config: PeersConfig,
-                 recorder: Recorder, router=None):
-        """router: the engines' Router (hand-off to other target replicas, health), or None
-        for a lone engine."""
+                 recorder: Recorder, handover=None):
+        """handover: the engines' coordinator.handover.Handover (requests moved to other
+        target replicas, health), or None for a lone engine."""
         self.target = target
         self.kinds = kinds
         self.pool = pool
         self.config = config
         self.recorder = recorder
-        self.router = router
+        self.handover = handover
         self.target_up = True
         self.target_draining = False  # it drains: admit nothing; until a fresh instance answers
         # service address -> ids of sequences that may still hold caches there although we
@@ -188,8 +188,8 @@ class Peers:
             log.warning("target %s lost (%s): requests wait for it", self.target.address, error)
 
     def _health_changed(self) -> None:
-        if self.router is not None:
-            self.router.health_changed()
+        if self.handover is not None:
+            self.handover.health_changed()
 
     def _lost(self, client, kind: int | None = None) -> None:
         """What losing any service means (the target, or draft kind `kind`'s replica). Its
@@ -205,12 +205,12 @@ class Peers:
     def hand_off(self) -> bool:
         """Give every request to other engines, if there are any to take them."""
         handles = self.pool.handles()
-        if not handles or self.router is None:
+        if not handles or self.handover is None:
             return False
         # Drafts may be shared with the adopting engines (one n-gram draft for every target
         # replica): release ours before another engine can prefill the same ids there.
         self._free_drafts(self.pool.active_sequences())
-        return self.router.hand_off(self, handles)  # else they wait here (drafts refilled)
+        return self.handover.move(self, handles)  # else they wait here (drafts refilled)
 
     def target_left(self) -> None:
         """The target is left on purpose (it drains or left) while it answers: free ours there

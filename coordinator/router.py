@@ -1,17 +1,17 @@
 """Several target replicas: one engine per target replica, new requests balanced by load.
 
 A sequence stays on the engine (and so the target replica and draft replica) that holds its
-caches. When a target replica is lost, its engine hands its requests to the live ones, which
-re-prefill them from the committed record; when it comes back it takes new work again.
-The router is built first and each engine receives it when built (`add` registers it).
+caches. When a target replica is lost, its engine hands its requests to the live ones through
+the router's `handover` (coordinator.handover), which re-prefill them from the committed
+record; when it comes back it takes new work again. The router calls the engines; an engine
+never calls the router (it is given the handover when built; `add` registers it).
 """
-import functools
-import operator
 import threading
 import time
 
 from batchspec import errors
 from coordinator.engine import Engine
+from coordinator.handover import Handover
 from coordinator.requests import RequestHandle
 from coordinator.stats import EngineStats
 from coordinator.telemetry import Telemetry
@@ -22,44 +22,30 @@ class Router:
                  revive_s: float = 2.0):
         """revive_s: how long a request that finds no engine accepting waits while every lost
         target is probed at once (see _revive)."""
-        self.engines: list[Engine] = []
+        self.handover = Handover()
         self.max_queue = max_queue
         self.revive_s = revive_s
         self._lock = threading.Lock()
-        self._ended = EngineStats()  # the counters of engines that left the membership
-        # told SERVING while some target is reachable, from start() on. A lost draft only
-        # slows decoding (the engine decodes with the target alone, output unchanged), so a
-        # load balancer must keep sending work; the engine logs it and reconnects.
-        self._on_health = None
         if telemetry is not None:
             telemetry.watch_queue(self.num_running, self.num_waiting)
 
+    @property
+    def engines(self) -> list[Engine]:
+        return self.handover.engines
+
     def add(self, engine: Engine) -> Engine:
-        self.engines.append(engine)
+        self.handover.engines.append(engine)
         return engine
 
     def healthy(self) -> bool:
-        return any(e.accepting for e in self.engines)
+        return self.handover.healthy()
 
-    def accepting(self, source=None) -> list[Engine]:
-        """The engines that take new requests, but the one whose peers are `source`."""
-        return [e for e in list(self.engines) if e.peers is not source and e.accepting]
-
-    def others_accepting(self, source) -> bool:
-        return bool(self.accepting(source))
-
-    def discard(self, engine: Engine) -> None:
-        """An engine that left the membership ended (its requests moved)."""
-        with self._lock:
-            if engine in self.engines:
-                self.engines.remove(engine)
-                self._ended = self._ended + engine.stats
-        self.health_changed()
+    def accepting(self) -> list[Engine]:
+        return self.handover.accepting()
 
     def health_changed(self) -> None:
-        """An engine lost or regained a peer."""
-        if self._on_health is not None:
-            self._on_health(self.healthy())
+        """An engine's peers changed from outside its thread (a replica joined or left)."""
+        self.handover.health_changed()
 
     def submit(self, *args, together=None, **kwargs) -> RequestHandle:
         """See RequestPool.submit; refused while too many wait over all engines. Requests
@@ -101,20 +87,12 @@ class Router:
         for engine in list(self.engines):
             engine.cancel(handle)
 
-    def hand_off(self, source, handles: list[RequestHandle]) -> bool:
-        """Move `handles` from the engine whose peers are `source` (out of its pool) to the
-        others that take new work; False, nothing moved, when there are none."""
-        live = self.accepting(source)
-        if not live:
-            return False
-        source.pool.take_all(handles)
-        for handle in handles:  # adopt() raises the adopter's load at once: this balances
-            min(live, key=lambda e: e.pool.load()).adopt([handle])
-        return True
-
     def start(self, on_health=None) -> None:
-        """Start every engine; on_health(serving: bool) is told whenever that changes."""
-        self._on_health = on_health
+        """Start every engine; on_health(serving: bool) is told whenever that changes. It is
+        told SERVING while some target is reachable: a lost draft only slows decoding (the
+        engine decodes with the target alone, output unchanged), so a load balancer must
+        keep sending work; the engine logs it and reconnects."""
+        self.handover.listen(on_health)
         for engine in self.engines:
             engine.start()
 
@@ -137,5 +115,5 @@ class Router:
 
     @property
     def stats(self) -> EngineStats:
-        """Every engine's counters, added up."""
-        return functools.reduce(operator.add, (e.stats for e in list(self.engines)), self._ended)
+        """Every engine's counters, those that ended included, added up."""
+        return self.handover.stats()

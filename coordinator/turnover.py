@@ -26,7 +26,7 @@ class Turnover:
     def __init__(self, peers: Peers, pool: RequestPool, max_num_seqs: int):
         self.peers = peers
         self.pool = pool
-        self.router = peers.router
+        self.handover = peers.handover
         self.max_num_seqs = max_num_seqs
         self.full_until = 0.0  # the target refused new sequences for capacity: not before
         self._full_spell = False  # refusals since the last admission that went through
@@ -95,12 +95,12 @@ class Turnover:
         """The target drains (or left the membership): move every request to the other
         engines, freeing what it holds of ours first. False, with nothing changed, while no
         other engine takes new work: the target still serves the sequences it holds."""
-        if self.router is None or not self.router.others_accepting(self.peers):
+        if self.handover is None or not self.handover.others_accepting(self.peers):
             return False
         handles = self.pool.handles()
         self.peers.target_left()
         if handles:
-            self.router.hand_off(self.peers, handles)
+            self.handover.move(self.peers, handles)
         log.info("target %s is leaving: %d requests moved to other replicas",
                  self.peers.target.address, len(handles))
         return True
@@ -113,12 +113,12 @@ class Turnover:
 
     def end(self, engine) -> None:
         """The removed `engine`, its requests moved, closes its connections and leaves the
-        router."""
+        engines (the handover keeps its counters)."""
         peers = self.peers
         for client in [peers.target] + [c for kind in peers.kinds for c in kind.replicas]:
             client.close()
-        if self.router is not None:
-            self.router.discard(engine)
+        if self.handover is not None:
+            self.handover.ended(engine)
         log.info("engine of target %s ended: it left the membership", self.peers.target.address)
 
     def target_full(self, error, num_refused: int) -> None:
@@ -130,8 +130,8 @@ class Turnover:
         self.full_until = time.monotonic() + FULL_BACKOFF_S
         self.peers.recorder.stats.num_capacity_waits += 1
         waiting = [h for h in self.pool.handles() if h.seq.seq_id not in self.pool.active]
-        moved = bool(waiting) and self.router is not None \
-            and self.router.hand_off(self.peers, waiting)
+        moved = bool(waiting) and self.handover is not None \
+            and self.handover.move(self.peers, waiting)
         # logged once per spell: a full target is asked again every FULL_BACKOFF_S
         (log.debug if self._full_spell else log.info)(
             "target %s is full (%s): %s", self.peers.target.address, error,

@@ -188,7 +188,7 @@ def test_a_hung_service_is_probed_off_the_engine_thread():
     health = []
     router = Router(max_queue=4)
     engine = router.add(Engine(target, [[draft]], EngineConfig(reconnect_backoff_s=(0.0, 0.0)),
-                               [3], router=router))
+                               [3], handover=router.handover))
     router.start(on_health=health.append)
     peers = engine.peers
     try:
@@ -218,7 +218,7 @@ def test_a_request_finding_no_target_has_the_lost_ones_probed_at_once():
     draft.answering.set()
     router = Router(max_queue=4, revive_s=0.5)
     engine = router.add(Engine(target, [[draft]], EngineConfig(reconnect_backoff_s=(30.0, 30.0)),
-                               [3], router=router))
+                               [3], handover=router.handover))
     router.start()
     try:
         engine.peers.target_lost("the target went away")
