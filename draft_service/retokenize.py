@@ -143,24 +143,51 @@ def offsets(pieces: list[bytes]) -> list[int]:
 
 
 def shared_boundaries(a: list[bytes], b: list[bytes]) -> list[tuple[int, int]]:
-    """(i, j) for each byte offset where a[:i] and b[:j] end together (i, j >= 1)."""
+    """(i, j) for each byte offset where a[:i] and b[:j] end together (i, j >= 1), between
+    characters (a text re-read from a boundary inside a character would not decode)."""
+    joined = b"".join(a)
     where_b = {offset: j + 1 for j, offset in enumerate(offsets(b))}
     return [(i + 1, where_b[offset]) for i, offset in enumerate(offsets(a))
-            if offset in where_b]
+            if offset in where_b and (offset == len(joined) or joined[offset] & 0xC0 != 0x80)]
 
 
-def to_tokens(table: TokenTable, data: bytes) -> list[int]:
-    """The tokens of `table` that spell a prefix of `data`, each meant whole: the text (whole
-    characters) encoded, kept while the tokens' bytes are the text's, and the last dropped,
-    since more text would change it (the end of a word, a merge)."""
-    text, _ = complete_text(data)
-    if not text:
+def to_tokens(table: TokenTable, data: bytes, context: bytes = b"") -> list[int]:
+    """The tokens of `table` that spell a prefix of `data`, each meant whole, as the
+    tokenizer splits `data` after `context` (the text before it): `context + data` (whole
+    characters) encoded, the tokens after the boundary at the end of `context` kept while
+    their bytes are data's, and the last dropped, since more text would change it (the end
+    of a word, a merge). Where no token ends at that boundary (one merges across it),
+    `data` is encoded alone. A space the tokenizer writes before the first word
+    (SentencePiece) counts before the context."""
+    if context:
+        tokens = _after(table, context, data)
+        if tokens is not None:
+            return tokens
+    return _after(table, b"", data) or []
+
+
+def _after(table: TokenTable, context: bytes, data: bytes) -> list[int] | None:
+    """to_tokens over one encoding of context + data; None where no token ends where the
+    context does."""
+    text, _ = complete_text(context + data)
+    spelled = text.encode()
+    if len(spelled) <= len(context):
         return []
     ids = table.encode(text)
     count, pieces = mapped(table, ids)
-    good = 0
-    for good, offset in enumerate(offsets(pieces), start=1):  # noqa: B007
-        if text.encode()[:offset] != b"".join(pieces[:good]):
-            good -= 1
+    joined = b"".join(pieces)
+    lead = 1 if joined.startswith(b" ") and not spelled.startswith(b" ") else 0
+    spelled = b" " * lead + spelled
+    at, first = 0, None
+    for i, piece in enumerate(pieces):
+        if at == lead + len(context) and first is None:
+            first = i
+        if spelled[at:at + len(piece)] != piece:
+            count = i
             break
-    return ids[:max(0, min(good, count) - 1)]
+        at += len(piece)
+    if first is None and at == lead + len(context):
+        first = count
+    if first is None:
+        return None
+    return ids[first:max(first, count - 1)]

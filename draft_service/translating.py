@@ -30,6 +30,9 @@ from draft_service.servicer import DraftServicer
 
 # Most draft forwards per target token asked, whatever the measured ratio of tokens.
 MAX_FORWARDS_PER_TOKEN = 8
+# Committed text the target's tokenizer reads before a proposal, to split it as it would
+# split the two together (a SentencePiece tokenizer's first word, a merge at the boundary).
+CONTEXT_BYTES = 64
 # Anchors kept: (0, 0) and those within this many target tokens of a record's end. A step
 # rolls a record back by a few tokens only; one rolled back further re-feeds from the start.
 ANCHOR_WINDOW = 256
@@ -57,6 +60,9 @@ class Feed:
     common: int  # the length of the prefix stream shares with the cache's draft_ids
     pending: bytes | None  # None: the text cannot be continued (a token of unknown bytes)
     anchors: list[tuple[int, int]]
+    # the committed text just before the pending bytes (whole characters, up to
+    # CONTEXT_BYTES): the target's tokenizer splits a proposal as it follows this text
+    context: bytes = b""
 
 
 def rebase(record: Record, keep: int, append: list[int], target: TokenTable,
@@ -80,8 +86,23 @@ def rebase(record: Record, keep: int, append: list[int], target: TokenTable,
     anchors = _recent([a for a in record.anchors if a[0] <= t_a] + [
         (t_a + i, d_a + j) for i, j in retokenize.shared_boundaries(target_pieces, draft_pieces)],
         len(tokens))
-    return Feed(stream, min(same, max(0, len(stream) - 1)), same,
-                data[used:] if count == len(segment) else None, anchors)
+    pending = data[used:] if count == len(segment) else None
+    return Feed(stream, min(same, max(0, len(stream) - 1)), same, pending, anchors,
+                _context(target, tokens, len(pending or b"")))
+
+
+def _context(target: TokenTable, tokens: list[int], pending: int) -> bytes:
+    """The whole characters of the committed text before its last `pending` bytes, up to
+    CONTEXT_BYTES of them (b"" where the tail has a token of unknown bytes)."""
+    tail = tokens[-CONTEXT_BYTES:]
+    count, pieces = retokenize.mapped(target, tail)
+    if count < len(tail):
+        return b""
+    data = b"".join(pieces)
+    data = data[max(0, len(data) - pending - CONTEXT_BYTES):len(data) - pending]
+    while data and data[0] & 0xC0 == 0x80:  # not the start of a character
+        data = data[1:]
+    return data
 
 
 def _recent(anchors: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
@@ -101,7 +122,8 @@ def proposal_tokens(feed: Feed, drafted: list[int], target: TokenTable, draft: T
     data = b"".join(pieces)
     if not data.startswith(feed.pending):
         return [], []
-    tokens = retokenize.to_tokens(target, data[len(feed.pending):])[:limit]
+    tokens = retokenize.to_tokens(target, data[len(feed.pending):],
+                                  feed.context + feed.pending)[:limit]
     if feed.pending or not tokens:
         return tokens, []
     _, target_pieces = retokenize.mapped(target, tokens)

@@ -91,6 +91,31 @@ def test_a_proposal_becomes_the_target_tokens_that_spell_it_but_the_last(tables)
     assert translating.proposal_tokens(feed, drafted, target, draft, limit=2)[0] == tokens[:2]
 
 
+def test_a_sentencepiece_target_splits_a_proposal_as_it_follows_the_committed_text(tables):
+    """A SentencePiece-style tokenizer writes a space before the first word of a text: the
+    proposal is encoded after the committed text, so its words are split as the target
+    would split them there, and a proposal that continues a word maps too."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    pieces = Tokenizer(models.BPE(unk_token="<unk>"))
+    pieces.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    pieces.decoder = decoders.Metaspace(prepend_scheme="first")
+    pieces.train_from_iterator(tiny.corpus(400), trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>"]))
+    target, (_, draft) = TokenTable(pieces, "pieces"), tables
+    assert target.text_bytes(target.encode("the moon")) == b" the moon"  # a space first
+    committed = target.encode("The cat sees")
+    feed = translating.rebase(translating.Record([]), 0, committed, target, draft)
+    assert feed.context == b" The cat sees"
+    tokens, _ = translating.proposal_tokens(feed, draft.encode(" the moon. A"), target, draft, 8)
+    assert tokens == target.encode("The cat sees the moon. A")[len(committed):-1]
+    assert target.text_bytes(tokens) == b" the moon."
+    half = translating.rebase(translating.Record([]), 0, target.encode("The cat se"), target,
+                              draft)
+    tokens, _ = translating.proposal_tokens(half, draft.encode("es the ball"), target, draft, 8)
+    assert target.text_bytes(tokens) == b"es the"  # the word's end, with no space before it
+
+
 def test_a_proposal_must_continue_a_character_the_committed_text_cut_in_half(tables):
     target, draft = tables
     half = [target.encode("é")[0]] if len(target.encode("é")) == 2 else None
