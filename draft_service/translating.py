@@ -270,8 +270,8 @@ PROBE_TEXT = "The quick brown fox, 12 of them: jumps over the lazy dog.\n"
 
 def build_runner(config) -> TranslatingRunner:
     """The draft model of config.model behind the target's tokens (config.target_tokenizer).
-    Raises ValueError where either tokenizer cannot be read back exactly, or the draft has
-    none."""
+    Raises ValueError where either tokenizer cannot be read back exactly, the draft has none,
+    or it is a feature head (it reads the target's features of the target's positions)."""
     from batchspec.runtime import models, service
 
     own = models.tokenizer_file(config.model)
@@ -281,6 +281,9 @@ def build_runner(config) -> TranslatingRunner:
     for table in (target, draft):
         table.check_exact(PROBE_TEXT)
     inner = service.build_runner(config)
+    if inner.reads_features:
+        raise ValueError(f"the draft {config.model} reads the target's features, position by "
+                         "position of the target's tokens: it cannot draft in other tokens")
     if inner.vocab_size < draft.vocab_size:
         raise ValueError(f"the draft {config.model} has {inner.vocab_size} logits but its "
                          f"tokenizer {draft.vocab_size} tokens")

@@ -167,6 +167,10 @@ def test_a_draft_of_another_tokenizer_is_refused_as_a_same_tokenizer_draft_and_s
     assert runner.vocabulary == target_vocabulary and runner.vocab_size == 320
     fleet.check_draft(ModelInfo("d", runner.vocab_size, [], 256, 0, 0,
                                 vocabulary=runner.vocabulary), target, "draft:1")
+    head = tiny.save_feature_head(target_dir, tmp_path / "head")  # reads target positions
+    with pytest.raises(ValueError, match="reads the target's features"):
+        translating.build_runner(service.ServiceConfig(
+            model=head, target_tokenizer=str(pathlib.Path(target_dir) / "tokenizer.json")))
 
 
 def test_serve_starts_a_draft_of_another_tokenizer_translating(pairs):
