@@ -23,11 +23,7 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
     softmax of its logits, which tracks how often the target accepts all of them, greedy or
     sampled) falls below min_confidence; a row may propose nothing. The forwards stop once
     every row is cut. Draft-side information only, so outputs are unchanged."""
-    if num_drafts < 1:
-        raise errors.InvalidArgument("num_draft_tokens must be >= 1")
-    if not 0.0 <= min_confidence <= 1.0:
-        raise errors.InvalidArgument(
-            f"min_draft_confidence must be in [0, 1], not {min_confidence}")
+    check_options(num_drafts, min_confidence)
     specs = [runner_lib.RowSpec(r.seq_id, r.expected_cache_len, r.keep_len, r.append_token_ids)
              for r in rows]
     runner.check_features([(r.seq_id, r.append_token_ids) for r in rows],
@@ -58,6 +54,15 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
     proposals = [ProposedRow(r.seq_id, d[:n], c, n < num_drafts)
                  for r, d, c, n in zip(rows, stacked, cache_lens, cut.lengths)]
     return proposals, group
+
+
+def check_options(num_drafts: int, min_confidence: float) -> None:
+    """Refuse a proposal's settings out of range (InvalidArgument)."""
+    if num_drafts < 1:
+        raise errors.InvalidArgument("num_draft_tokens must be >= 1")
+    if not 0.0 <= min_confidence <= 1.0:
+        raise errors.InvalidArgument(
+            f"min_draft_confidence must be in [0, 1], not {min_confidence}")
 
 
 def top_probability(logits: torch.Tensor) -> torch.Tensor:

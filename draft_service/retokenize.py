@@ -11,6 +11,7 @@ the draft did not write.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import pathlib
 
@@ -135,11 +136,7 @@ def complete_text(data: bytes) -> tuple[str, int]:
 
 def offsets(pieces: list[bytes]) -> list[int]:
     """Byte offsets of the boundaries after each piece."""
-    out, at = [], 0
-    for piece in pieces:
-        at += len(piece)
-        out.append(at)
-    return out
+    return list(itertools.accumulate(len(piece) for piece in pieces))
 
 
 def shared_boundaries(a: list[bytes], b: list[bytes]) -> list[tuple[int, int]]:

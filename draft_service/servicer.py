@@ -19,7 +19,14 @@ class DraftServicer(service.ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         rows = wire.propose_rows(command)
         if not rows:
             raise errors.InvalidArgument("propose names no sequence")
+        proposals, groups = self.propose(rows, command)
+        return "propose", wire.propose_result(proposals, wire.timing(
+            time.perf_counter() - started, sum(g.realign_seconds for g in groups),
+            sum(g.forward_seconds for g in groups)))
+
+    def propose(self, rows, command):
+        """(ProposedRows, the group forwards run) for a propose command's rows."""
         proposals, group = proposer.propose(self.runner, rows, command.num_draft_tokens,
                                             realign=command.realign,
                                             min_confidence=command.min_draft_confidence)
-        return "propose", wire.propose_result(proposals, service.timing(group, started))
+        return proposals, [group]

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 from batchspec import errors
 from batchspec.params import SamplingParams
-from batchspec.runtime import wire
 from batchspec.runtime.cachebook import CacheBook
 from batchspec.runtime.rows import ProposedRow, ProposeRow
 from draft_service import proposer, retokenize
@@ -158,10 +156,8 @@ class TranslatingRunner(CacheBook):
         self.check_prefill(entries)
         records, streams = {}, []
         for seq_id, token_ids in entries:
-            record = Record([])
-            feed = rebase(record, 0, token_ids, self.target, self.draft)
-            records[seq_id] = dataclasses.replace(record, target_ids=list(token_ids),
-                                                  draft_ids=feed.stream, anchors=feed.anchors)
+            feed = rebase(Record([]), 0, token_ids, self.target, self.draft)
+            records[seq_id] = Record(list(token_ids), feed.stream, feed.anchors)
             streams.append((seq_id, feed.stream))
             self._count(len(token_ids), len(feed.stream))
         self.inner.prefill(streams)
@@ -198,6 +194,7 @@ class TranslatingRunner(CacheBook):
         """(ProposedRows of target tokens for `rows`, the draft model's groups run). Rows are
         drafted greedily: a sampled row's draft is the draft's most likely text, accepted
         where the target's seeded choice agrees."""
+        proposer.check_options(num_drafts, 0.0)
         self.check_unique([r.seq_id for r in rows])
         feeds = {}
         for row in rows:
@@ -301,12 +298,7 @@ def warm_up(runner: TranslatingRunner) -> None:
 
 
 class TranslatingServicer(DraftServicer):
-    def handle_own(self, kind, command):
-        started = time.perf_counter()
-        rows = wire.propose_rows(command)
-        if not rows:
-            raise errors.InvalidArgument("propose names no sequence")
-        proposals, groups = self.runner.propose(rows, command.num_draft_tokens)
-        return "propose", wire.propose_result(proposals, wire.timing(
-            time.perf_counter() - started, sum(g.realign_seconds for g in groups),
-            sum(g.forward_seconds for g in groups)))
+    def propose(self, rows, command):
+        """Its proposals are never cut (min_draft_confidence is checked, not used)."""
+        proposer.check_options(command.num_draft_tokens, command.min_draft_confidence)
+        return self.runner.propose(rows, command.num_draft_tokens)

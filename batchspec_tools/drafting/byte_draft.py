@@ -83,22 +83,30 @@ def train(model, ids, config) -> float:
     window = min(WINDOW, len(ids) - 1)
     losses = []
     model.train()
-    torch.set_grad_enabled(True)  # this process trains only
-    for step in range(config.steps):
-        scale = min(1.0, (step + 1) / config.warmup_steps) * 0.5 * (
-            1 + math.cos(math.pi * step / config.steps))
-        for group in optimizer.param_groups:
-            group["lr"] = config.lr * scale
-        starts = torch.randint(0, len(ids) - window, (config.batch_size,),
-                               generator=generator).tolist()
-        batch = torch.stack([ids[s:s + window] for s in starts]).to(config.device)
-        loss = model(batch, labels=batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(float(loss))
-        if step % 50 == 0 or step == config.steps - 1:
-            log.info("byte draft step %d/%d: loss %.3f", step + 1, config.steps, losses[-1])
+    with torch.enable_grad():  # whatever the calling thread's mode
+        for step in range(config.steps):
+            losses.append(_train_step(model, optimizer, ids, window, generator, step, config))
+            if step % 50 == 0 or step == config.steps - 1:
+                log.info("byte draft step %d/%d: loss %.3f", step + 1, config.steps,
+                         losses[-1])
     tail = losses[-50:]
     return sum(tail) / len(tail)
+
+
+def _train_step(model, optimizer, ids, window: int, generator, step: int, config) -> float:
+    """One optimizer step on config.batch_size random windows; returns its loss."""
+    import torch
+
+    scale = min(1.0, (step + 1) / config.warmup_steps) * 0.5 * (
+        1 + math.cos(math.pi * step / config.steps))
+    for group in optimizer.param_groups:
+        group["lr"] = config.lr * scale
+    starts = torch.randint(0, len(ids) - window, (config.batch_size,),
+                           generator=generator).tolist()
+    batch = torch.stack([ids[s:s + window] for s in starts]).to(config.device)
+    loss = model(batch, labels=batch).loss
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return float(loss)
