@@ -5,13 +5,15 @@ first server's.
     python3 scripts/ab_servers.py --server plain-f32="--draft-model none --dtype float32" \
         --server plain="--draft-model none" --server default="" --concurrency 1,8 --rounds 3
 
-Every server is `batchspec serve` with its flags, started once and kept; at each client count
+Every server is `batchspec serve` with its flags (`--build NAME=DIR`: imported from the source
+tree DIR, so two builds are measured in one run), started once and kept; at each client count
 every server first answers one untimed request per client, then each round serves the whole
 prompt set to C closed-loop clients (each sends its next request when its last one ended),
 the servers taken in turn and their order reversed every other round, so a machine whose
 speed drifts moves them alike. Greedy requests, chat prompts through the target's template.
 """
 import argparse
+import os
 import shlex
 import statistics
 import subprocess
@@ -32,6 +34,9 @@ def main() -> int:
     parser.add_argument("--server", type=parse_server, action="append", required=True,
                         help="NAME=FLAGS of `batchspec serve` (repeat; the first is the "
                              "yardstick)")
+    parser.add_argument("--build", type=parse_server, action="append", default=[],
+                        help="NAME=DIR: server NAME runs the source tree DIR (a checkout of "
+                             "another commit) instead of the installed batchspec")
     parser.add_argument("--concurrency", default="1", help="client counts, comma-separated")
     parser.add_argument("--rounds", type=cliargs.positive_int, default=3)
     parser.add_argument("--prompts", default=None,
@@ -44,6 +49,9 @@ def main() -> int:
     names = [name for name, _ in args.server]
     if len(set(names)) != len(names):
         parser.error("each --server needs its own name")
+    builds = {name: dirs for name, dirs in args.build}
+    if set(builds) - set(names) or any(len(d) != 1 for d in builds.values()):
+        parser.error("--build takes NAME=DIR for a NAME of --server")
 
     from batchspec.runtime import models
     from batchspec_tools.data import bench_prompts
@@ -56,9 +64,14 @@ def main() -> int:
     try:
         for name, flags in args.server:
             ports[name] = free_port()
+            # a build's tree first on the path: the working directory (`-m` puts it first)
+            # and PYTHONPATH (for the services it starts)
+            tree = os.path.abspath(builds[name][0]) if name in builds else None
+            env = dict(os.environ, PYTHONPATH=tree) if tree else None
             procs[name] = subprocess.Popen(
-                ["batchspec", "serve", "--port", str(ports[name]), *flags],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                [sys.executable, "-m", "batchspec_tools.cli", "serve", "--port",
+                 str(ports[name]), *flags],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tree)
             wait_healthy(f"127.0.0.1:{ports[name]}", "batchspec.v1.Coordinator", 900,
                          [procs[name]])
             print(f"started {name}: batchspec serve {shlex.join(flags)}", flush=True)

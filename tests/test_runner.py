@@ -402,30 +402,36 @@ def test_the_lean_forward_gives_transformers_logits_bit_for_bit(model_dirs, arch
         lengths = {i: n + k for (i, n), k in zip(lengths.items(), kept)}
 
 
-def test_a_gguf_step_in_one_call_gives_transformers_logits_bit_for_bit(tmp_path, monkeypatch):
-    """Steps of a GGUF model that feed every row one position, or the same number of drafts
-    under the causal mask, run all layers in one C++ call (gguf_decode); their logits and
-    hidden states are transformers' forward's bit for bit, past the point where every layer's
-    buffer must move to a larger one, and for a row alone after its batch."""
-    from batchspec.runtime import gguf_blocks, gguf_decode, tiny
+@pytest.mark.parametrize("weights", ["gguf", "float32"])
+def test_a_step_in_one_call_gives_transformers_logits_bit_for_bit(model_dirs, weights, tmp_path,
+                                                                  monkeypatch):
+    """Steps of a GGUF model, or of a float32 one, that feed every row one position, or the
+    same number of drafts under the causal mask, run all layers in one C++ call
+    (decode_step); their logits and hidden states are transformers' forward's bit for bit,
+    past the point where every layer's buffer must move to a larger one, and for a row alone
+    after its batch."""
+    from batchspec.runtime import decode_step, gguf_blocks, tiny
 
     if not gguf_blocks.load() and not os.environ.get("CI"):
         pytest.skip("no C++ compiler to build the GGUF kernels")  # in CI they must build
-    model = models.load_causal_lm(tiny.save_gguf(tmp_path), dtype="auto")
+    model = models.load_causal_lm(tiny.save_gguf(tmp_path), dtype="auto") \
+        if weights == "gguf" else models.load_causal_lm(model_dirs["llama"][0])
     runners = [runner_lib.ModelRunner(model, name="gguf", device=torch.device("cpu"),
                                       eos_token_ids=[], max_context_len=256, lean=lean)
                for lean in (True, False)]
     taken = []
-    call = gguf_decode.Decoder.__call__
-    monkeypatch.setattr(gguf_decode.Decoder, "__call__",
+    call = decode_step.Decoder.__call__
+    monkeypatch.setattr(decode_step.Decoder, "__call__",
                         lambda self, *args: taken.append(call(self, *args)) or taken[-1])
     rng = random.Random(5)
-    prompts = {i: [rng.randrange(4, 90) for _ in range(7)] for i in range(3)}
+    # float32: five rows of four drafts pass fastlinear.MAX_ROWS (the usual product)
+    batch = 3 if weights == "gguf" else 5
+    prompts = {i: [rng.randrange(4, 90) for _ in range(7)] for i in range(batch)}
     for runner in runners:
         runner.prefill(list(prompts.items()))
     length = 7
     for step in range(40):
-        rows = [0, 1, 2] if step < 30 else [1]  # the batch, then one row of it alone
+        rows = list(prompts) if step < 30 else [1]  # the batch, then one row of it alone
         fed = 4 if step % 3 == 0 else 1  # a verify of drafts, or a decode step
         kept = rng.randint(1, fed)
         tokens = torch.tensor([[rng.randrange(4, 90) for _ in range(fed)] for _ in rows])
@@ -441,6 +447,6 @@ def test_a_gguf_step_in_one_call_gives_transformers_logits_bit_for_bit(tmp_path,
         length += kept
         if step == 29:
             for runner in runners:
-                runner.release([0, 2])
+                runner.release([i for i in prompts if i != 1])
     # every step of the lean runner took the one-call step (the prefill did not)
     assert sum(t is not None for t in taken) == 40

@@ -441,8 +441,12 @@ def patch_feed_forwards(model: torch.nn.Module) -> int:
 
 def patched(model: torch.nn.Module) -> bool:
     """Whether patch_linears made this model's linear layers multiply as planned."""
-    return any(getattr(m.forward, "__func__", None) is _forward for m in model.modules()
-               if isinstance(m, torch.nn.Linear))
+    return any(planned(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def planned(linear: torch.nn.Linear) -> bool:
+    """Whether patch_linears made this linear layer multiply as planned."""
+    return getattr(linear.forward, "__func__", None) is _forward
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from batchspec.runtime import attention, fastlinear, gguf_blocks, gguf_decode
+from batchspec.runtime import attention, fastlinear, gguf_blocks, decode_step
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
 
@@ -62,7 +62,7 @@ def _llama_body(base) -> Callable | None:
                    for layer, qkv, gate_up in zip(layers, qkv_blocks, gate_up_blocks)]
     inline = all(type(n).__name__ in _RMS_NORMS for layer in layers
                  for n in (layer.input_layernorm, layer.post_attention_layernorm))
-    decoder = gguf_decode.Decoder.of(base, layers, qkv_blocks, gate_up_blocks) \
+    decoder = decode_step.Decoder.of(base, layers, qkv_blocks, gate_up_blocks) \
         if inline and all(type(layer.mlp).__name__ in _MLPS for layer in layers) else None
 
     def body(hidden, position_ids, cache, mask):

@@ -430,63 +430,145 @@ at::Tensor blocks_product(const at::Tensor& x, const at::Tensor& blocks, int64_t
 // for the groups.
 enum Attend : int64_t { kDirect = 0, kPacked = 1, kFolded = 2 };
 
+// What every layer of a step shares: the new positions' rotations, the layers' key/value
+// buffers [batch, kv_heads, capacity, head_dim] (written up to column written[l], where the
+// new positions go) and how they attend.
+struct Step {
+  const at::Tensor& cos;
+  const at::Tensor& sin;
+  at::TensorList keys;
+  at::TensorList values;
+  at::IntArrayRef written;
+  const c10::optional<at::Tensor>& mask;
+  int64_t attend, heads, kv_heads, head_dim;
+  double eps, scaling;
+  bool gqa;
+};
+
+// Layer l's attention over its cache and the new positions: q [batch, fed, heads, head_dim]
+// and k [batch, fed, kv_heads, head_dim] rotated, v as k; their keys and values written into
+// the layer's buffers first. Returns [batch, fed, heads * head_dim], contiguous.
+at::Tensor attended(const Step& s, int64_t l, const at::Tensor& q_rows, const at::Tensor& k,
+                    const at::Tensor& v) {
+  const int64_t batch = q_rows.size(0), fed = q_rows.size(1);
+  const int64_t groups = s.heads / s.kv_heads, column = s.written[l];
+  TORCH_CHECK(column + fed <= s.keys[l].size(2), "llama_step: no free columns in layer ", l);
+  s.keys[l].slice(2, column, column + fed).copy_(k.transpose(1, 2));
+  s.values[l].slice(2, column, column + fed).copy_(v.transpose(1, 2));
+  const at::Tensor key = s.keys[l].slice(2, 0, column + fed);
+  const at::Tensor value = s.values[l].slice(2, 0, column + fed);
+  const at::Tensor q = q_rows.transpose(1, 2);
+  at::Tensor out;
+  if (s.attend == kPacked) {
+    out = at::scaled_dot_product_attention(q.reshape({batch, s.kv_heads, groups, s.head_dim}),
+                                           key, value, s.mask, 0.0, false, s.scaling)
+              .reshape({batch, -1, 1, s.head_dim});
+  } else if (s.attend == kFolded) {
+    out = at::scaled_dot_product_attention(
+              q.reshape({batch, s.kv_heads, groups * fed, s.head_dim}), key, value, s.mask, 0.0,
+              false, s.scaling)
+              .reshape({batch, s.heads, fed, s.head_dim});
+  } else {
+    out = at::scaled_dot_product_attention(q, key, value, s.mask, 0.0, false, s.scaling, s.gqa);
+  }
+  return out.transpose(1, 2).contiguous().reshape({batch, fed, -1}).contiguous();
+}
+
+void check_step(const at::Tensor& hidden, const Step& s, size_t weights, size_t kinds,
+                int64_t per_layer, int64_t kinds_per_layer) {
+  const int64_t layers = static_cast<int64_t>(s.keys.size());
+  TORCH_CHECK(static_cast<int64_t>(weights) == per_layer * layers &&
+                  static_cast<int64_t>(kinds) == kinds_per_layer * layers &&
+                  static_cast<int64_t>(s.values.size()) == layers &&
+                  static_cast<int64_t>(s.written.size()) == layers,
+              "llama_step: ", per_layer, " weights, ", kinds_per_layer,
+              " kinds, keys, values and a column per layer");
+  TORCH_CHECK(hidden.dim() == 3, "llama_step: hidden is [batch, new positions, width]");
+  TORCH_CHECK(s.attend == kDirect || s.mask.has_value(), "llama_step: this attention needs a mask");
+  TORCH_CHECK(s.attend != kPacked || hidden.size(1) == 1,
+              "llama_step: packed heads take one query a row");
+}
+
 // hidden [batch, new, width] -> hidden after every layer (before the final norm). Per layer l:
 // weights[6l .. 6l+5] = input norm, joined q/k/v blocks, o blocks, post-attention norm,
-// joined gate/up blocks, down blocks; kinds[4l .. 4l+3] their block kinds (1: Q4_1, 0: Q8_0);
-// keys[l], values[l] the layer's buffers [batch, kv_heads, capacity, head_dim], written up to
-// column written[l], where the new positions' keys and values go.
+// joined gate/up blocks, down blocks; kinds[4l .. 4l+3] their block kinds (1: Q4_1, 0: Q8_0).
 at::Tensor llama_step(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                       at::TensorList weights, at::IntArrayRef kinds, at::TensorList keys,
                       at::TensorList values, at::IntArrayRef written,
                       const c10::optional<at::Tensor>& mask, int64_t attend, int64_t heads,
                       int64_t kv_heads, int64_t head_dim, double eps, double scaling,
                       bool gqa) {
-  const int64_t layers = static_cast<int64_t>(keys.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * layers &&
-                  static_cast<int64_t>(kinds.size()) == 4 * layers &&
-                  static_cast<int64_t>(values.size()) == layers &&
-                  static_cast<int64_t>(written.size()) == layers,
-              "llama_step: 6 weights, 4 kinds, keys, values and a column per layer");
-  TORCH_CHECK(hidden_in.dim() == 3, "llama_step: hidden is [batch, new positions, width]");
+  const Step s{cos, sin, keys, values, written, mask, attend, heads, kv_heads, head_dim,
+               eps, scaling, gqa};
+  check_step(hidden_in, s, weights.size(), kinds.size(), 6, 4);
   const int64_t batch = hidden_in.size(0), fed = hidden_in.size(1), width = hidden_in.size(2);
-  TORCH_CHECK(attend == kDirect || mask.has_value(), "llama_step: this attention needs a mask");
-  TORCH_CHECK(attend != kPacked || fed == 1, "llama_step: packed heads take one query a row");
-  const int64_t groups = heads / kv_heads;
   at::Tensor hidden = hidden_in;
-  for (int64_t l = 0; l < layers; ++l) {
+  for (int64_t l = 0; l < static_cast<int64_t>(keys.size()); ++l) {
     const at::Tensor* w = weights.data() + 6 * l;
     const int64_t* kind = kinds.data() + 4 * l;
-    const int64_t column = written[l];
-    TORCH_CHECK(column + fed <= keys[l].size(2), "llama_step: no free columns in layer ", l);
     const at::Tensor qkv = blocks_product(rms_norm(hidden, w[0], eps), w[1], kind[0])
                                .view({batch, fed, heads + 2 * kv_heads, head_dim});
     const at::Tensor qk = rotated(qkv.slice(2, 0, heads + kv_heads), cos, sin);
-    const at::Tensor q = qk.slice(2, 0, heads).transpose(1, 2);
-    keys[l].slice(2, column, column + fed).copy_(qk.slice(2, heads).transpose(1, 2));
-    values[l].slice(2, column, column + fed)
-        .copy_(qkv.slice(2, heads + kv_heads).transpose(1, 2));
-    const at::Tensor key = keys[l].slice(2, 0, column + fed);
-    const at::Tensor value = values[l].slice(2, 0, column + fed);
-    at::Tensor out;
-    if (attend == kPacked) {
-      out = at::scaled_dot_product_attention(q.reshape({batch, kv_heads, groups, head_dim}), key,
-                                             value, mask, 0.0, false, scaling)
-                .reshape({batch, -1, 1, head_dim});
-    } else if (attend == kFolded) {
-      out = at::scaled_dot_product_attention(
-                q.reshape({batch, kv_heads, groups * fed, head_dim}), key, value, mask, 0.0,
-                false, scaling)
-                .reshape({batch, heads, fed, head_dim});
-    } else {
-      out = at::scaled_dot_product_attention(q, key, value, mask, 0.0, false, scaling, gqa);
-    }
-    const at::Tensor attended = out.transpose(1, 2).contiguous().reshape({batch, fed, -1});
-    hidden = hidden +
-             blocks_product(attended.contiguous(), w[2], kind[1]).view({batch, fed, width});
+    const at::Tensor out = attended(s, l, qk.slice(2, 0, heads), qk.slice(2, heads),
+                                    qkv.slice(2, heads + kv_heads));
+    hidden = hidden + blocks_product(out, w[2], kind[1]).view({batch, fed, width});
     const at::Tensor gate_up = blocks_product(rms_norm(hidden, w[3], eps), w[4], kind[2]);
     const int64_t inner = gate_up.size(-1) / 2;
     const at::Tensor inputs = at::silu(gate_up.slice(-1, 0, inner)) * gate_up.slice(-1, inner);
     hidden = hidden + blocks_product(inputs, w[5], kind[3]).view({batch, fed, width});
+  }
+  return hidden;
+}
+
+// x [..., in] @ weight.T for a float32 weight [out, in], as fastlinear.weight_major computes
+// it by its plan's `method`: 0 the usual product; n > 0 weight-major, the rows padded with
+// zero rows to n (whose outputs are dropped).
+at::Tensor dense_product(const at::Tensor& x, const at::Tensor& weight, int64_t method) {
+  const at::Tensor flat = x.reshape({-1, x.size(-1)});
+  const int64_t rows = flat.size(0);
+  at::Tensor out;
+  if (method == 0) {
+    out = at::matmul(flat, weight.t());
+  } else {
+    TORCH_CHECK(method >= rows, "llama_step: a weight-major product pads, never cuts, its rows");
+    const at::Tensor padded =
+        method > rows ? at::constant_pad_nd(flat, {0, 0, 0, method - rows}, 0) : flat;
+    out = at::matmul(weight, padded.t()).t().slice(0, 0, rows).contiguous();
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = weight.size(0);
+  return out.reshape(sizes);
+}
+
+// llama_step for float32 weights as the lean forward multiplies them (fastlinear's planned
+// products, q, k and v apart, q and k rotated apart). Per layer l: weights[9l .. 9l+8] =
+// input norm, q, k, v, o, post-attention norm, gate, up, down; methods[7l .. 7l+6] the
+// products' plans (dense_product) for this step's rows.
+at::Tensor llama_step_dense(const at::Tensor& hidden_in, const at::Tensor& cos,
+                            const at::Tensor& sin, at::TensorList weights,
+                            at::IntArrayRef methods, at::TensorList keys, at::TensorList values,
+                            at::IntArrayRef written, const c10::optional<at::Tensor>& mask,
+                            int64_t attend, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                            double eps, double scaling, bool gqa) {
+  const Step s{cos, sin, keys, values, written, mask, attend, heads, kv_heads, head_dim,
+               eps, scaling, gqa};
+  check_step(hidden_in, s, weights.size(), methods.size(), 9, 7);
+  const int64_t batch = hidden_in.size(0), fed = hidden_in.size(1), width = hidden_in.size(2);
+  at::Tensor hidden = hidden_in;
+  for (int64_t l = 0; l < static_cast<int64_t>(keys.size()); ++l) {
+    const at::Tensor* w = weights.data() + 9 * l;
+    const int64_t* m = methods.data() + 7 * l;
+    const at::Tensor normed = rms_norm(hidden, w[0], eps);
+    const at::Tensor q = rotated(dense_product(normed, w[1], m[0])
+                                     .view({batch, fed, heads, head_dim}), cos, sin);
+    const at::Tensor k = rotated(dense_product(normed, w[2], m[1])
+                                     .view({batch, fed, kv_heads, head_dim}), cos, sin);
+    const at::Tensor v = dense_product(normed, w[3], m[2]).view({batch, fed, kv_heads, head_dim});
+    hidden = hidden + dense_product(attended(s, l, q, k, v), w[4], m[3]);
+    const at::Tensor inner = rms_norm(hidden, w[5], eps);
+    const at::Tensor inputs =
+        at::silu(dense_product(inner, w[6], m[4])) * dense_product(inner, w[7], m[5]);
+    hidden = hidden + dense_product(inputs, w[8], m[6]);
   }
   return hidden;
 }
@@ -500,6 +582,10 @@ TORCH_LIBRARY(batchspec_gguf, m) {
   m.def("dequantize_q8_0(Tensor blocks, int in_features) -> Tensor");
   m.def("linear_with(Tensor x, Tensor blocks, int in_features, bool q4_1, int isa) -> Tensor");
   m.def("best_isa() -> int");
+  m.def("llama_step_dense(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, "
+        "int[] methods, Tensor(a!)[] keys, Tensor(b!)[] values, int[] written, Tensor? mask, "
+        "int attend, int heads, int kv_heads, int head_dim, float eps, float scaling, "
+        "bool gqa) -> Tensor");
   m.def("llama_step(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, "
         "Tensor(a!)[] keys, Tensor(b!)[] values, int[] written, Tensor? mask, int attend, "
         "int heads, int kv_heads, int head_dim, float eps, float scaling, bool gqa) -> Tensor");
@@ -512,6 +598,7 @@ TORCH_LIBRARY_IMPL(batchspec_gguf, CPU, m) {
   m.impl("dequantize_q8_0", dequantize_q8_0);
   m.impl("linear_with", linear_with);
   m.impl("llama_step", llama_step);
+  m.impl("llama_step_dense", llama_step_dense);
 }
 
 TORCH_LIBRARY_IMPL(batchspec_gguf, CompositeExplicitAutograd, m) { m.impl("best_isa", best_isa); }
