@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from batchspec.runtime import attention, fastlinear, gguf_blocks, decode_step
+from batchspec.runtime import attention, decode_step, fastlinear, gguf_blocks
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
 
