@@ -141,9 +141,16 @@ def to_model_cache(layers: list[LayerKV] | None) -> DynamicCache:
     cache = DynamicCache()
     cache.layer_class_to_replicate = AppendLayer
     buffers = getattr(layers, "buffers", None) or [None] * len(layers or ())
+    # what transformers sets up for a layer of these tensors (the same for every layer of a
+    # model: its device and dtype), made once and given to each layer
+    state = None
     for (keys, values), buffer in zip(layers or (), buffers):
         layer = AppendLayer()
-        layer.lazy_initialization(keys, values)
+        if state is None:
+            layer.lazy_initialization(keys, values)
+            state = dict(vars(layer))
+        else:
+            vars(layer).update(state)
         layer.keys, layer.values, layer.buffer = keys, values, buffer
         cache.layers.append(layer)
     return cache
