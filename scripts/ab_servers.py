@@ -22,10 +22,15 @@ import sys
 from batchspec import cliargs
 
 
-def parse_server(text: str) -> tuple[str, list[str]]:
-    name, sep, flags = text.partition("=")
+def parse_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
     if not sep or not name:
-        raise argparse.ArgumentTypeError(f"--server takes NAME=FLAGS, not {text!r}")
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, not {text!r}")
+    return name, value
+
+
+def parse_server(text: str) -> tuple[str, list[str]]:
+    name, flags = parse_pair(text)
     return name, shlex.split(flags)
 
 
@@ -34,7 +39,7 @@ def main() -> int:
     parser.add_argument("--server", type=parse_server, action="append", required=True,
                         help="NAME=FLAGS of `batchspec serve` (repeat; the first is the "
                              "yardstick)")
-    parser.add_argument("--build", type=parse_server, action="append", default=[],
+    parser.add_argument("--build", type=parse_pair, action="append", default=[],
                         help="NAME=DIR: server NAME runs the source tree DIR (a checkout of "
                              "another commit) instead of the installed batchspec")
     parser.add_argument("--concurrency", default="1", help="client counts, comma-separated")
@@ -49,9 +54,9 @@ def main() -> int:
     names = [name for name, _ in args.server]
     if len(set(names)) != len(names):
         parser.error("each --server needs its own name")
-    builds = {name: dirs for name, dirs in args.build}
-    if set(builds) - set(names) or any(len(d) != 1 for d in builds.values()):
-        parser.error("--build takes NAME=DIR for a NAME of --server")
+    builds = {name: os.path.abspath(tree) for name, tree in args.build}
+    if set(builds) - set(names) or not all(os.path.isdir(t) for t in builds.values()):
+        parser.error("--build takes NAME=DIR, a NAME of --server and a source tree DIR")
 
     from batchspec.runtime import models
     from batchspec_tools.data import bench_prompts
@@ -66,7 +71,7 @@ def main() -> int:
             ports[name] = free_port()
             # a build's tree first on the path: the working directory (`-m` puts it first)
             # and PYTHONPATH (for the services it starts)
-            tree = os.path.abspath(builds[name][0]) if name in builds else None
+            tree = builds.get(name)
             env = dict(os.environ, PYTHONPATH=tree) if tree else None
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "batchspec_tools.cli", "serve", "--port",

@@ -98,11 +98,10 @@ class Decoder:
         products' plans)."""
         batch, fed, _ = hidden.shape
         layers = getattr(cache, "layers", ())
-        per_layer = 9 if self.shapes else 6
         return (batch * fed <= self.max_rows and (fed == 1 or mask is not None)
                 and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
                 and not torch.is_grad_enabled() and fastlinear.valid_positions() is None
-                and len(layers) * per_layer == len(self.weights)
+                and len(layers) * self._per_layer == len(self.weights)
                 and all(isinstance(layer, kvcache.AppendLayer) and layer.is_initialized
                         and layer.keys.dim() == 4 for layer in layers))
 
@@ -127,6 +126,11 @@ class Decoder:
             layer.keys, layer.values = buffer.advanced(fed)
         return hidden
 
+    @property
+    def _per_layer(self) -> int:
+        """Weights a layer hands the C++ step (see `weights`)."""
+        return 9 if self.shapes else 6
+
     def _methods(self, rows: int) -> list[int] | None:
         """Each float32 product's method for `rows` rows as fastlinear.weight_major takes it
         (0: the usual product; n: weight-major over n rows), for every layer; None where one
@@ -137,7 +141,7 @@ class Decoder:
             if method == fastlinear.PACKED:
                 return None
             methods.append(fastlinear.USUAL if rows > fastlinear.MAX_ROWS else method)
-        return methods * (len(self.weights) // 9)
+        return methods * (len(self.weights) // self._per_layer)
 
     def _attention(self, fed: int, mask: torch.Tensor | None):
         """(way to attend, the mask SDPA takes, enable_gqa) as grouped_sdpa and transformers'

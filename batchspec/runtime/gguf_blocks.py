@@ -77,7 +77,8 @@ def _build_and_load() -> bool:
         return True
     except Exception as error:  # no compiler, no headers, a read-only cache: serve float32
         log.warning("cannot build the GGUF block kernels (%s): GGUF models are served in "
-                    "float32", str(error).splitlines()[0] if str(error) else type(error).__name__)
+                    "float32, and no step runs in one C++ call",
+                    str(error).splitlines()[0] if str(error) else type(error).__name__)
         return False
 
 

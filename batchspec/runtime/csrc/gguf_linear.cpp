@@ -471,7 +471,7 @@ at::Tensor attended(const Step& s, int64_t l, const at::Tensor& q_rows, const at
   } else {
     out = at::scaled_dot_product_attention(q, key, value, s.mask, 0.0, false, s.scaling, s.gqa);
   }
-  return out.transpose(1, 2).contiguous().reshape({batch, fed, -1}).contiguous();
+  return out.transpose(1, 2).contiguous().reshape({batch, fed, -1});
 }
 
 void check_step(const at::Tensor& hidden, const Step& s, size_t weights, size_t kinds,
