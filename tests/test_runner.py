@@ -351,16 +351,19 @@ def test_rows_that_leave_and_join_keep_the_batch_and_every_rows_logits(model_dir
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "head", "gguf"])
-def test_the_lean_forward_gives_transformers_logits_bit_for_bit(model_dirs, arch, tmp_path):
+def test_the_lean_forward_gives_transformers_logits_bit_for_bit(model_dirs, arch, tmp_path,
+                                                                monkeypatch):
     """The runtime's own forward does what transformers' forward does: prompts of several
     lengths prefilled together, then ragged verifies over a batch with holes (masked) and
     plain steps, give the same logits and final hidden states as the transformers forward,
     bit for bit; a GGUF model's included (its projections joined, its norms and rotations
-    inline)."""
-    from batchspec.runtime import gguf_blocks, tiny
+    inline; its steps in one C++ call, which round otherwise, are tested apart)."""
+    from batchspec.runtime import decode_step, gguf_blocks, tiny
 
     if arch == "gguf" and not gguf_blocks.load() and not os.environ.get("CI"):
         pytest.skip("no C++ compiler to build the GGUF kernels")  # in CI they must build
+    if arch == "gguf":
+        monkeypatch.setattr(decode_step.Decoder, "__call__", lambda self, *args: None)
     path = tiny.save_feature_head(model_dirs["llama"][0], tmp_path / "head") \
         if arch == "head" else tiny.save_gguf(tmp_path) if arch == "gguf" \
         else model_dirs[arch][0]
@@ -402,20 +405,17 @@ def test_the_lean_forward_gives_transformers_logits_bit_for_bit(model_dirs, arch
         lengths = {i: n + k for (i, n), k in zip(lengths.items(), kept)}
 
 
-@pytest.mark.parametrize("weights", ["gguf", "float32"])
-def test_a_step_in_one_call_gives_transformers_logits_bit_for_bit(model_dirs, weights, tmp_path,
-                                                                  monkeypatch):
-    """Steps of a GGUF model, or of a float32 one, that feed every row one position, or the
-    same number of drafts under the causal mask, run all layers in one C++ call
-    (decode_step); their logits and hidden states are transformers' forward's bit for bit,
-    past the point where every layer's buffer must move to a larger one, and for a row alone
-    after its batch."""
-    from batchspec.runtime import decode_step, gguf_blocks, tiny
+def test_a_float32_step_in_one_call_gives_transformers_logits_bit_for_bit(model_dirs,
+                                                                          monkeypatch):
+    """Steps of a float32 model that feed every row one position, or the same number of
+    drafts under the causal mask, run all layers in one C++ call (decode_step); their logits
+    and hidden states are transformers' forward's bit for bit, past the point where every
+    layer's buffer must move to a larger one, and for a row alone after its batch."""
+    from batchspec.runtime import decode_step, gguf_blocks
 
     if not gguf_blocks.load() and not os.environ.get("CI"):
         pytest.skip("no C++ compiler to build the GGUF kernels")  # in CI they must build
-    model = models.load_causal_lm(tiny.save_gguf(tmp_path), dtype="auto") \
-        if weights == "gguf" else models.load_causal_lm(model_dirs["llama"][0])
+    model = models.load_causal_lm(model_dirs["llama"][0])
     runners = [runner_lib.ModelRunner(model, name="gguf", device=torch.device("cpu"),
                                       eos_token_ids=[], max_context_len=256, lean=lean)
                for lean in (True, False)]
@@ -424,8 +424,7 @@ def test_a_step_in_one_call_gives_transformers_logits_bit_for_bit(model_dirs, we
     monkeypatch.setattr(decode_step.Decoder, "__call__",
                         lambda self, *args: taken.append(call(self, *args)) or taken[-1])
     rng = random.Random(5)
-    # float32: five rows of four drafts pass fastlinear.MAX_ROWS (the usual product)
-    batch = 3 if weights == "gguf" else 5
+    batch = 5  # five rows of four drafts pass fastlinear.MAX_ROWS (the usual product)
     prompts = {i: [rng.randrange(4, 90) for _ in range(7)] for i in range(batch)}
     for runner in runners:
         runner.prefill(list(prompts.items()))
@@ -450,3 +449,55 @@ def test_a_step_in_one_call_gives_transformers_logits_bit_for_bit(model_dirs, we
                 runner.release([i for i in prompts if i != 1])
     # every step of the lean runner took the one-call step (the prefill did not)
     assert sum(t is not None for t in taken) == 40
+
+
+def test_a_gguf_step_computes_each_position_as_a_step_of_it_alone(tmp_path, monkeypatch):
+    """A GGUF model's steps run in one C++ call (decode_step, csrc/step_ops.h): a batch
+    verifying drafts under holes left by rejected ones gives each kept position's logits and
+    hidden states bit for bit as steps of its row alone, one position at a time, give them;
+    and transformers' forward's up to rounding (the products' and softmax's summation order)."""
+    from batchspec.runtime import decode_step, gguf_blocks, tiny
+
+    if not gguf_blocks.load() and not os.environ.get("CI"):
+        pytest.skip("no C++ compiler to build the GGUF kernels")  # in CI they must build
+    model = models.load_causal_lm(tiny.save_gguf(tmp_path), dtype="auto")
+    batched, alone, stock = [
+        runner_lib.ModelRunner(model, name="gguf", device=torch.device("cpu"), eos_token_ids=[],
+                               max_context_len=256, lean=lean) for lean in (True, True, False)]
+    taken = []
+    call = decode_step.Decoder.__call__
+    monkeypatch.setattr(decode_step.Decoder, "__call__",
+                        lambda self, *args: taken.append(call(self, *args)) or taken[-1])
+    rng = random.Random(5)
+    prompts = {i: [rng.randrange(4, 90) for _ in range(7 + 2 * i)] for i in range(3)}
+    for runner in (batched, alone, stock):
+        runner.prefill(list(prompts.items()))
+    lengths = {i: len(p) for i, p in prompts.items()}
+    steps = 30  # the batch's
+    for step in range(30):
+        fed = 4 if step % 3 == 0 else 1  # a verify of drafts, or a decode step
+        tokens = torch.tensor([[rng.randrange(4, 90) for _ in range(fed)] for _ in prompts])
+        kept = [rng.randint(1, fed) for _ in prompts]
+        results = []
+        for runner in (batched, stock):
+            group = runner.open_group([runner_lib.RowSpec(i, n, n, [0] * fed)
+                                       for i, n in lengths.items()], realign=True)
+            results.append((group.step(tokens, num_logits=fed, keep_hidden=True),
+                            group.hidden))
+            runner.store(list(lengths), group.rows_after([lengths[i] + k for i, k in
+                                                          zip(prompts, kept)]))
+        (logits, hidden), (stock_logits, stock_hidden) = results
+        for row, (i, n) in enumerate(lengths.items()):
+            torch.testing.assert_close(logits[row], stock_logits[row], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(hidden[row], stock_hidden[row], rtol=1e-4, atol=1e-4)
+            for j in range(kept[row]):  # the kept positions, one step each, the row alone
+                group = alone.open_group([runner_lib.RowSpec(i, n + j, n + j, [0])],
+                                         realign=False)
+                one = group.step(tokens[row:row + 1, j:j + 1], num_logits=1, keep_hidden=True)
+                alone.store([i], group.rows_after([n + j + 1]))
+                assert torch.equal(one[0, 0], logits[row, j])
+                assert torch.equal(group.hidden[0, 0], hidden[row, j])
+        lengths = {i: n + k for (i, n), k in zip(lengths.items(), kept)}
+        steps += sum(kept)
+    # every step of the two lean runners took the one-call step (their prefills did not)
+    assert sum(t is not None for t in taken) == steps

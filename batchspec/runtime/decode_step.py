@@ -77,7 +77,7 @@ class Decoder:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         groups = heads // kv_heads
         gqa = _sdpa_gqa(groups, attn.head_dim, masked=False)
-        if gqa is None or len(set(norms)) != 1 or \
+        if (gqa is None and shapes) or len(set(norms)) != 1 or \
                 len({layer.self_attn.scaling for layer in layers}) != 1 or \
                 any(w.dtype != torch.float32 or w.device.type != "cpu"
                     for w in weights if w.dtype != torch.uint8):
@@ -111,8 +111,11 @@ class Decoder:
         the step (see the module docstring)."""
         if not self._takes(hidden, cache, mask):
             return None
-        attend, mask, gqa = self._attention(hidden.shape[1], mask)
-        kinds = self._methods(hidden.shape[0] * hidden.shape[1]) if self.shapes else self.kinds
+        if self.shapes:  # as the lean forward: its products' plans and SDPA calls
+            attend, mask, gqa = self._attention(hidden.shape[1], mask)
+            kinds = self._methods(hidden.shape[0] * hidden.shape[1])
+        else:  # over blocks: every query attends where the mask says (csrc/step_ops.h)
+            attend, gqa, kinds = DIRECT, False, self.kinds
         if attend is None or kinds is None:
             return None
         step = torch.ops.batchspec_gguf.llama_step_dense if self.shapes \

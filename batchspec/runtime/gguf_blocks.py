@@ -26,6 +26,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "gguf_linear.cpp"
+HEADERS = [SOURCE.with_name("step_ops.h")]  # what SOURCE includes
 # The block types the kernels read: GGUF type name -> Blocks.kind
 KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
 # GGUF tensor names of a Llama-family model's linear layers, by module name suffix
@@ -43,7 +44,8 @@ def build_dir() -> pathlib.Path:
     """Where the kernels are built: keyed by their source and the torch version."""
     from batchspec.runtime import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in (SOURCE, *HEADERS))
+                         + " ".join(FLAGS).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     return cache_dir.user_cache_dir() / "kernels" / key
 

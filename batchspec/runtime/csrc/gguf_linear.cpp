@@ -19,6 +19,8 @@
 #include <cstring>
 #include <immintrin.h>
 
+#include "step_ops.h"
+
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -492,6 +494,9 @@ void check_step(const at::Tensor& hidden, const Step& s, size_t weights, size_t 
 // hidden [batch, new, width] -> hidden after every layer (before the final norm). Per layer l:
 // weights[6l .. 6l+5] = input norm, joined q/k/v blocks, o blocks, post-attention norm,
 // joined gate/up blocks, down blocks; kinds[4l .. 4l+3] their block kinds (1: Q4_1, 0: Q8_0).
+// Beside the products, the row-wise work is step_ops' (a position's result independent of the
+// step it is in); `attend` and `gqa` are not needed: every query attends where `mask` says,
+// or causally without one.
 at::Tensor llama_step(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                       at::TensorList weights, at::IntArrayRef kinds, at::TensorList keys,
                       at::TensorList values, at::IntArrayRef written,
@@ -502,22 +507,56 @@ at::Tensor llama_step(const at::Tensor& hidden_in, const at::Tensor& cos, const 
                eps, scaling, gqa};
   check_step(hidden_in, s, weights.size(), kinds.size(), 6, 4);
   const int64_t batch = hidden_in.size(0), fed = hidden_in.size(1), width = hidden_in.size(2);
-  at::Tensor hidden = hidden_in;
+  const int64_t rows = batch * fed, inner_width = heads * head_dim;
+  TORCH_CHECK(hidden_in.scalar_type() == at::kFloat && heads % kv_heads == 0 &&
+                  head_dim % 2 == 0 && head_dim <= step_ops::kMaxHeadDim,
+              "llama_step: float32 hidden states; heads grouped over the key/value heads; an "
+              "even head_dim of at most ", step_ops::kMaxHeadDim);
+  TORCH_CHECK(cos.numel() == rows * head_dim && sin.numel() == rows * head_dim,
+              "llama_step: cos and sin hold head_dim values per position fed");
+  TORCH_CHECK(!mask.has_value() || (mask->scalar_type() == at::kBool && mask->dim() == 4 &&
+                                    mask->size(0) == batch && mask->size(2) == fed),
+              "llama_step: the mask is bool [batch, 1, fed, columns]");
+  const at::Tensor cos_rows = cos.contiguous(), sin_rows = sin.contiguous();
+  at::Tensor hidden = hidden_in.reshape({rows, width}).clone();  // summed into in place
+  at::Tensor normed = at::empty({rows, width}, hidden.options());
+  at::Tensor attended_rows = at::empty({rows, inner_width}, hidden.options());
+  float* h = hidden.data_ptr<float>();
+  const int64_t isa = best_isa();
   for (int64_t l = 0; l < static_cast<int64_t>(keys.size()); ++l) {
     const at::Tensor* w = weights.data() + 6 * l;
     const int64_t* kind = kinds.data() + 4 * l;
-    const at::Tensor qkv = blocks_product(rms_norm(hidden, w[0], eps), w[1], kind[0])
-                               .view({batch, fed, heads + 2 * kv_heads, head_dim});
-    const at::Tensor qk = rotated(qkv.slice(2, 0, heads + kv_heads), cos, sin);
-    const at::Tensor out = attended(s, l, qk.slice(2, 0, heads), qk.slice(2, heads),
-                                    qkv.slice(2, heads + kv_heads));
-    hidden = hidden + blocks_product(out, w[2], kind[1]).view({batch, fed, width});
-    const at::Tensor gate_up = blocks_product(rms_norm(hidden, w[3], eps), w[4], kind[2]);
-    const int64_t inner = gate_up.size(-1) / 2;
-    const at::Tensor inputs = at::silu(gate_up.slice(-1, 0, inner)) * gate_up.slice(-1, inner);
-    hidden = hidden + blocks_product(inputs, w[5], kind[3]).view({batch, fed, width});
+    const int64_t column = written[l];
+    TORCH_CHECK(keys[l].scalar_type() == at::kFloat && keys[l].dim() == 4 &&
+                    keys[l].stride(3) == 1 && keys[l].strides() == values[l].strides() &&
+                    keys[l].size(0) == batch && keys[l].size(1) == kv_heads &&
+                    keys[l].size(3) == head_dim && column + fed <= keys[l].size(2),
+                "llama_step: layer ", l, "'s keys and values are float32 [batch, kv_heads, "
+                "columns, head_dim] alike, with free columns");
+    TORCH_CHECK(!mask.has_value() || mask->size(3) == column + fed,
+                "llama_step: the mask covers every column of layer ", l);
+    step_ops::rms_norm(h, w[0].data_ptr<float>(), rows, width, static_cast<float>(eps),
+                       normed.data_ptr<float>());
+    at::Tensor qkv = linear(normed, w[1], width, kind[0] == 1, isa);
+    step_ops::rotate(qkv.data_ptr<float>(), rows, heads + kv_heads, qkv.size(1), head_dim,
+                     cos_rows.data_ptr<float>(), sin_rows.data_ptr<float>());
+    const step_ops::Cache cache{keys[l].data_ptr<float>(), values[l].data_ptr<float>(),
+                                {keys[l].stride(0), keys[l].stride(1), keys[l].stride(2)}};
+    step_ops::attention(qkv.data_ptr<float>(), batch, fed, heads, kv_heads, head_dim, cache,
+                        column, mask, static_cast<float>(scaling),
+                        attended_rows.data_ptr<float>());
+    step_ops::add_into(h, linear(attended_rows, w[2], inner_width, kind[1] == 1, isa)
+                              .data_ptr<float>(), rows * width);
+    step_ops::rms_norm(h, w[3].data_ptr<float>(), rows, width, static_cast<float>(eps),
+                       normed.data_ptr<float>());
+    const at::Tensor gate_up = linear(normed, w[4], width, kind[2] == 1, isa);
+    const int64_t inner = gate_up.size(1) / 2;
+    at::Tensor inputs = at::empty({rows, inner}, hidden.options());
+    step_ops::silu_gate(gate_up.data_ptr<float>(), rows, inner, inputs.data_ptr<float>());
+    step_ops::add_into(h, linear(inputs, w[5], inner, kind[3] == 1, isa).data_ptr<float>(),
+                       rows * width);
   }
-  return hidden;
+  return hidden.view({batch, fed, width});
 }
 
 // x [..., in] @ weight.T for a float32 weight [out, in], as fastlinear.weight_major computes

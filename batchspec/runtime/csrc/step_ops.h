@@ -1,0 +1,215 @@
+// The row-wise work of a decode step beside its products, fused: RMS norm, rotation, attention
+// over a layer's cache, the SiLU gate and the residual sums, each one loop over plain floats
+// instead of a handful of ATen calls (a one-row step of a 30-layer model makes ~900 of them,
+// and their dispatch cost more than the work).
+//
+// Invariants:
+// - One fixed order of operations per row and per query: a position's result depends only on
+//   its own inputs and on the real (unmasked) keys before it, in order; never on the batch,
+//   the positions fed with it, where its keys sit in the cache (pads, holes), the threads or
+//   the instruction set. So a verify of drafts computes each position exactly as a decode step
+//   of that position alone does.
+// - Plain multiplies and adds, never fused (the file is built with -ffp-contract=off): the
+//   compiler's vector code for a loop (AVX2 or AVX-512 clones where the CPU has them, SSE2
+//   elsewhere) rounds every lane as the scalar code does.
+// - Against ATen's operations (the lean forward) the results differ only by rounding: the
+//   sums' order, and exp evaluated by its own polynomial (within 2 ulp).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace step_ops {
+
+constexpr int kLanes = 8;
+constexpr int64_t kMaxHeadDim = 512;
+
+#define STEP_OPS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+// Eight partial sums, then pairwise, as gguf_linear.cpp's lanes_sum.
+__attribute__((always_inline)) inline float lanes_sum(const float* lane) {
+  const float a = lane[0] + lane[4], b = lane[1] + lane[5];
+  const float c = lane[2] + lane[6], e = lane[3] + lane[7];
+  return (a + c) + (b + e);
+}
+
+// sum of x[i] * y[i], element i into lane i % 8.
+__attribute__((always_inline)) inline float dot(const float* x, const float* y, int64_t n) {
+  float lane[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane[l] += x[i + l] * y[i + l];
+  for (; i < n; ++i) lane[i % kLanes] += x[i] * y[i];
+  return lanes_sum(lane);
+}
+
+// e^x for x in float32, Cephes' polynomial (within 2 ulp); inputs beyond +-88.3 are clamped
+// (e^-88.3 ~ 5e-39 stands for 0 next to any sum it joins). Plain float arithmetic, so a
+// vector lane computes what the scalar code does.
+__attribute__((always_inline)) inline float exp_poly(float x) {
+  x = x < -88.3f ? -88.3f : (x > 88.3f ? 88.3f : x);
+  // n = round(x / ln 2), by the float's own rounding past 2^23
+  const float magic = 12582912.0f;  // 1.5 * 2^23
+  const float n = (x * 1.44269504088896341f + magic) - magic;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  // times 2^n, n in [-128, 128]: in two halves so that neither leaves the exponent's range
+  const int32_t k = static_cast<int32_t>(n);
+  const int32_t k1 = k / 2, k2 = k - k1;
+  int32_t b1 = (k1 + 127) << 23, b2 = (k2 + 127) << 23;
+  float s1, s2;
+  std::memcpy(&s1, &b1, sizeof(s1));
+  std::memcpy(&s2, &b2, sizeof(s2));
+  return (y * s1) * s2;
+}
+
+// out[r] = weight * (x[r] * 1 / sqrt(mean(x[r]^2) + eps)), rows of `width`.
+STEP_OPS_CLONES void rms_norm(const float* x, const float* weight, int64_t rows, int64_t width,
+                              float eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * width;
+    float* o = out + r * width;
+    const float inv = 1.0f / std::sqrt(dot(xr, xr, width) / static_cast<float>(width) + eps);
+    for (int64_t i = 0; i < width; ++i) o[i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+// x [rows, heads, head_dim] rotated in place by row r's cos/sin [head_dim] (rows of `angles`
+// apart): the first half x1 * cos - x2 * sin, the second x2 * cos + x1 * sin.
+STEP_OPS_CLONES void rotate(float* x, int64_t rows, int64_t heads, int64_t row_stride,
+                            int64_t head_dim, const float* cos, const float* sin) {
+  const int64_t half = head_dim / 2;
+  float first[kMaxHeadDim / 2];  // (head_dim <= kMaxHeadDim: the caller checks)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos + r * head_dim;
+    const float* s = sin + r * head_dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + r * row_stride + h * head_dim;
+      std::memcpy(first, v, half * sizeof(float));
+      for (int64_t i = 0; i < half; ++i) v[i] = v[i] * c[i] - v[i + half] * s[i];
+      for (int64_t i = 0; i < half; ++i)
+        v[i + half] = v[i + half] * c[i + half] + first[i] * s[i + half];
+    }
+  }
+}
+
+// out = silu(gate) * up, gate and up the halves of each row of gate_up [rows, 2 * inner].
+STEP_OPS_CLONES void silu_gate(const float* gate_up, int64_t rows, int64_t inner, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up + r * 2 * inner;
+    const float* u = g + inner;
+    float* o = out + r * inner;
+    for (int64_t i = 0; i < inner; ++i) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
+  }
+}
+
+// x += y, elementwise.
+STEP_OPS_CLONES void add_into(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];
+}
+
+// A layer's cache: keys and values [batch, kv_heads, capacity, head_dim] by their strides
+// (the last dimension contiguous).
+struct Cache {
+  float* keys;
+  float* values;
+  int64_t stride[3];  // batch, head, column (in floats; the values' the same)
+};
+
+// The attention of one query over its real keys, `picked` (n columns, in order): their scores
+// against q, softmax, the values summed in the same order. `scores` has room for n floats.
+// out [head_dim].
+STEP_OPS_CLONES void attend_query(const float* q, const float* keys, const float* values,
+                                  int64_t column_stride, const int64_t* picked, int64_t n,
+                                  int64_t head_dim, float scaling, float* scores, float* out) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) {
+    scores[i] = dot(q, keys + picked[i] * column_stride, head_dim) * scaling;
+    top = scores[i] > top ? scores[i] : top;
+  }
+  float lane[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      scores[i + l] = exp_poly(scores[i + l] - top);
+      lane[l] += scores[i + l];
+    }
+  for (; i < n; ++i) {
+    scores[i] = exp_poly(scores[i] - top);
+    lane[i % kLanes] += scores[i];
+  }
+  const float total = lanes_sum(lane);
+  for (int64_t d = 0; d < head_dim; ++d) out[d] = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = scores[j];
+    const float* v = values + picked[j] * column_stride;
+    for (int64_t d = 0; d < head_dim; ++d) out[d] += p * v[d];
+  }
+  for (int64_t d = 0; d < head_dim; ++d) out[d] = out[d] / total;
+}
+
+// qkv [batch * fed, (heads + 2 * kv_heads) * head_dim] (q and k rotated): its keys and values
+// written into the cache at columns [column, column + fed), then each query attends to its
+// row's columns [0, column + fed) where `mask` [batch, 1, fed, column + fed] (bool, any
+// strides) is true, or, without a mask, to every column up to its own. out [batch * fed,
+// heads * head_dim].
+inline void attention(const float* qkv, int64_t batch, int64_t fed, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, const Cache& cache, int64_t column,
+                      const c10::optional<at::Tensor>& mask, float scaling, float* out) {
+  const int64_t width = (heads + 2 * kv_heads) * head_dim;
+  const int64_t groups = heads / kv_heads;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t j = 0; j < fed; ++j)
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const float* k = qkv + (b * fed + j) * width + (heads + h) * head_dim;
+        const int64_t at = b * cache.stride[0] + h * cache.stride[1] +
+                           (column + j) * cache.stride[2];
+        std::memcpy(cache.keys + at, k, head_dim * sizeof(float));
+        std::memcpy(cache.values + at, k + kv_heads * head_dim, head_dim * sizeof(float));
+      }
+  const int64_t columns = column + fed;
+  const bool* mp = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
+  const int64_t ms0 = mask.has_value() ? mask->stride(0) : 0;
+  const int64_t ms2 = mask.has_value() ? mask->stride(2) : 0;
+  const int64_t ms3 = mask.has_value() ? mask->stride(3) : 0;
+  // one task per (row, key/value head): its query heads' queries of every position fed
+  const int64_t work = batch * heads * fed * columns * head_dim;
+  const int64_t grain = work > (1 << 17) ? 1 : batch * kv_heads;
+  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(columns);
+    std::vector<int64_t> picked(columns);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const int64_t base = b * cache.stride[0] + h * cache.stride[1];
+      for (int64_t j = 0; j < fed; ++j) {
+        int64_t n = 0;  // the real columns of query j, in order
+        const bool* row = mp == nullptr ? nullptr : mp + b * ms0 + j * ms2;
+        for (int64_t c = 0; c < columns; ++c)
+          if (row != nullptr ? row[c * ms3] : c <= column + j) picked[n++] = c;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t head = h * groups + g;
+          attend_query(qkv + (b * fed + j) * width + head * head_dim, cache.keys + base,
+                       cache.values + base, cache.stride[2], picked.data(), n, head_dim,
+                       scaling, scores.data(),
+                       out + (b * fed + j) * heads * head_dim + head * head_dim);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace step_ops
