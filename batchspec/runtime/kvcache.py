@@ -39,6 +39,7 @@ class Buffer:
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, written: int):
         self.keys, self.values, self.written = keys, values, written
+        self._last: tuple[int, LayerKV] | None = None  # (columns, its views): asked again
 
     @classmethod
     def empty(cls, like: torch.Tensor, batch: int, columns: int) -> "Buffer":
@@ -48,12 +49,18 @@ class Buffer:
         return cls(like.new_empty(shape), like.new_empty(shape), 0)
 
     def view(self, columns: int) -> LayerKV:
-        """Columns [0, columns) (columns <= written), as views."""
-        return self.keys[:, :, :columns], self.values[:, :, :columns]
+        """Columns [0, columns) (columns <= written), as views (the same ones when asked for
+        the same columns again: a step asks for each layer's a few times)."""
+        if self._last is None or self._last[0] != columns:
+            self._last = columns, (self.keys.narrow(2, 0, columns),
+                                   self.values.narrow(2, 0, columns))
+        return self._last[1]
 
     def ends(self, keys: torch.Tensor) -> bool:
         """Whether `keys` is this buffer's written columns, all of them (so what is appended
         after it may be written in place)."""
+        if self._last is not None and self._last[1][0] is keys:  # a view of ours
+            return self._last[0] == self.written
         return (keys.dim() == 4 and keys.data_ptr() == self.keys.data_ptr()
                 and keys.shape[0] == self.keys.shape[0] and keys.shape[2] == self.written
                 and keys.stride() == self.keys.stride())
