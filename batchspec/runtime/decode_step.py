@@ -2,22 +2,26 @@
 float32 weights as the lean forward multiplies them.
 
 Through the lean forward (forward.py) a step costs about fifty Python calls a layer around a
-handful of kernels. `llama_step` and `llama_step_dense` (csrc/gguf_linear.cpp) make the same
-ATen calls in the same order from C++: the input norm, the q/k/v products (joined over GGUF
-blocks; apart, by fastlinear's plan, over float32 weights), the rotation of q and k, the keys
-and values written into the layer's buffer, SDPA called as transformers' SDPA function and
-attention.grouped_sdpa call it (with the same mask), the o product, the post-attention norm,
-the gate/up products, SiLU and the down product. So its hidden states are the lean forward's
-bit for bit (tested), for the price of the kernels.
+handful of kernels. Both C++ steps (csrc/gguf_linear.cpp) run a layer as the lean forward
+does: the input norm, the q/k/v products (joined over GGUF blocks; apart, by fastlinear's
+plan, over float32 weights), the rotation of q and k, the keys and values written into the
+layer's buffer, attention under the same mask, the o product, the post-attention norm, the
+gate/up products, SiLU and the down product.
+- `llama_step_dense` makes the lean forward's ATen calls in the same order (SDPA called as
+  transformers' SDPA function and attention.grouped_sdpa call it), so its hidden states are
+  the lean forward's bit for bit (tested).
+- `llama_step` does the work beside its products in loops of its own (csrc/step_ops.h): a
+  position's hidden states are the same bit for bit whatever step, batch or cache layout it
+  is computed in (tested), and the lean forward's up to rounding, as its products are.
 
 It takes a step only where that holds: transformers' RMS norm and SiLU feed-forward; a model
 whose every layer multiplies by GGUF blocks (`forward._joined`), no more positions than every
 layer's blocks take; or one whose every linear layer is float32, bias-free, planned by
-fastlinear (patched) and not multiplied by the oneDNN-packed copy for this many rows; every
-position computed (no `fastlinear.only_positions` packing); a mask wherever more than one
-position a row is fed; attention that grouped_sdpa runs in one SDPA call; and a cache of the
-runtime's buffers (kvcache.AppendLayer) already holding the rows, on the CPU. Every other step
-takes the lean forward.
+fastlinear (patched) and not multiplied by the oneDNN-packed copy for this many rows, whose
+attention grouped_sdpa runs in one SDPA call; every position computed (no
+`fastlinear.only_positions` packing); a mask wherever more than one position a row is fed;
+and a cache of the runtime's buffers (kvcache.AppendLayer) already holding the rows, on the
+CPU. Every other step takes the lean forward.
 """
 import dataclasses
 import logging
@@ -111,20 +115,24 @@ class Decoder:
         the step (see the module docstring)."""
         if not self._takes(hidden, cache, mask):
             return None
+        attend, gqa, kinds = None, False, self.kinds  # over blocks: attention as the mask says
         if self.shapes:  # as the lean forward: its products' plans and SDPA calls
             attend, mask, gqa = self._attention(hidden.shape[1], mask)
             kinds = self._methods(hidden.shape[0] * hidden.shape[1])
-        else:  # over blocks: every query attends where the mask says (csrc/step_ops.h)
-            attend, gqa, kinds = DIRECT, False, self.kinds
-        if attend is None or kinds is None:
-            return None
-        step = torch.ops.batchspec_gguf.llama_step_dense if self.shapes \
-            else torch.ops.batchspec_gguf.llama_step
+            if attend is None or kinds is None:
+                return None
         fed = hidden.shape[1]
         buffers = [layer.room(fed, layer.keys) for layer in cache.layers]
-        hidden = step(hidden, cos, sin, self.weights, kinds, [b.keys for b in buffers],
-                      [b.values for b in buffers], [b.written for b in buffers], mask, attend,
-                      self.heads, self.kv_heads, self.head_dim, self.eps, self.scaling, gqa)
+        caches = [b.keys for b in buffers], [b.values for b in buffers], \
+            [b.written for b in buffers]
+        if self.shapes:
+            hidden = torch.ops.batchspec_gguf.llama_step_dense(
+                hidden, cos, sin, self.weights, kinds, *caches, mask, attend, self.heads,
+                self.kv_heads, self.head_dim, self.eps, self.scaling, gqa)
+        else:
+            hidden = torch.ops.batchspec_gguf.llama_step(
+                hidden, cos, sin, self.weights, kinds, *caches, mask, self.heads,
+                self.kv_heads, self.head_dim, self.eps, self.scaling)
         for layer, buffer in zip(cache.layers, buffers):
             layer.keys, layer.values = buffer.advanced(fed)
         return hidden

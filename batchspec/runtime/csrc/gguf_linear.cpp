@@ -403,10 +403,11 @@ at::Tensor dequantize_q8_0(const at::Tensor& blocks, int64_t in_features) {
   return dequantize(blocks, in_features, false);
 }
 
-// ---- a Llama-family step over GGUF blocks --------------------------------------------------
-// The same operations, in the same order and through the same ATen kernels, as the Python lean
-// forward (batchspec/runtime/forward.py) takes for the steps gguf_decode.py hands here: so the
-// same results, bit for bit (tested), without a Python call per operation.
+// ---- a Llama-family step in one call (the steps decode_step.py hands here) -----------------
+// Over float32 weights, llama_step_dense makes the Python lean forward's ATen calls
+// (batchspec/runtime/forward.py) in its order: the same results bit for bit (tested), without a
+// Python call per operation. Over GGUF blocks, llama_step does the work beside its products in
+// step_ops' loops instead.
 
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
   const at::Tensor variance = hidden.pow(2).mean(-1, /*keepdim=*/true);
@@ -417,12 +418,6 @@ at::Tensor rotated(const at::Tensor& x, const at::Tensor& cos, const at::Tensor&
   const int64_t half = x.size(-1) / 2;
   const at::Tensor turned = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
   return (x * cos) + (turned * sin);
-}
-
-at::Tensor blocks_product(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
-  const int64_t in_features = x.size(-1);
-  const at::Tensor flat = x.reshape({-1, in_features});
-  return linear(flat, blocks, in_features, kind == 1, best_isa());
 }
 
 // How a layer attends (as transformers' SDPA function and attention.grouped_sdpa call SDPA):
@@ -495,16 +490,14 @@ void check_step(const at::Tensor& hidden, const Step& s, size_t weights, size_t 
 // weights[6l .. 6l+5] = input norm, joined q/k/v blocks, o blocks, post-attention norm,
 // joined gate/up blocks, down blocks; kinds[4l .. 4l+3] their block kinds (1: Q4_1, 0: Q8_0).
 // Beside the products, the row-wise work is step_ops' (a position's result independent of the
-// step it is in); `attend` and `gqa` are not needed: every query attends where `mask` says,
-// or causally without one.
+// step it is in): every query attends where `mask` says, or causally without one.
 at::Tensor llama_step(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                       at::TensorList weights, at::IntArrayRef kinds, at::TensorList keys,
                       at::TensorList values, at::IntArrayRef written,
-                      const c10::optional<at::Tensor>& mask, int64_t attend, int64_t heads,
-                      int64_t kv_heads, int64_t head_dim, double eps, double scaling,
-                      bool gqa) {
-  const Step s{cos, sin, keys, values, written, mask, attend, heads, kv_heads, head_dim,
-               eps, scaling, gqa};
+                      const c10::optional<at::Tensor>& mask, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, double eps, double scaling) {
+  const Step s{cos, sin, keys, values, written, mask, kDirect, heads, kv_heads, head_dim,
+               eps, scaling, false};
   check_step(hidden_in, s, weights.size(), kinds.size(), 6, 4);
   const int64_t batch = hidden_in.size(0), fed = hidden_in.size(1), width = hidden_in.size(2);
   const int64_t rows = batch * fed, inner_width = heads * head_dim;
@@ -626,8 +619,8 @@ TORCH_LIBRARY(batchspec_gguf, m) {
         "int attend, int heads, int kv_heads, int head_dim, float eps, float scaling, "
         "bool gqa) -> Tensor");
   m.def("llama_step(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, "
-        "Tensor(a!)[] keys, Tensor(b!)[] values, int[] written, Tensor? mask, int attend, "
-        "int heads, int kv_heads, int head_dim, float eps, float scaling, bool gqa) -> Tensor");
+        "Tensor(a!)[] keys, Tensor(b!)[] values, int[] written, Tensor? mask, int heads, "
+        "int kv_heads, int head_dim, float eps, float scaling) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchspec_gguf, CPU, m) {
