@@ -115,23 +115,22 @@ class Decoder:
         the step (see the module docstring)."""
         if not self._takes(hidden, cache, mask):
             return None
-        attend, gqa, kinds = None, False, self.kinds  # over blocks: attention as the mask says
-        if self.shapes:  # as the lean forward: its products' plans and SDPA calls
-            attend, mask, gqa = self._attention(hidden.shape[1], mask)
-            kinds = self._methods(hidden.shape[0] * hidden.shape[1])
-            if attend is None or kinds is None:
-                return None
         fed = hidden.shape[1]
+        if self.shapes:  # as the lean forward: its products' plans and SDPA calls
+            attend, mask, gqa = self._attention(fed, mask)
+            methods = self._methods(hidden.shape[0] * fed)
+            if attend is None or methods is None:
+                return None
         buffers = [layer.room(fed, layer.keys) for layer in cache.layers]
         caches = [b.keys for b in buffers], [b.values for b in buffers], \
             [b.written for b in buffers]
         if self.shapes:
             hidden = torch.ops.batchspec_gguf.llama_step_dense(
-                hidden, cos, sin, self.weights, kinds, *caches, mask, attend, self.heads,
+                hidden, cos, sin, self.weights, methods, *caches, mask, attend, self.heads,
                 self.kv_heads, self.head_dim, self.eps, self.scaling, gqa)
-        else:
+        else:  # over blocks: every query attends where the mask says (csrc/step_ops.h)
             hidden = torch.ops.batchspec_gguf.llama_step(
-                hidden, cos, sin, self.weights, kinds, *caches, mask, self.heads,
+                hidden, cos, sin, self.weights, self.kinds, *caches, mask, self.heads,
                 self.kv_heads, self.head_dim, self.eps, self.scaling)
         for layer, buffer in zip(cache.layers, buffers):
             layer.keys, layer.values = buffer.advanced(fed)

@@ -87,12 +87,9 @@ inline void prefetch(const uint8_t* block) {
   __builtin_prefetch(block + kPrefetchBytes, 0, 3);
 }
 
-// Scalar path: eight lanes as the vector path keeps them, then summed pairwise the same way.
-float lanes_sum(const float* lane) {
-  const float a = lane[0] + lane[4], b = lane[1] + lane[5];
-  const float c = lane[2] + lane[6], e = lane[3] + lane[7];
-  return (a + c) + (b + e);
-}
+// Scalar path: eight lanes as the vector path keeps them, then summed pairwise the same way
+// (step_ops::lanes_sum).
+using step_ops::lanes_sum;
 
 void rows_scalar(bool q4_1, const uint8_t* wrow, int64_t blocks, const float* x, int64_t in,
                  int64_t rows, float* out, int64_t out_stride) {
@@ -501,7 +498,7 @@ at::Tensor llama_step(const at::Tensor& hidden_in, const at::Tensor& cos, const 
   check_step(hidden_in, s, weights.size(), kinds.size(), 6, 4);
   const int64_t batch = hidden_in.size(0), fed = hidden_in.size(1), width = hidden_in.size(2);
   const int64_t rows = batch * fed, inner_width = heads * head_dim;
-  TORCH_CHECK(hidden_in.scalar_type() == at::kFloat && heads % kv_heads == 0 &&
+  TORCH_CHECK(hidden_in.scalar_type() == at::kFloat && kv_heads > 0 && heads % kv_heads == 0 &&
                   head_dim % 2 == 0 && head_dim <= step_ops::kMaxHeadDim,
               "llama_step: float32 hidden states; heads grouped over the key/value heads; an "
               "even head_dim of at most ", step_ops::kMaxHeadDim);

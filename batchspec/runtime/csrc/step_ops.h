@@ -31,7 +31,7 @@ constexpr int64_t kMaxHeadDim = 512;
 
 #define STEP_OPS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
-// Eight partial sums, then pairwise, as gguf_linear.cpp's lanes_sum.
+// Eight partial sums, then pairwise (the block kernels sum their lanes so too).
 __attribute__((always_inline)) inline float lanes_sum(const float* lane) {
   const float a = lane[0] + lane[4], b = lane[1] + lane[5];
   const float c = lane[2] + lane[6], e = lane[3] + lane[7];
