@@ -10,7 +10,9 @@ tree DIR, so two builds are measured in one run), started once and kept; at each
 every server first answers one untimed request per client, then each round serves the whole
 prompt set to C closed-loop clients (each sends its next request when its last one ended),
 the servers taken in turn and their order reversed every other round, so a machine whose
-speed drifts moves them alike. Greedy requests, chat prompts through the target's template.
+speed drifts moves them alike. Chat prompts through the target's template; greedy requests,
+or with --temperature sampled ones (prompt i's request seeded i, so every server answers the
+same seeded requests and a plain server's answers are the yardstick's).
 """
 import argparse
 import os
@@ -49,7 +51,12 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=cliargs.positive_int, default=16)
     parser.add_argument("--max-new-tokens", type=cliargs.positive_int, default=64)
     parser.add_argument("--target", default="smollm2", help="the tokenizer's model")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample every request at this temperature (default: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="the sampled requests' top_p")
     args = parser.parse_args()
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        parser.error("--temperature must be >= 0 and --top-p in (0, 1]")
     clients = [int(c) for c in args.concurrency.split(",") if c]
     names = [name for name, _ in args.server]
     if len(set(names)) != len(names):
@@ -100,13 +107,16 @@ def measure(ports: dict, names: list[str], prompts, clients, args) -> dict:
     channels = {n: grpc.insecure_channel(f"127.0.0.1:{ports[n]}") for n in names}
     stubs = {n: generate_pb2_grpc.CoordinatorStub(c) for n, c in channels.items()}
     runs: dict[tuple[str, int], list] = {}
+    sampled = dict(temperature=args.temperature, top_p=args.top_p) if args.temperature else {}
+    fields = (lambda i: dict(sampled, seed=i)) if sampled else None
     for count in clients:
         for name in names:  # untimed: a request per client
-            arrivals.run_closed_loop(stubs[name], prompts[:count], args.max_new_tokens, count)
+            arrivals.run_closed_loop(stubs[name], prompts[:count], args.max_new_tokens, count,
+                                     fields)
         for round_ in range(args.rounds):
             for name in names if round_ % 2 == 0 else names[::-1]:
                 traces, seconds = arrivals.run_closed_loop(stubs[name], prompts,
-                                                           args.max_new_tokens, count)
+                                                           args.max_new_tokens, count, fields)
                 rate = sum(len(t.token_ids) for t in traces) / seconds
                 runs.setdefault((name, count), []).append((rate, traces))
                 print(f"{name} clients {count} round {round_}: {rate:.1f} tok/s", flush=True)

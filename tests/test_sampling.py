@@ -1,13 +1,14 @@
 """The pure verification and sampling functions, on hand-built tensors (100.0 marks the
 wanted token)."""
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
 
 from batchspec.params import SamplingParams
-from batchspec.runtime import sampling
+from batchspec.runtime import gguf_blocks, sampling
 
 
 def logits_for(token_rows, vocab=8):
@@ -236,3 +237,34 @@ def test_choices_over_a_drafts_own_vocabulary_equal_those_over_the_whole():
         chosen = sampling.choose(compact, params, [7, 8, 9, 10], token_ids=own)
         assert torch.equal(chosen, sampling.choose(whole, params, [7, 8, 9, 10]))
         assert bool(torch.isin(chosen, own).all())
+
+
+@pytest.mark.skipif(not gguf_blocks.load() and not os.environ.get("CI"),
+                    reason="the CPU kernels cannot be built here (no compiler)")
+def test_the_cpu_kernel_chooses_what_the_torch_sampler_chooses():
+    """gumbel_max's one C++ pass a row (on a CPU) and its torch operations choose the same
+    token for every row: peaked, flat and tied logits (whole numbers), every kind of
+    setting, rows of different settings together, over the vocabulary or a draft's own.
+    Ties at a top-k set's end are where the two may differ (torch's topk keeps tied tokens
+    in no set order); the kernel keeps the lower tokens, so top-k 1 is the first argmax."""
+    generator = torch.Generator().manual_seed(3)
+    vocab = 6000
+    settings = [(1.0, 0, 1.0), (0.8, 0, 0.95), (0.6, 0, 0.9), (1.0, 40, 1.0), (0.7, 20, 0.8),
+                (0.3, 0, 1.0), (5.0, 0, 1.0), (1.0, 0, 0.999), (1.2, 0, 0.5), (1.0, 1, 1.0),
+                (1.0, 5000, 0.99)]
+    own = torch.randperm(vocab, generator=generator)[:900].sort().values
+    positions = np.arange(24, dtype=np.uint64) * 7 + 3
+    tied = torch.randint(-3, 3, (24, vocab), generator=generator).float()
+    for logits in (torch.randn(24, vocab, generator=generator) * 0.3,
+                   torch.randn(24, vocab, generator=generator) * 4.0,
+                   torch.randn(24, vocab, generator=generator) * 15.0, tied):
+        params = [SamplingParams(temperature=t, top_k=0 if logits is tied else k, top_p=p,
+                                 seed=1000 * i + r)
+                  for r in range(3) for i, (t, k, p) in enumerate(settings)][:24]
+        native = sampling.gumbel_max(logits, params, positions)
+        assert torch.equal(native, sampling.gumbel_max_torch(logits, params, positions))
+        mine = logits[:, own].contiguous()
+        assert torch.equal(sampling.gumbel_max(mine, params, positions, own),
+                           sampling.gumbel_max_torch(mine, params, positions, own))
+    first = [SamplingParams(temperature=1.0, top_k=1, seed=s) for s in range(24)]
+    assert torch.equal(sampling.gumbel_max(tied, first, positions), tied.argmax(-1))

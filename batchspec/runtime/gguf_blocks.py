@@ -26,7 +26,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "gguf_linear.cpp"
-HEADERS = [SOURCE.with_name("step_ops.h")]  # what SOURCE includes
+HEADERS = [SOURCE.with_name(name) for name in ("step_ops.h", "sample_ops.h")]  # SOURCE includes
 # The block types the kernels read: GGUF type name -> Blocks.kind
 KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
 # GGUF tensor names of a Llama-family model's linear layers, by module name suffix

@@ -30,6 +30,8 @@ import math
 import numpy as np
 import torch
 
+from batchspec.runtime import gguf_blocks
+
 # The most likely tokens looked at first (a partial sort): processed_logprobs looks for the
 # end of a top-k / top-p set among them (among four times as many where it lies further), and
 # gumbel_max scores them before bounding the rest.
@@ -118,6 +120,28 @@ def gumbel_max(logits: torch.Tensor, params, positions: np.ndarray,
     logit / temperature + gumbel(seed, position, token); the lowest token on a tie. log p'
     differs from logit / temperature by a constant per row, so this is the Gumbel-max
     sample of p'; and each score is one division and one sum, whatever else the batch holds.
+
+    On a CPU with the block kernels built, one C++ pass a row (csrc/sample_ops.h): the same
+    noise and scores, so the same choice but where a token's mass before lies within float32
+    rounding of top_p (the kernel rounds the set's norm its own way), or tokens tie at the end
+    of a top-k set (the kernel keeps the lower ones, torch's topk any); elsewhere
+    gumbel_max_torch."""
+    if logits.device.type == "cpu" and gguf_blocks.load():
+        return torch.ops.batchspec_gguf.gumbel_choose(
+            logits.float().contiguous(),
+            torch.tensor([float(p.temperature) for p in params], dtype=torch.float32),
+            torch.tensor([int(p.top_k) for p in params], dtype=torch.long),
+            torch.tensor([float(p.top_p) for p in params], dtype=torch.float32),
+            torch.from_numpy(np.array([int(p.seed) & (2**64 - 1) for p in params],
+                                      dtype=np.uint64).view(np.int64)),
+            torch.from_numpy(np.asarray(positions, dtype=np.uint64).view(np.int64)),
+            None if token_ids is None else token_ids.to(torch.long).contiguous())
+    return gumbel_max_torch(logits, params, positions, token_ids)
+
+
+def gumbel_max_torch(logits: torch.Tensor, params, positions: np.ndarray,
+                     token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """gumbel_max in torch operations, on any device.
 
     Noise is computed only where it can win. The most likely tokens are scored first; `best`,
     the largest score of those kept, bounds the rest: a token whose scaled logit is below

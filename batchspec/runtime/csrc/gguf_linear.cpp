@@ -19,6 +19,7 @@
 #include <cstring>
 #include <immintrin.h>
 
+#include "sample_ops.h"
 #include "step_ops.h"
 
 namespace {
@@ -618,6 +619,8 @@ TORCH_LIBRARY(batchspec_gguf, m) {
   m.def("llama_step(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, "
         "Tensor(a!)[] keys, Tensor(b!)[] values, int[] written, Tensor? mask, int heads, "
         "int kv_heads, int head_dim, float eps, float scaling) -> Tensor");
+  m.def("gumbel_choose(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
+        "Tensor seeds, Tensor positions, Tensor? token_ids) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchspec_gguf, CPU, m) {
@@ -628,6 +631,7 @@ TORCH_LIBRARY_IMPL(batchspec_gguf, CPU, m) {
   m.impl("linear_with", linear_with);
   m.impl("llama_step", llama_step);
   m.impl("llama_step_dense", llama_step_dense);
+  m.impl("gumbel_choose", sample_ops::gumbel_choose);
 }
 
 TORCH_LIBRARY_IMPL(batchspec_gguf, CompositeExplicitAutograd, m) { m.impl("best_isa", best_isa); }
