@@ -268,3 +268,18 @@ def test_the_cpu_kernel_chooses_what_the_torch_sampler_chooses():
                            sampling.gumbel_max_torch(mine, params, positions, own))
     first = [SamplingParams(temperature=1.0, top_k=1, seed=s) for s in range(24)]
     assert torch.equal(sampling.gumbel_max(tied, first, positions), tied.argmax(-1))
+    # a grammar's forbidden tokens (-inf), a top-k past the vocabulary, a top-p of one token
+    masked = torch.randn(5, vocab, generator=generator) * 3
+    masked[0, :] = float("-inf")
+    masked[0, 77] = 1.0
+    masked[1, :] = float("-inf")
+    masked[1, [5, 9, 12]] = torch.tensor([1.0, 2.0, 0.5])
+    masked[2, ::2] = float("-inf")
+    edges = [SamplingParams(temperature=0.8, top_p=0.95, seed=1),
+             SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=2),
+             SamplingParams(temperature=0.7, top_k=vocab + 5, top_p=0.99, seed=4),
+             SamplingParams(temperature=0.9, top_p=1e-9, seed=5),
+             SamplingParams(temperature=1.0, top_k=3000, top_p=0.999999, seed=6)]
+    chosen = sampling.gumbel_max(masked, edges, positions[:5])
+    assert torch.equal(chosen, sampling.gumbel_max_torch(masked, edges, positions[:5]))
+    assert chosen[0] == 77 and chosen[3] == masked[3].argmax()

@@ -183,10 +183,12 @@ inline int64_t kept_prefix(std::vector<Item>& items, const Row& row, float norm)
 }
 
 // The choice of a row under top-k and/or top-p: its tokens within a band below the best are
-// ordered until the kept set ends; a wider band where it does not end inside.
+// ordered until the kept set ends; a wider band where it does not end inside. Tokens at -inf
+// (a grammar's forbidden ones) are never kept: none of them could win.
 inline int64_t choose_kept(const Row& row, const float* scaled, std::vector<Item>& items) {
   const float top = max_of(scaled, row.vocab);
   const bool by_k = row.limit < row.vocab, by_p = row.top_p < 1.0f;
+  const float inf = std::numeric_limits<float>::infinity();
   float norm = 0;
   if (by_p && !by_k) {  // logsumexp of the row
     thread_local std::vector<float> terms;
@@ -195,29 +197,32 @@ inline int64_t choose_kept(const Row& row, const float* scaled, std::vector<Item
     norm = static_cast<float>(static_cast<double>(top) +
                               std::log(double_sum(terms.data(), row.vocab)));
   }
-  for (float band : {8.0f, 16.0f, 32.0f, std::numeric_limits<float>::infinity()}) {
+  for (float band : {8.0f, 16.0f, 32.0f, inf}) {
+    const bool last = band == inf;
     const float floor = top - band;
     items.clear();
     for (int64_t c = 0; c < row.vocab; ++c)
-      if (scaled[c] >= floor) items.emplace_back(scaled[c], row.token(c));
+      if (scaled[c] >= floor && scaled[c] > -inf) items.emplace_back(scaled[c], row.token(c));
     const int64_t size = static_cast<int64_t>(items.size());
-    if (by_k && size < row.limit && size < row.vocab) continue;  // the top-k set lies beyond
+    if (size == 0) return row.token(0);  // every token at -inf: the first (as torch's argmax)
+    if (by_k && size < row.limit && !last) continue;  // the top-k set lies beyond
     if (by_k && by_p) {  // logsumexp of the top-k set
-      std::nth_element(items.begin(), items.begin() + (row.limit - 1), items.end(), before);
+      const int64_t count = std::min(row.limit, size);
+      std::nth_element(items.begin(), items.begin() + (count - 1), items.end(), before);
       double sum = 0;
-      for (int64_t i = 0; i < row.limit; ++i)
+      for (int64_t i = 0; i < count; ++i)
         sum += static_cast<double>(step_ops::exp_poly(items[i].first - top));
       norm = static_cast<float>(static_cast<double>(top) + std::log(sum));
     }
     int64_t kept = kept_prefix(items, row, norm);
-    if (kept < 0 && size < row.vocab) continue;
+    if (kept < 0 && !last) continue;
     if (kept < 0) kept = size;
     Best best;  // the kept prefix is in order: noise until a token is out of reach
     for (int64_t i = 0; i < kept && !best.beyond_reach(items[i].first); ++i)
       best.offer(items[i].first, items[i].second, row);
     return best.token;
   }
-  return kNoToken;  // not reached: the last band holds every token
+  return kNoToken;  // not reached: the last band holds every token above -inf
 }
 
 // tokens [n] for logits [n, vocab] float32 and each row's settings (sampling.gumbel_max)
