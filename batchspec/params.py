@@ -1,10 +1,14 @@
 """Per-request sampling settings, shared by the coordinator (no torch) and both services."""
 import dataclasses
 
+# Temperatures below this decode greedily: logits over them leave float32's range, and the
+# sample they describe is the argmax but for near ties (vLLM draws the same line).
+GREEDY_BELOW = 1e-5
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How a request picks tokens; temperature 0 means greedy."""
+    """How a request picks tokens; temperature 0 (below GREEDY_BELOW) means greedy."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -13,4 +17,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        return self.temperature < GREEDY_BELOW

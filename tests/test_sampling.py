@@ -283,3 +283,13 @@ def test_the_cpu_kernel_chooses_what_the_torch_sampler_chooses():
     chosen = sampling.gumbel_max(masked, edges, positions[:5])
     assert torch.equal(chosen, sampling.gumbel_max_torch(masked, edges, positions[:5]))
     assert chosen[0] == 77 and chosen[3] == masked[3].argmax()
+
+
+def test_a_temperature_below_the_greedy_bound_decodes_greedily():
+    """Logits over a temperature of 1e-40 leave float32's range (a sampler would see inf and
+    NaN); below 1e-5 a request decodes greedily, and just above it samples."""
+    logits = torch.randn(2, 3, 500, generator=torch.Generator().manual_seed(2)) * 5
+    tiny = [SamplingParams(temperature=1e-40, seed=3), SamplingParams(temperature=1e-6, seed=4)]
+    assert all(p.greedy for p in tiny)
+    assert torch.equal(sampling.choose(logits, tiny, [5, 9]), logits.argmax(-1))
+    assert not SamplingParams(temperature=2e-5, seed=1).greedy
