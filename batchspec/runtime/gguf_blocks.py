@@ -13,7 +13,8 @@ Invariants:
   at load), so both paths multiply by the same model.
 - The kernels are built once per machine (source, torch version) into the user cache and
   loaded by every process; a machine that cannot build them (no compiler) serves float32
-  with one warning.
+  with one warning. The same library holds the decode step (decode_step) and the sampled
+  choice (sampling.gumbel_max, csrc/sample_ops.h).
 """
 import dataclasses
 import fcntl
@@ -79,7 +80,7 @@ def _build_and_load() -> bool:
         return True
     except Exception as error:  # no compiler, no headers, a read-only cache: serve float32
         log.warning("cannot build the GGUF block kernels (%s): GGUF models are served in "
-                    "float32, and no step runs in one C++ call",
+                    "float32, no step runs in one C++ call, and sampling runs in torch ops",
                     str(error).splitlines()[0] if str(error) else type(error).__name__)
         return False
 

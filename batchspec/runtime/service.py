@@ -366,10 +366,13 @@ def set_threads(count: int) -> None:
 def warm_up(runner: runner_lib.ModelRunner) -> None:
     """Plan the CPU linear kernels (timing them takes a few seconds for SmolLM2, the first
     time on a machine), run one forward, and measure what forwards cost (for the
-    coordinator's choice of draft lengths; up to 30 seconds on a CPU)."""
-    from batchspec.runtime import fastlinear
+    coordinator's choice of draft lengths; up to 30 seconds on a CPU). On a CPU the C++
+    kernels are loaded first (built where they are not yet): sampled choices run there."""
+    from batchspec.runtime import fastlinear, gguf_blocks
     from batchspec.runtime import runner as runner_lib
 
+    if runner.device.type == "cpu":
+        gguf_blocks.load()
     started = time.perf_counter()
     store = cache_dir.kernel_plans_file()
     if fastlinear.tune(runner.model, store):
