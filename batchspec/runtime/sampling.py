@@ -128,15 +128,24 @@ def gumbel_max(logits: torch.Tensor, params, positions: np.ndarray,
     gumbel_max_torch."""
     if logits.device.type == "cpu" and gguf_blocks.load():
         return torch.ops.batchspec_gguf.gumbel_choose(
-            logits.float().contiguous(),
-            torch.tensor([float(p.temperature) for p in params], dtype=torch.float32),
-            torch.tensor([int(p.top_k) for p in params], dtype=torch.long),
-            torch.tensor([float(p.top_p) for p in params], dtype=torch.float32),
-            torch.from_numpy(np.array([int(p.seed) & (2**64 - 1) for p in params],
-                                      dtype=np.uint64).view(np.int64)),
+            logits.float().contiguous(), *settings(params),
+            torch.from_numpy(seeds(params).view(np.int64)),
             torch.from_numpy(np.asarray(positions, dtype=np.uint64).view(np.int64)),
             None if token_ids is None else token_ids.to(torch.long).contiguous())
     return gumbel_max_torch(logits, params, positions, token_ids)
+
+
+def settings(params, device: torch.device | str = "cpu"):
+    """Each row's (temperature float32, top_k int64, top_p float32), [N] tensors on device."""
+    return (torch.tensor([float(p.temperature) for p in params], dtype=torch.float32,
+                         device=device),
+            torch.tensor([int(p.top_k) for p in params], dtype=torch.long, device=device),
+            torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=device))
+
+
+def seeds(params) -> np.ndarray:
+    """Each row's seed as the noise takes it: [N] uint64."""
+    return np.array([int(p.seed) & (2**64 - 1) for p in params], dtype=np.uint64)
 
 
 def gumbel_max_torch(logits: torch.Tensor, params, positions: np.ndarray,
@@ -151,9 +160,8 @@ def gumbel_max_torch(logits: torch.Tensor, params, positions: np.ndarray,
     likely tokens, and for top-p's mass or that bound. token_ids: as choose's (noise and ties
     go by the token, not the column)."""
     device, vocab = logits.device, logits.shape[-1]
-    seeds = np.array([int(p.seed) & (2**64 - 1) for p in params], dtype=np.uint64)
-    temperature, top_k, top_p = (torch.tensor([getattr(p, name) for p in params], device=device)
-                                 for name in ("temperature", "top_k", "top_p"))
+    keys = seeds(params)
+    temperature, top_k, top_p = settings(params, device)
     limit = torch.where(top_k > 0, top_k.clamp_max(vocab), torch.full_like(top_k, vocab))
     count = min(vocab, max([_FIRST_CANDIDATES] + limit[limit < vocab].tolist()))
     values, ids = logits.topk(count, dim=-1)  # [N, count], descending (as when scaled)
@@ -168,7 +176,7 @@ def gumbel_max_torch(logits: torch.Tensor, params, positions: np.ndarray,
         keep = keep | kept_prefix(values, norm, limit, top_p,
                                   torch.arange(count, device=device))
     cells = keep.nonzero(as_tuple=True)
-    out, best = _argmax_cells(len(params), cells[0], ids[cells], values[cells], seeds,
+    out, best = _argmax_cells(len(params), cells[0], ids[cells], values[cells], keys,
                               positions)
     # rows whose kept set may run past the candidates (never under top-k: count covers it)
     beyond = keep[:, -1] & (limit >= vocab) & (count < vocab)
@@ -182,7 +190,7 @@ def gumbel_max_torch(logits: torch.Tensor, params, positions: np.ndarray,
                            top_p[rows])
         taken = rows.cpu().numpy()
         out[rows] = _argmax_cells(len(rows), cells[0][kept], _token(cells[1], token_ids)[kept],
-                                  scaled[kept], seeds[taken], positions[taken])[0]
+                                  scaled[kept], keys[taken], positions[taken])[0]
     return out
 
 
@@ -276,10 +284,7 @@ def gumbel(seeds, positions, token_ids) -> np.ndarray:
 def rows_logprobs(logits: torch.Tensor, params) -> torch.Tensor:
     """processed_logprobs with each row's settings taken from `params` (one SamplingParams per
     row, all sampled), built on the logits' device."""
-    def per_row(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(p, name) for p in params], device=logits.device)
-    return processed_logprobs(logits, per_row("temperature"), per_row("top_k"),
-                              per_row("top_p"))
+    return processed_logprobs(logits, *settings(params, logits.device))
 
 
 def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
