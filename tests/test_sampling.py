@@ -247,6 +247,7 @@ def test_the_cpu_kernel_chooses_what_the_torch_sampler_chooses():
     setting, rows of different settings together, over the vocabulary or a draft's own.
     Ties at a top-k set's end are where the two may differ (torch's topk keeps tied tokens
     in no set order); the kernel keeps the lower tokens, so top-k 1 is the first argmax."""
+    assert gguf_blocks.load(), "the CPU kernels must be built where CI runs"
     generator = torch.Generator().manual_seed(3)
     vocab = 6000
     settings = [(1.0, 0, 1.0), (0.8, 0, 0.95), (0.6, 0, 0.9), (1.0, 40, 1.0), (0.7, 20, 0.8),
@@ -293,3 +294,20 @@ def test_a_temperature_below_the_greedy_bound_decodes_greedily():
     assert all(p.greedy for p in tiny)
     assert torch.equal(sampling.choose(logits, tiny, [5, 9]), logits.argmax(-1))
     assert not SamplingParams(temperature=2e-5, seed=1).greedy
+
+
+@pytest.mark.skipif(not gguf_blocks.load() and not os.environ.get("CI"),
+                    reason="the CPU kernels cannot be built here (no compiler)")
+def test_the_cpu_kernel_refuses_malformed_rows_with_a_clear_error():
+    logits = torch.zeros(2, 10)
+    temperature, top_k, top_p = sampling.settings([SamplingParams(temperature=0.8)] * 2)
+    ids = torch.zeros(2, dtype=torch.long)
+    choose = torch.ops.batchspec_gguf.gumbel_choose
+    with pytest.raises(RuntimeError, match="one contiguous setting per row"):
+        choose(logits, temperature[:1], top_k, top_p, ids, ids, None)
+    with pytest.raises(RuntimeError, match="temperature > 0"):
+        choose(logits, torch.zeros(2), top_k, top_p, ids, ids, None)
+    with pytest.raises(RuntimeError, match="token_ids must be"):
+        choose(logits, temperature, top_k, top_p, ids, ids, torch.arange(3))
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        choose(logits.double(), temperature, top_k, top_p, ids, ids, None)
