@@ -87,13 +87,14 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-model", default="smollm2",
                         help="target model: HF dir, .gguf file, hub id, or 'smollm2'")
     parser.add_argument("--draft-model", default="auto,ngram",
-                        help="drafts, comma-separated, each served by its own draft service and "
-                             "chosen per sequence: a model (HF dir, .gguf file, hub id), a "
-                             "shipped draft ('smollm2-draft': layers, 'smollm2-eagle': a "
+                        help="drafts, comma-separated, each chosen per sequence: a model "
+                             "(HF dir, .gguf file, hub id; its own draft service), a shipped "
+                             "draft ('smollm2-draft': layers, 'smollm2-eagle': a "
                              "feature head reading the target's features), 'auto' (the best "
                              "draft shipped for the target, else its first "
                              f"{DEFAULT_DRAFT_LAYERS} layers), 'ngram' (prompt lookup, no "
-                             "model), or 'none' (the target alone)")
+                             "model, run in the coordinator's process), or 'none' (the target "
+                             "alone)")
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="keep only the draft models' first N layers")
     parser.add_argument("--tokenizer", default=None,
@@ -131,6 +132,7 @@ def serve_flags():
 def serve(argv) -> int:
     from batchspec.runtime import models
     from coordinator import config
+    from coordinator.local_draft import LOCAL_NGRAM
 
     parser = serve_parser()
     args = parser.parse_args(argv)
@@ -151,8 +153,10 @@ def serve(argv) -> int:
     services = serve_services(args, names)
     coordinator_cmd = [sys.executable, "-m", "coordinator",
                        "--target", f"127.0.0.1:{services[0][1]}"]
-    for _, port, _ in services[1:]:
-        coordinator_cmd += ["--draft", f"127.0.0.1:{port}"]
+    ports = iter(port for _, port, _ in services[1:])
+    for name in names if names != ["none"] else []:  # the drafts' order is the kinds'
+        coordinator_cmd += ["--draft", LOCAL_NGRAM if name == "ngram" else
+                            f"127.0.0.1:{next(ports)}"]
     tokenizer = args.tokenizer or models.tokenizer_file(args.target_model)
     if tokenizer:
         coordinator_cmd += ["--tokenizer", tokenizer]
@@ -174,13 +178,14 @@ def check_models_and_devices(args, names: list[str]) -> None:
 
 
 def serve_services(args, names: list[str]) -> list[tuple[list[str], int, str]]:
-    """(command, port, gRPC service name) of the target, then of each draft."""
+    """(command, port, gRPC service name) of the target, then of each draft model (the
+    n-gram draft runs in the coordinator's process: no service)."""
     target_port = processes.free_port()
     target_cmd = [sys.executable, "-m", "target_service", "--model", args.target_model,
                   "--port", str(target_port), "--device", args.target_device or args.device,
                   "--dtype", args.dtype]
     services = [(target_cmd, target_port, "batchspec.v1.TargetService")]
-    for name in names if names != ["none"] else []:
+    for name in [n for n in names if n not in ("none", "ngram")]:
         port = processes.free_port()
         services.append((draft_command(args, name, port), port, "batchspec.v1.DraftService"))
     return services
@@ -230,8 +235,6 @@ def draft_command(args, name: str, port: int) -> list[str]:
     vocabulary than the target's is served as a draft of the target's tokens
     (--target-tokenizer)."""
     cmd = [sys.executable, "-m", "draft_service", "--port", str(port)]
-    if name == "ngram":
-        return cmd + ["--model", "ngram"]
     model, layers = pick_draft(args.target_model, None if name == "auto" else name,
                                args.draft_layers)
     from batchspec.runtime import models

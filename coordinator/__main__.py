@@ -12,6 +12,7 @@ from coordinator.clients import DraftClient, ModelInfo, TargetClient
 from coordinator.config import CoordinatorConfig
 from coordinator.fleet import Fleet
 from coordinator.grammar import Grammars
+from coordinator.local_draft import LOCAL_NGRAM, LocalNgram
 from coordinator.membership import Membership
 from coordinator.requests import Limits
 from coordinator.router import Router
@@ -32,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft", action="append", default=[],
                         help="draft replicas, in the same forms as --target. Services of one "
                              "model are replicas of one draft; different models (say the "
-                             "model draft and the n-gram draft) are drafts chosen per sequence "
-                             "(omit for target-only decoding)")
+                             "model draft and the n-gram draft) are drafts chosen per sequence; "
+                             "local:ngram runs the n-gram draft in this process, with no round "
+                             "trip (omit for target-only decoding)")
     config.add_flags(parser, config.CONNECTION_FLAGS + config.PUBLIC_FLAGS
                      + config.ENGINE_FLAGS)
     security_flags = parser.add_argument_group("security (all off by default)")
@@ -116,8 +118,9 @@ def connect_all(config: CoordinatorConfig, target_sources: list,
     kinds: dict[str, list[str]] = {}
     drafts = initial_members(draft_sources, config.connect_timeout_s, "draft")
     for address, name in drafts.items():
-        draft_info = fleet.describe(DraftClient(address, credentials=credentials,
-                                                tls_name=name), config.connect_timeout_s)
+        client = LocalNgram() if address == LOCAL_NGRAM else \
+            DraftClient(address, credentials=credentials, tls_name=name)
+        draft_info = fleet.describe(client, config.connect_timeout_s)
         fleet.check_draft(draft_info, infos[0], address)
         kinds.setdefault(draft_info.model, []).append(address)
     return Services(infos[0], list(targets), list(kinds.items()), {**targets, **drafts})

@@ -88,6 +88,10 @@ class CoordinatorConfig:
             raise ValueError("at least one --target is needed")
         for spec in self.targets + self.drafts:
             membership.parse_source(spec)  # ValueError on a malformed one
+        for spec in self.targets:
+            if isinstance(membership.parse_source(spec), membership.Local):
+                raise ValueError(f"--target {spec}: the coordinator runs only an n-gram draft "
+                                 "in its own process; a target is a service")
         if self.membership_interval_s <= 0:
             raise ValueError("membership_interval_s must be > 0")
         for name, port in (("port", self.port), ("http_port", self.http_port)):

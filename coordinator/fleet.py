@@ -21,6 +21,7 @@ import threading
 from batchspec import errors
 from coordinator.clients import DraftClient, ModelInfo, TargetClient
 from coordinator.engine import Engine
+from coordinator.local_draft import LOCAL_NGRAM, LocalNgram
 from coordinator.router import Router
 from coordinator.stats import StepLog
 
@@ -85,6 +86,8 @@ class Fleet:
         # address -> the name its TLS certificate carries, where not its host (see
         # membership: replicas found by DNS or Kubernetes are dialled by IP)
         self.tls_names: dict[str, str | None] = dict(tls_names or {})
+        # the draft this process runs itself, if a kind names it: one for every engine
+        self.local = LocalNgram() if LOCAL_NGRAM in self.draft_addresses() else None
 
     # ---- engines --------------------------------------------------------------------------------
     def build_engine(self, address: str, tls_name: str | None = None) -> Engine:
@@ -100,7 +103,9 @@ class Fleet:
             self.config.engine, self.target.eos_token_ids, telemetry=self.telemetry,
             handover=self.router.handover, seq_ids=self.seq_ids, step_log=self.step_log))
 
-    def _draft_client(self, address: str) -> DraftClient:
+    def _draft_client(self, address: str) -> DraftClient | LocalNgram:
+        if address == LOCAL_NGRAM:
+            return self.local
         return DraftClient(address, self.config.stall_timeout_s, self.credentials,
                            self.tls_names.get(address))
 

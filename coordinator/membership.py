@@ -1,13 +1,15 @@
 """Live membership: which target and draft replicas exist, read from sources while serving.
 
-A source names replicas in one of four forms (each `--target` / `--draft` value is one):
+A source names replicas in one of these forms (each `--target` / `--draft` value is one):
 - `HOST:PORT`: that one service, always;
 - `dns:NAME:PORT`: every address NAME resolves to, resolved again every refresh (gRPC does not
   re-resolve a healthy channel's name, so the coordinator does it and keeps one channel per
   address, which its cache-affine routing needs);
 - `file:PATH`: one `HOST:PORT` per line (`#` comments), read again when the file changes;
 - `k8s:NAMESPACE/SERVICE:PORT`: the ready endpoints of the Service's EndpointSlices, watched
-  with the Kubernetes API; a terminating endpoint is leaving and no longer a member.
+  with the Kubernetes API; a terminating endpoint is leaving and no longer a member;
+- `local:ngram` (drafts only): the n-gram draft in the coordinator's own process
+  (coordinator.local_draft), always there.
 
 `Membership` refreshes every source every `interval_s` on a thread of its own and tells the
 router what appeared and what left. Invariant: the router's targets and drafts are the union
@@ -37,6 +39,25 @@ def check_address(address: str, what: str) -> str:
 
 def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Local:
+    """`local:ngram`: the draft the coordinator runs itself (see coordinator.local_draft)."""
+
+    dynamic = False
+    tls_name = None
+
+    def __init__(self, name: str):
+        if name != "ngram":
+            raise ValueError(f"local:{name}: the one draft the coordinator runs in its own "
+                             "process is local:ngram")
+        self.address = f"local:{name}"
+
+    def addresses(self) -> set[str]:
+        return {self.address}
+
+    def __str__(self) -> str:
+        return self.address
 
 
 class Static:
@@ -219,6 +240,8 @@ def parse_source(spec: str, resolve=None):
         if not namespace or not service or not port.isdigit():
             raise ValueError(f"{spec!r}: expected k8s:NAMESPACE/SERVICE:PORT")
         return K8sSource(namespace, service, int(port))
+    if scheme == "local":
+        return Local(rest)
     return Static(spec)
 
 

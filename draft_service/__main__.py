@@ -1,10 +1,10 @@
 """python -m draft_service --model M --port P [--device D --dtype T --num-layers N]
 (--model ngram: the model-free prompt-lookup draft, which never imports torch;
 --target-tokenizer T: a draft of another tokenizer, proposing the target's tokens)"""
+from batchspec.ngram import NGRAM_MODEL
 from batchspec.runtime import service
 from batchspec.v1 import draft_pb2_grpc
 from draft_service import SERVICE_NAME
-from draft_service.ngram import NGRAM_MODEL
 
 DEFAULT_PORT = 50053
 

@@ -3,10 +3,9 @@ command converted by batchspec.runtime.wire, the store called, the result conver
 import logging
 import time
 
-from batchspec import errors
+from batchspec import errors, ngram
 from batchspec.runtime import service, wire
 from batchspec.v1 import draft_pb2, draft_pb2_grpc
-from draft_service import ngram
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import dataclasses
 import math
 
 from batchspec import errors
+from batchspec.cachebook import CacheBook
 from batchspec.params import SamplingParams
-from batchspec.runtime.cachebook import CacheBook
 from batchspec.runtime.rows import ProposedRow, ProposeRow
 from draft_service import proposer, retokenize
 from draft_service.retokenize import TokenTable

@@ -111,13 +111,18 @@ def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, me
                   target_tokenizer=None, step_log=None, **engine_kwargs):
     """Target, drafts and coordinator servers in this process, on free loopback ports.
     drafts: the draft services, in order: "model" (the draft_dir model, in draft_dtype),
-    "ngram", or "translating" (the draft_dir model of another tokenizer than the target's,
-    whose tokenizer.json is target_tokenizer)."""
+    "ngram", "local:ngram" (the n-gram draft in the coordinator's process: no service), or
+    "translating" (the draft_dir model of another tokenizer than the target's, whose
+    tokenizer.json is target_tokenizer). The Stack's draft fields are the first service's."""
     target_server, target_port, _, target_runner = start_target(target_dir, dtype=target_dtype)
     started = [start_ngram() if kind == "ngram"
                else start_translating(draft_dir, target_tokenizer) if kind == "translating"
-               else start_draft(draft_dir, dtype=draft_dtype) for kind in drafts]
-    draft_server, draft_port, _, draft_runner = started[0]
+               else start_draft(draft_dir, dtype=draft_dtype) for kind in drafts
+               if kind != "local:ngram"]
+    addresses = iter(f"127.0.0.1:{port}" for _, port, _, _ in started)
+    draft_addresses = tuple(kind if kind == "local:ngram" else next(addresses)
+                            for kind in drafts)
+    draft_server, draft_port, _, draft_runner = started[0] if started else (None,) * 4
     # fixed K unless a test asks for adaptive draft length: tiny drafts are rarely confident
     engine_kwargs.setdefault("min_draft_confidence", 0.0)
     # every step drafts K unless a test asks for the goodput policy: these tests check the
@@ -131,7 +136,7 @@ def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, me
                                  reconnect_backoff_s=(0.05, 0.5), **engine_kwargs)
     config = CoordinatorConfig(
         targets=(f"127.0.0.1:{target_port}",),
-        drafts=tuple(f"127.0.0.1:{port}" for _, port, _, _ in started), port=0,
+        drafts=draft_addresses, port=0,
         engine=engine_config, connect_timeout_s=10, metrics_port=metrics_port,
         stall_timeout_s=stall_timeout_s, tokenizer=tokenizer, http_port=http_port,
         api_key_file=api_key_file, step_log=step_log)

@@ -182,7 +182,7 @@ def test_closed_loop_clients_against_the_same_server_without_drafts(tmp_path):
     for row in serving:  # each process's CPU seconds over the timed run
         spent = row["cpu_s"]
         assert spent["target"] > 0 and spent["coordinator"] > 0 and spent["clients"] > 0
-        assert {"model", "ngram"} <= set(spent)
+        assert "model" in spent and "ngram" not in spent  # n-gram lookups: the coordinator's
     assert "target cores busy" in (out / "results.md").read_text()
     logs = sorted(p.name for p in (tmp_path / "steps").iterdir())
     assert logs[0] == "grpc_router-c1-r0.jsonl" and len(logs) == 10
@@ -259,16 +259,16 @@ def test_closed_loop_rows_take_the_median_run_and_the_ratio_per_round():
 def test_closed_loop_cpu_table_shows_each_process_and_the_target_cores_kept_busy():
     from batchspec_tools.bench import closed_loop
 
-    before = {"target": 10.0, "model": 1.0, "ngram": None, "coordinator": 2.0, "clients": 0.5}
-    after = {"target": 25.0, "model": 1.25, "ngram": 3.0, "coordinator": 2.5, "clients": 0.75}
+    before = {"target": 10.0, "model": None, "coordinator": 2.0, "clients": 0.5}
+    after = {"target": 25.0, "model": 1.25, "coordinator": 2.5, "clients": 0.75}
     spent = closed_loop.cpu_spent(before, after)
-    assert spent == {"target": 15.0, "model": 0.25, "coordinator": 0.5, "clients": 0.25}
+    assert spent == {"target": 15.0, "coordinator": 0.5, "clients": 0.25}
     rows = [{"method": "grpc_router", "concurrency": 8, "seconds": 10.0, "cpu_s": spent},
             {"method": "grpc_target_only", "concurrency": 8, "seconds": 7.5,
              "cpu_s": {"target": 15.0}}]
     table = "\n".join(closed_loop.cpu_markdown(rows))
-    assert "| grpc_router | 8 | 15.00 | 0.25 |  | 0.50 | 0.25 | 1.50 |" in table
-    assert "| grpc_target_only | 8 | 15.00 |  |  |  |  | 2.00 |" in table
+    assert "| grpc_router | 8 | 15.00 |  | 0.50 | 0.25 | 1.50 |" in table
+    assert "| grpc_target_only | 8 | 15.00 |  |  |  | 2.00 |" in table
     assert closed_loop.cpu_markdown([{"method": "grpc_router", "concurrency": 8}]) == []
 
 
@@ -356,7 +356,7 @@ def test_bench_runs_both_models_on_the_device_asked_and_refuses_one_it_cannot_us
         flags = commands[role][1]
         assert flags[flags.index("--device") + 1] == "cuda:1"
     assert commands["model"][1][-2:] == ["--num-layers", "2"]
-    assert "--device" not in commands["ngram"][1]  # a lookup: no model, no device
+    assert "ngram" not in commands  # the coordinator runs the lookup (local:ngram)
     with pytest.raises(SystemExit) as stopped:
         bench.main(["--quick", "--device", "tpu"])
     assert stopped.value.code == 2 and "device must be cpu, cuda" in capsys.readouterr().err

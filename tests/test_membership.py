@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from batchspec import errors
+from batchspec.cachebook import CacheBook
 from batchspec.runtime import service, wire
-from batchspec.runtime.cachebook import CacheBook
 from coordinator import membership
 from coordinator.config import CoordinatorConfig
 from coordinator.fleet import sequence_ids
@@ -25,12 +25,16 @@ def test_sources_parse_and_refuse_malformed_specs():
     assert membership.parse_source("file:/etc/batchspec/targets").path == "/etc/batchspec/targets"
     k8s = membership.parse_source("k8s:serving/batchspec-target:50052")
     assert (k8s.namespace, k8s.service, k8s.port) == ("serving", "batchspec-target", 50052)
+    assert membership.parse_source("local:ngram").addresses() == {"local:ngram"}
     for bad in ("dns:nameonly", "k8s:noslash:1", "k8s:ns/svc:port", "file:", "hostonly",
-                "host:99999"):
+                "host:99999", "local:smollm2"):
         with pytest.raises(ValueError):
             membership.parse_source(bad)
     with pytest.raises(ValueError):  # the config refuses them at start, with the flag's error
         CoordinatorConfig(targets=("dns:nameonly",))
+    with pytest.raises(ValueError, match="a target is a service"):
+        CoordinatorConfig(targets=("local:ngram",))
+    assert CoordinatorConfig(targets=("h:1",), drafts=("local:ngram",)).drafts == ("local:ngram",)
 
 
 def test_a_file_source_is_read_again_when_it_changes(tmp_path):

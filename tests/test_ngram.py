@@ -11,12 +11,14 @@ from test_sampling_e2e import NUM_SAMPLES, assert_follows_the_target, sample_ser
 from transformers import AutoModelForCausalLM
 
 from batchspec import errors
+from batchspec.ngram import NgramIndex, NgramStore
 from batchspec.params import SamplingParams
 from batchspec.runtime.rows import ProposeRow
 from batchspec.v1 import generate_pb2
 from coordinator import goodput
 from coordinator import policy as policy_lib
-from draft_service.ngram import NgramIndex, NgramStore
+from coordinator.clients import Proposal, ProposeSpec
+from coordinator.local_draft import LocalNgram
 
 import tiny_models
 from conftest import running_stack, wait_for
@@ -66,6 +68,30 @@ def test_truncation_leaves_the_index_as_if_built_from_the_kept_tokens():
 
 
 # ---- the cache contract -------------------------------------------------------------------------
+def test_the_coordinators_own_ngram_draft_keeps_the_services_contract():
+    """local:ngram answers the engine as a DraftClient of the n-gram service would: the same
+    lengths, proposals and typed refusals; one instance for its life."""
+    local = LocalNgram()
+    info = local.describe()
+    assert (info.model, info.num_sequences, info.instance_id) == ("ngram", 0, local.instance)
+    assert info.step_costs and local.probe().done() and local.probe().info() == info
+    assert local.prefill([(1, [4, 5, 6, 4, 5]), (2, [9])]) == [5, 1]
+    specs = [ProposeSpec(1, 5, 5, [6], SamplingParams()), ProposeSpec(2, 1, 1, [8],
+                                                                      SamplingParams(0.8))]
+    proposals, timing = local.propose(3, False, specs, timeout=1.0)
+    assert proposals == [Proposal(1, [4, 5, 6], 8), Proposal(2, [], 2)]
+    assert timing.compute_seconds > 0
+    assert local.trim([(1, 8, 6)]) == [6]
+    with pytest.raises(errors.FailedPrecondition):
+        local.propose(2, False, [ProposeSpec(1, 8, 6, [6], SamplingParams())])
+    with pytest.raises(errors.InvalidArgument):
+        local.propose(0, False, [ProposeSpec(1, 6, 6, [6], SamplingParams())])
+    assert local.describe().num_cached_tokens == 6 + 2
+    assert local.release([1, 2]) == 0
+    with pytest.raises(errors.NotFound):
+        local.release([1])
+
+
 def test_store_keeps_the_model_drafts_cache_lengths():
     store = NgramStore()
     assert store.prefill([(1, [4, 5, 6, 4, 5]), (2, [9])]) == [5, 1]
@@ -141,8 +167,14 @@ def test_a_draft_left_unused_for_long_is_explored():
 
 
 # ---- through the services -----------------------------------------------------------------------
+def ngram_store(stack):
+    """The n-gram draft's store: its service's, or the coordinator's own (local:ngram)."""
+    client = stack.router.engines[0].peers.kinds[-1].client
+    return client.store if isinstance(client, LocalNgram) else stack.drafts[-1][2]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("drafts", [("ngram",), ("model", "ngram")])
+@pytest.mark.parametrize("drafts", [("ngram",), ("model", "ngram"), ("model", "local:ngram")])
 def test_greedy_output_is_exact_with_the_ngram_draft_and_the_router(model_dirs, arch, drafts):
     target_dir, draft_dir = model_dirs[arch]
     requests = random_requests(seed=29, count=16)
@@ -152,8 +184,8 @@ def test_greedy_output_is_exact_with_the_ngram_draft_and_the_router(model_dirs, 
     # mechanics of switching kinds, which the goodput policy could turn off for tiny models
     with running_stack(target_dir, draft_dir, batch_size=6, drafts=drafts) as stack:
         results = generate_all(stack.stub(), requests)
-        ngram_store = stack.drafts[-1][2]
-        assert wait_for(lambda: not ngram_store.caches)  # every sequence released
+        store = ngram_store(stack)
+        assert wait_for(lambda: not store.caches)  # every sequence released
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     for (prompt, max_new), (tokens, _) in zip(requests, results):
         assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
@@ -191,7 +223,7 @@ def test_the_router_uses_both_drafts_and_survives_losing_one(model_dirs):
         assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
 
 
-@pytest.mark.parametrize("drafts", [("ngram",), ("model", "ngram")])
+@pytest.mark.parametrize("drafts", [("ngram",), ("model", "ngram"), ("local:ngram",)])
 def test_sampling_with_point_mass_proposals_follows_the_target(model_dirs, drafts):
     target_dir, draft_dir = model_dirs["llama"]
     prompt = [11, 12, 13, 11, 12, 13, 11, 12]  # the lookup proposes 13 11 12 ...

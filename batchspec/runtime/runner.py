@@ -18,8 +18,8 @@ import time
 import torch
 
 from batchspec import errors, packing
+from batchspec.cachebook import CacheBook, StepCost
 from batchspec.runtime import fastlinear, forward, kvcache, logprobs
-from batchspec.runtime.cachebook import CacheBook, StepCost
 
 
 @dataclasses.dataclass

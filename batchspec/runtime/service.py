@@ -17,8 +17,8 @@ from batchspec.runtime import cache_dir, compute, models, wire
 from batchspec.v1 import cache_pb2
 
 if TYPE_CHECKING:  # the n-gram draft serves without torch
+    from batchspec.cachebook import CacheBook
     from batchspec.runtime import runner as runner_lib
-    from batchspec.runtime.cachebook import CacheBook
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ import time
 from batchspec import cliargs
 from batchspec_tools.bench import closed_loop, llamacpp
 from coordinator.config import EngineConfig
+from coordinator.local_draft import LOCAL_NGRAM
 
 log = logging.getLogger("batchspec_tools.bench.run")
 
@@ -533,9 +534,9 @@ def normalise(breakdown: dict, seconds: float) -> dict:
 # ---- method 6: three processes -----------------------------------------------------------------
 def service_commands(workload: Workload) -> list[tuple[str, str, list[str]]]:
     """(role, module, its flags) of each service a GrpcStack starts, in GrpcStack.SERVICES
-    order: the target and the model draft on the workload's device, the n-gram draft (no
-    model, no device) beside them; a model draft of another tokenizer than the target's
-    translating to the target's tokens."""
+    order: the target and the model draft on the workload's device (the n-gram draft runs in
+    the coordinator's process, as `batchspec serve` runs it); a model draft of another
+    tokenizer than the target's translating to the target's tokens."""
     from batchspec.runtime import models
 
     device = ["--device", workload.device]
@@ -544,15 +545,14 @@ def service_commands(workload: Workload) -> list[tuple[str, str, list[str]]]:
              ["--model", workload.target, "--dtype", workload.dtype, *device]),
             ("model", "draft_service",
              ["--model", workload.draft, "--dtype", workload.draft_service_dtype, *device,
-              *layers, *models.translation_flags(workload.draft, workload.target)]),
-            ("ngram", "draft_service", ["--model", "ngram"])]
+              *layers, *models.translation_flags(workload.draft, workload.target)])]
 
 
 class GrpcStack:
-    """Target, model draft and n-gram draft services as processes (started once); a
-    coordinator per setting."""
+    """Target and model draft services as processes (started once); a coordinator per
+    setting, running the n-gram draft itself where a method uses it."""
 
-    SERVICES = ("target", "model", "ngram")
+    SERVICES = ("target", "model")
 
     def __init__(self, workload: Workload, together: bool = False):
         """together: start the three services at once (tiny models, whose kernel timing is
@@ -603,8 +603,8 @@ class GrpcStack:
     def coordinator(self, workload: Workload, batch_size: int, k: int,
                     drafts: tuple[str, ...] = ("model",), extra: tuple[str, ...] = ()):
         """A coordinator process over the running services: yields (port, metrics port).
-        drafts: "model" and/or "ngram"; none: the target alone (plain batched decoding, the
-        same server otherwise); extra: more coordinator flags."""
+        drafts: "model" and/or "ngram" (local:ngram); none: the target alone (plain batched
+        decoding, the same server otherwise); extra: more coordinator flags."""
         from batchspec_tools.processes import free_port, wait_healthy
 
         port, metrics_port = free_port(), free_port()
@@ -620,7 +620,8 @@ class GrpcStack:
         if workload.min_draft_confidence is not None:
             command += ["--min-draft-confidence", str(workload.min_draft_confidence)]
         for role in drafts:
-            command += ["--draft", f"127.0.0.1:{self.ports[role]}"]
+            command += ["--draft", LOCAL_NGRAM if role == "ngram"
+                        else f"127.0.0.1:{self.ports[role]}"]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_healthy(f"127.0.0.1:{port}", "batchspec.v1.Coordinator", 120, [process])
@@ -667,8 +668,9 @@ class GrpcStack:
             after = {r: scrape(self.metrics[r]) for r in self.SERVICES}
         spent = {r: after[r].get(f'command_seconds_sum{{command="{c}"}}', 0)
                  - before[r].get(f'command_seconds_sum{{command="{c}"}}', 0)
-                 for r, c in (("target", "verify"), ("model", "propose"), ("ngram", "propose"))}
-        compute = {"target": spent["target"], "draft": spent["model"] + spent["ngram"]}
+                 for r, c in (("target", "verify"), ("model", "propose"))}
+        # the n-gram lookups run in the coordinator: counted in its draft time, as "rpc"
+        compute = {"target": spent["target"], "draft": spent["model"]}
         draft_rt, verify_rt = coord.get("draft_seconds_sum", 0), coord.get("verify_seconds_sum", 0)
         prefill_rt = coord.get("prefill_seconds_sum", 0)
         breakdown = {"prefill": prefill_rt, "draft": compute["draft"], "verify": compute["target"],

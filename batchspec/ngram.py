@@ -1,4 +1,6 @@
-"""A model-free draft: prompt lookup over each sequence's own tokens. No torch.
+"""A model-free draft: prompt lookup over each sequence's own tokens. No torch, so the
+coordinator can run it in its own process (coordinator.local_draft) as well as the n-gram draft
+service (draft_service.ngram_servicer).
 
 To propose for a sequence, take its last n tokens (n from max_n down to min_n), find the most
 recent earlier place they occurred in the sequence (prompt and output alike), and propose the
@@ -16,11 +18,10 @@ request happens with the target's own probability of that token.
 """
 import dataclasses
 import time
+from typing import NamedTuple, Protocol
 
 from batchspec import errors
-from batchspec.params import SamplingParams
-from batchspec.runtime.cachebook import CacheBook, StepCost
-from batchspec.runtime.rows import ProposedRow, ProposeRow
+from batchspec.cachebook import CacheBook, StepCost
 
 NGRAM_MODEL = "ngram"
 
@@ -86,6 +87,23 @@ class NgramConfig:
             raise ValueError("n-gram sizes: need 1 <= min_n <= max_n")
 
 
+class Row(Protocol):
+    """What a proposal needs of a row (the services' ProposeRow, the coordinator's
+    ProposeSpec)."""
+
+    seq_id: int
+    expected_cache_len: int
+    keep_len: int
+    append_token_ids: list[int]
+
+
+class Proposed(NamedTuple):
+    seq_id: int
+    draft_token_ids: list[int]
+    cache_len: int  # keep_len + appended + len(draft_token_ids) - 1, or + 0 with no draft
+    cut: bool = False  # a lookup is never cut short (what wire.propose_result reads)
+
+
 class NgramStore(CacheBook):
     """The n-gram draft's caches (one NgramIndex per sequence) and its commands."""
 
@@ -109,7 +127,7 @@ class NgramStore(CacheBook):
             self.caches[seq_id].truncate(keep)
         return [keep for _, _, keep in entries]
 
-    def propose(self, rows: list[ProposeRow], num_drafts: int) -> list[ProposedRow]:
+    def propose(self, rows: list[Row], num_drafts: int) -> list[Proposed]:
         """Every row proposes up to num_drafts tokens (rows may append different numbers of
         tokens); a lookup has no sampling of its own (point masses: see the verifier)."""
         if num_drafts < 1:
@@ -127,12 +145,19 @@ class NgramStore(CacheBook):
             index.extend(append)
             drafts = index.propose(num_drafts)
             index.extend(drafts[:-1])  # the last draft is never "fed", as in the model draft
-            proposals.append(ProposedRow(seq_id, drafts, index.length))
+            proposals.append(Proposed(seq_id, drafts, index.length))
         return proposals
 
 
-def _fields(rows: list[ProposeRow]):
+def _fields(rows: list[Row]):
     return [(r.seq_id, r.expected_cache_len, r.keep_len, r.append_token_ids) for r in rows]
+
+
+class _Timed(NamedTuple):
+    seq_id: int
+    expected_cache_len: int
+    keep_len: int
+    append_token_ids: list[int]
 
 
 def measure_costs(store: NgramStore, rows=(1, 8, 64), tokens=(1, 8),
@@ -146,8 +171,7 @@ def measure_costs(store: NgramStore, rows=(1, 8, 64), tokens=(1, 8),
         store.prefill([(seq_id, pattern) for seq_id in ids])
         try:
             for num_tokens in tokens:
-                specs = [ProposeRow(s, context, context - 1, [pattern[-1]], SamplingParams())
-                         for s in ids]
+                specs = [_Timed(s, context, context - 1, [pattern[-1]]) for s in ids]
                 started = time.perf_counter()
                 proposals = store.propose(specs, num_tokens)
                 seconds = time.perf_counter() - started
