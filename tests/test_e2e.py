@@ -25,8 +25,9 @@ def batchspec_command() -> list[str]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_serve_four_processes_exact_on_32_concurrent_requests(model_dirs, arch, tmp_path):
-    """Target, model draft, n-gram draft and coordinator, as `batchspec serve` starts them.
+def test_serve_three_processes_exact_on_32_concurrent_requests(model_dirs, arch, tmp_path):
+    """Target, model draft and coordinator (running the n-gram draft itself), as `batchspec
+    serve` starts them.
     With llama, `serve` also takes --tls-cert/--tls-key, an API key and --http-port: gRPC
     over TLS with the key, `batchspec health` against it (refused without the CA), and the
     official `openai` client streaming a chat completion over HTTPS (a wrong key: 401)."""
@@ -74,6 +75,8 @@ def test_serve_four_processes_exact_on_32_concurrent_requests(model_dirs, arch, 
                 max_tokens=16, temperature=0, stream=True))
             assert "".join(c.choices[0].delta.content or "" for c in chunks)
             assert chunks[-1].usage.completion_tokens >= 1
+            [listed] = client.models.list().data  # both drafts serve, the lookup in process
+            assert "ngram" in listed.model_extra["batchspec"]["drafts"]
             with pytest.raises(openai.AuthenticationError):
                 https_client(f"https://127.0.0.1:{http_port}/v1", ca, "wrong").models.list()
     finally:

@@ -1,6 +1,6 @@
 """`batchspec bench --overhead`: what a step costs beside the model's own work.
 
-The served stack (target, model draft and n-gram draft services, a coordinator per setting)
+The served stack (target and model draft services, a coordinator per setting)
 over a model that costs almost nothing: a 2-layer, 64-wide random Llama, the target and its
 own draft, so every draft is accepted. Plain (no draft) and drafted (K drafts for every row,
 `--draft-policy fixed --step-aside off --min-draft-confidence 0`) steps at each client count,
