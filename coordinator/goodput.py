@@ -162,12 +162,21 @@ class ForwardCosts:
                 fewer = [curve[r] for r in curve if r < rows]
                 curve[rows] = max([seconds] + fewer)
         self._tokens = sorted(self._table)
+        # (rows, tokens) -> predict's answer: the table never changes, and a plan asks for the
+        # same few shapes many times a step
+        self._known: dict[tuple[int, int], float] = {}
 
     def __bool__(self) -> bool:
         return bool(self._tokens)
 
     def predict(self, rows: int, tokens: int) -> float:
-        return _interpolate(self._tokens, lambda t: self._by_rows(t, rows), tokens)
+        known = self._known.get((rows, tokens))
+        if known is None:
+            if len(self._known) >= 4096:  # prefills ask for many shapes: bounded
+                self._known.clear()
+            known = _interpolate(self._tokens, lambda t: self._by_rows(t, rows), tokens)
+            self._known[(rows, tokens)] = known
+        return known
 
     def _by_rows(self, tokens: int, rows: int) -> float:
         curve = self._table[tokens]

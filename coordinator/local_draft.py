@@ -31,7 +31,7 @@ class LocalNgram:
                              store.max_context_len, len(store.caches),
                              store.num_cached_tokens(),
                              tuple((c.rows, c.tokens, c.seconds) for c in store.step_costs),
-                             device="coordinator", instance_id=self.instance)
+                             device="cpu", instance_id=self.instance)
 
     def probe(self, timeout: float | None = None) -> "_Answered":
         return _Answered(self.describe())

@@ -4,6 +4,7 @@ import dataclasses
 import random
 import subprocess
 import sys
+import types
 from collections import Counter
 
 import pytest
@@ -15,7 +16,7 @@ from batchspec.ngram import NgramIndex, NgramStore
 from batchspec.params import SamplingParams
 from batchspec.runtime.rows import ProposeRow
 from batchspec.v1 import generate_pb2
-from coordinator import goodput
+from coordinator import goodput, verifying
 from coordinator import policy as policy_lib
 from coordinator.clients import Proposal, ProposeSpec
 from coordinator.local_draft import LocalNgram
@@ -75,6 +76,13 @@ def test_the_coordinators_own_ngram_draft_keeps_the_services_contract():
     info = local.describe()
     assert (info.model, info.num_sequences, info.instance_id) == ("ngram", 0, local.instance)
     assert info.step_costs and local.probe().done() and local.probe().info() == info
+    # on the host's CPU, as the n-gram service reports: --overlap auto stays off where every
+    # model service runs on the CPU too
+    peers = types.SimpleNamespace(kinds=[None], draft_up=True)
+    verifier = verifying.Verifier(peers=peers, pool=None, overlap="auto")
+    verifier.configure(dataclasses.replace(info, model="target"), [info])
+    assert info.device == "cpu" and not verifier.overlapping()
+    verifier.shutdown()
     assert local.prefill([(1, [4, 5, 6, 4, 5]), (2, [9])]) == [5, 1]
     specs = [ProposeSpec(1, 5, 5, [6], SamplingParams()), ProposeSpec(2, 1, 1, [8],
                                                                       SamplingParams(0.8))]
