@@ -210,6 +210,20 @@ class Probe:
             return None
 
 
+class Answered:
+    """A probe already answered (a draft in this process: coordinator.local_draft, the
+    benchmark's in-process engines)."""
+
+    def __init__(self, info: ModelInfo):
+        self._info = info
+
+    def done(self) -> bool:
+        return True
+
+    def info(self) -> ModelInfo:
+        return self._info
+
+
 class ServiceClient:
     """What both internal services answer: cache commands and Describe."""
 

@@ -11,7 +11,7 @@ import time
 import uuid
 
 from batchspec import ngram
-from coordinator.clients import ModelInfo, Proposal, ProposeSpec, Timing
+from coordinator.clients import Answered, ModelInfo, Proposal, ProposeSpec, Timing
 
 LOCAL_NGRAM = "local:ngram"  # the --draft value, and the kind's address
 
@@ -33,8 +33,8 @@ class LocalNgram:
                              tuple((c.rows, c.tokens, c.seconds) for c in store.step_costs),
                              device="cpu", instance_id=self.instance)
 
-    def probe(self, timeout: float | None = None) -> "_Answered":
-        return _Answered(self.describe())
+    def probe(self, timeout: float | None = None) -> Answered:
+        return Answered(self.describe())
 
     def wait_ready(self, timeout: float) -> None:
         """Always ready."""
@@ -68,15 +68,3 @@ class LocalNgram:
         return ([Proposal(p.seq_id, p.draft_token_ids, p.cache_len) for p in proposed],
                 Timing(time.perf_counter() - started))
 
-
-class _Answered:
-    """A probe answered at once (see clients.Probe)."""
-
-    def __init__(self, info: ModelInfo):
-        self._info = info
-
-    def done(self) -> bool:
-        return True
-
-    def info(self) -> ModelInfo:
-        return self._info

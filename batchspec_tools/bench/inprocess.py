@@ -5,26 +5,13 @@ import time
 from batchspec.runtime import models, wire
 from batchspec.runtime import runner as runner_lib
 from batchspec.runtime.rows import ProposeRow, VerifyRow
-from coordinator.clients import ModelInfo, Proposal, Timing, VerifyOutcome
+from coordinator.clients import Answered, ModelInfo, Proposal, Timing, VerifyOutcome
 from draft_service import proposer
 from target_service import verifier
 
 
 def _timing(group, started: float) -> Timing:
     return Timing(time.perf_counter() - started, group.realign_seconds, group.forward_seconds)
-
-
-class _Answered:
-    """A probe (coordinator.clients.Probe) that is already answered."""
-
-    def __init__(self, info: ModelInfo):
-        self._info = info
-
-    def done(self) -> bool:
-        return True
-
-    def info(self) -> ModelInfo:
-        return self._info
 
 
 class _InProcess:
@@ -39,9 +26,9 @@ class _InProcess:
     def close(self) -> None:
         pass
 
-    def probe(self, timeout: float | None = None) -> "_Answered":
+    def probe(self, timeout: float | None = None) -> Answered:
         """Answered at once: the runner lives in this process."""
-        return _Answered(self.describe())
+        return Answered(self.describe())
 
     def describe(self, timeout: float = 0.0) -> ModelInfo:
         r = self.runner
