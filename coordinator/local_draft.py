@@ -31,6 +31,8 @@ class LocalNgram:
                              store.max_context_len, len(store.caches),
                              store.num_cached_tokens(),
                              tuple((c.rows, c.tokens, c.seconds) for c in store.step_costs),
+                             # the host's CPU, as the n-gram service reports it (so
+                             # --overlap auto decides as it would with the service)
                              device="cpu", instance_id=self.instance)
 
     def probe(self, timeout: float | None = None) -> Answered:
