@@ -84,6 +84,7 @@ class Services:
     targets: list[str]  # the target addresses found at start
     kinds: list[tuple[str, list[str]]]  # (model, draft addresses) per draft kind
     tls_names: dict[str, str | None]  # address -> the name its certificate carries
+    local: LocalNgram | None = None  # the n-gram draft this process runs, if a kind names it
 
     @property
     def draft_models(self) -> list[str]:
@@ -117,13 +118,14 @@ def connect_all(config: CoordinatorConfig, target_sources: list,
         fleet.check_target(info, infos[0], address)
     kinds: dict[str, list[str]] = {}
     drafts = initial_members(draft_sources, config.connect_timeout_s, "draft")
+    local = LocalNgram() if LOCAL_NGRAM in drafts else None
     for address, name in drafts.items():
-        client = LocalNgram() if address == LOCAL_NGRAM else \
+        client = local if address == LOCAL_NGRAM else \
             DraftClient(address, credentials=credentials, tls_name=name)
         draft_info = fleet.describe(client, config.connect_timeout_s)
         fleet.check_draft(draft_info, infos[0], address)
         kinds.setdefault(draft_info.model, []).append(address)
-    return Services(infos[0], list(targets), list(kinds.items()), {**targets, **drafts})
+    return Services(infos[0], list(targets), list(kinds.items()), {**targets, **drafts}, local)
 
 
 def build_fleet(config: CoordinatorConfig, services: Services, telemetry: Telemetry) -> Fleet:
@@ -132,7 +134,7 @@ def build_fleet(config: CoordinatorConfig, services: Services, telemetry: Teleme
     turn. Each engine has its own connections (its own command streams)."""
     router = Router(config.engine.max_queue, telemetry)
     built = Fleet(config, router, telemetry, services.target, services.kinds,
-                  services.tls_names)
+                  services.tls_names, services.local)
     for address in services.targets:
         built.build_engine(address, services.tls_names.get(address))
     return built

@@ -70,7 +70,8 @@ def check_target(info: ModelInfo, target: ModelInfo, address: str) -> None:
 
 class Fleet:
     def __init__(self, config, router: Router, telemetry, target: ModelInfo,
-                 kinds: list[tuple[str, list[str]]], tls_names: dict | None = None):
+                 kinds: list[tuple[str, list[str]]], tls_names: dict | None = None,
+                 local: LocalNgram | None = None):
         """config: CoordinatorConfig; target: the first target's ModelInfo (every target
         must host its model); kinds: (model, draft addresses) per draft kind; tls_names:
         address -> the name its certificate carries, where not its host."""
@@ -86,8 +87,9 @@ class Fleet:
         # address -> the name its TLS certificate carries, where not its host (see
         # membership: replicas found by DNS or Kubernetes are dialled by IP)
         self.tls_names: dict[str, str | None] = dict(tls_names or {})
-        # the draft this process runs itself, if a kind names it: one for every engine
-        self.local = LocalNgram() if LOCAL_NGRAM in self.draft_addresses() else None
+        # the draft this process runs itself (local:ngram), if a kind names it: one for
+        # every engine
+        self.local = local
 
     # ---- engines --------------------------------------------------------------------------------
     def build_engine(self, address: str, tls_name: str | None = None) -> Engine:
