@@ -300,7 +300,7 @@ def run_stack(name: str, files: tuple[str, ...], reference: dict[str, str]) -> d
         # question asked alone sees to that). Each replica's proposals are reported; a second
         # replica serves the target that drafts with it first, which may get few drafted
         # steps of the questions asked together, so only the sum is required
-        drafts = [s for s in services if s.startswith("draft") and s != "draft-ngram"]
+        drafts = [s for s in services if s.startswith("draft")]
         report["draft_proposals"] = {d: commands_run(run, d, "propose") for d in drafts}
         if not any(report["draft_proposals"].values()):
             raise SystemExit(f"deploy_check: {name}: no model draft proposed: "

@@ -108,9 +108,7 @@ def test_compose_services_gpus_health_and_wiring(files):
         args = parse_service_command(svc["command"])
         assert {"type": "volume", "source": "models", "target": "/models"} in \
             [{k: v[k] for k in ("type", "source", "target")} for v in svc["volumes"]]
-        if args.model == "ngram":  # no model: no GPU
-            assert gpu_ids(svc) == []
-        elif on_cpu:
+        if on_cpu:
             assert gpu_ids(svc) == [] and args.device == "cpu"
         else:
             [ids] = gpu_ids(svc)
@@ -119,13 +117,15 @@ def test_compose_services_gpus_health_and_wiring(files):
         assert svc["command"][:2] == ["batchspec", "draft" if "draft" in name else "target"]
         check_healthcheck(svc, args.port, SERVICE_NAMES[svc["command"][1]])
     assert len(set(gpus)) == len(gpus), f"model services share a GPU: {gpus}"
-    assert len(gpus) == (0 if on_cpu else sum(n != "draft-ngram" for n in model_services))
+    assert len(gpus) == (0 if on_cpu else len(model_services))
     assert [n for n, svc in services.items() if published_ports(svc)] == ["coordinator"]
     coordinator = services["coordinator"]
     args = coordinator_main.build_parser().parse_args(coordinator["command"][2:])
     assert published_ports(coordinator) == [f"50051:{args.port}", f"8000:{args.http_port}"]
     check_healthcheck(coordinator, args.port, SERVICE_NAMES["coordinator"])
-    peers = split_addresses(args.target) + split_addresses(args.draft)
+    drafts = split_addresses(args.draft)
+    assert "local:ngram" in drafts  # the n-gram draft: in the coordinator's process
+    peers = [*split_addresses(args.target), *(d for d in drafts if d != "local:ngram")]
     assert sorted(h for h, _ in (p.split(":") for p in peers)) == sorted(model_services)
     for peer in peers:
         host, port = peer.split(":")
@@ -157,7 +157,8 @@ def test_tls_override_turns_on_tls_mutual_tls_and_the_api_key_everywhere():
     from batchspec_tools.cli import add_client_tls_arguments
 
     services = load_compose("compose.yaml", "compose.tls.yaml")["services"]
-    for name in ("target", "draft", "draft-ngram"):
+    assert set(services) == {"target", "draft", "coordinator"}
+    for name in ("target", "draft"):
         args = parse_service_command(services[name]["command"])
         assert args.tls_cert == f"/tls/{name}.pem" and args.tls_ca == "/tls/ca.pem"
         assert "/models" in [v["target"] for v in services[name]["volumes"]]
@@ -212,14 +213,14 @@ def loopback_commands(model_dirs):
         for key, value in (("--host", "127.0.0.1"), ("--port", str(ports[name])),
                            ("--metrics-port", str(metrics[name])), ("--device", "cpu"),
                            ("--model", draft_dir if "draft" in name else target_dir)):
-            if key in command and command[command.index(key) + 1] != "ngram":
+            if key in command:
                 command[command.index(key) + 1] = value
         commands[name] = command
     coordinator = commands["coordinator"]
     i = coordinator.index("--tokenizer")
     del coordinator[i:i + 2]
     for i, word in enumerate(coordinator):
-        if word in ("--target", "--draft"):
+        if word in ("--target", "--draft") and coordinator[i + 1] != "local:ngram":
             host = coordinator[i + 1].split(":")[0]
             coordinator[i + 1] = f"127.0.0.1:{ports[host]}"
     return commands, ports, metrics
@@ -253,7 +254,7 @@ def test_compose_command_lines_scale_out_exactly_on_loopback(model_dirs):
                 assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
             for name in ("target", "target-2"):
                 assert command_count(metrics[name], "verify") > 0, f"{name} did no work"
-            for name in ("draft", "draft-2", "draft-ngram"):
+            for name in ("draft", "draft-2"):
                 assert command_count(metrics[name], "propose") > 0, f"{name} did no work"
 
             # a target replica goes away mid-run: its sequences move to the other one

@@ -68,7 +68,8 @@ def test_the_chart_renders_and_every_object_validates_strictly(name):
 def test_pools_gpus_probes_draining_and_membership_by_default():
     objects = render({})
     deployments = by_kind(objects, "Deployment")
-    assert set(deployments) == {"bs-target", "bs-draft", "bs-ngram", "bs-coordinator"}
+    # the n-gram draft runs in the coordinator's process: no pool of its own
+    assert set(deployments) == {"bs-target", "bs-draft", "bs-coordinator"}
     for pool, port, service in (("bs-target", 50052, "TargetService"),
                                 ("bs-draft", 50053, "DraftService")):
         spec = deployments[pool]["spec"]["template"]["spec"]
@@ -81,16 +82,14 @@ def test_pools_gpus_probes_draining_and_membership_by_default():
         grace = int(main["args"][main["args"].index("--grace") + 1])
         assert spec["terminationGracePeriodSeconds"] > grace + main["lifecycle"]["preStop"][
             "sleep"]["seconds"]  # never killed while it still drains
-    assert "resources" not in container(deployments["bs-ngram"]) or "nvidia.com/gpu" not in \
-        str(container(deployments["bs-ngram"])["resources"])
     services = by_kind(objects, "Service")
-    for pool in ("bs-target", "bs-draft", "bs-ngram"):
+    for pool in ("bs-target", "bs-draft"):
         assert services[pool]["spec"]["clusterIP"] == "None"  # headless
     assert services["bs-coordinator"]["spec"].get("clusterIP") != "None"
     args = container(deployments["bs-coordinator"])["args"]
     assert args[args.index("--target") + 1] == "k8s:serving/bs-target:50052"
     drafts = [args[i + 1] for i, a in enumerate(args) if a == "--draft"]
-    assert drafts == ["k8s:serving/bs-draft:50053", "k8s:serving/bs-ngram:50054"]
+    assert drafts == ["k8s:serving/bs-draft:50053", "local:ngram"]
     role = by_kind(objects, "Role")["bs-endpoints-reader"]
     assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
                               "verbs": ["get", "list", "watch"]}]
@@ -148,8 +147,11 @@ def test_cpu_pools_and_the_service_monitor():
             args = container(pools[pool])["args"]
             assert args[args.index("--dtype") + 1] == expected
     args = container(deployments["bs-coordinator"])["args"]
-    assert [args[i + 1] for i, a in enumerate(args) if a == "--draft"] == [
-        "k8s:serving/bs-ngram:50054"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--draft"] == ["local:ngram"]
+    without = container(by_kind(render({"ngram": {"enabled": False}}), "Deployment")[
+        "bs-coordinator"])["args"]
+    assert [without[i + 1] for i, a in enumerate(without) if a == "--draft"] == [
+        "k8s:serving/bs-draft:50053"]
     monitor = by_kind(objects, "ServiceMonitor")["bs-metrics"]  # a CRD: checked by hand
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["spec"]["endpoints"] == [{"port": "metrics", "interval": "30s",
