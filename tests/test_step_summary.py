@@ -50,3 +50,48 @@ def test_the_table_reports_the_net_cost_per_method(tmp_path):
     plain_server = next(line for line in out.splitlines()
                         if line.startswith("| grpc_target_only |"))
     assert plain_server.split("|")[6].strip() == "-"  # no drafted steps, no net figure
+
+
+def timed(t: float, kinds: list, drafts: list, committed: int, ms: dict) -> dict:
+    """A step of len(kinds) rows whose stages took `ms` (as STAGES names them)."""
+    seconds = {k: v / 1000 for k, v in ms.items()}
+    draft_forward = seconds["draft forwards"]
+    draft_compute = draft_forward + seconds["draft service"]
+    draft = draft_compute + seconds["draft RPC"]
+    verify_forward = seconds["verify forward"]
+    verify_compute = verify_forward + seconds["verify service"]
+    verify = verify_compute + seconds["verify RPC"]
+    return {"t": t, "step": int(t), "rows": len(kinds), "kinds": kinds, "drafts": drafts,
+            "committed": committed, "step_s": draft + verify + seconds["coordinator"],
+            "draft_s": draft, "draft_compute_s": draft_compute, "draft_forward_s": draft_forward,
+            "verify_s": verify, "verify_compute_s": verify_compute,
+            "verify_forward_s": verify_forward, "prefill_target_s": 0.0, "prefill_draft_s": 0.0}
+
+
+def test_the_breakdown_splits_steps_by_draft_kind_stage_by_stage(tmp_path):
+    summary = load()
+    names = [name for name, _ in summary.STAGES]
+    plain_ms = dict.fromkeys(names, 0.0) | {"coordinator": 0.5, "verify RPC": 1.0,
+                                             "verify service": 0.5, "verify forward": 10.0}
+    head_ms = {name: float(i + 1) for i, name in enumerate(names)}  # 1 .. 7 ms, 28 a step
+    steps = [timed(i, [None], [0], 1, plain_ms) for i in range(3)]
+    steps += [timed(10 + i, [0], [2], committed, head_ms) for i, committed in enumerate((1, 3))]
+    steps += [timed(20, [1], [4], 5, head_ms), timed(21, [0, 1], [1, 2], 4, head_ms)]
+    steps += [timed(30, [None, None], [0, 0], 2, plain_ms)]  # two rows: not in rows=1
+    prefill = timed(40, [0], [2], 3, head_ms)
+    prefill["prefill_target_s"] = 0.1  # a step that prefilled is left out
+    got = summary.breakdown(steps + [prefill], rows=1)
+    assert set(got) == {"plain", "kind 0", "kind 1"}
+    assert got["plain"]["count"] == 3 and got["plain"]["step"] == pytest.approx(12.0)
+    assert got["plain"]["stages"]["verify forward"] == pytest.approx(10.0)
+    head = got["kind 0"]
+    assert head["count"] == 2 and head["committed"] == 2 and head["step"] == pytest.approx(28.0)
+    assert head["per_token"] == pytest.approx(2 * 28.0 / 4)
+    assert [head["stages"][n] for n in names] == pytest.approx([1, 2, 3, 4, 5, 6, 7])
+    assert summary.breakdown(steps, rows=2)["mixed"]["count"] == 1
+    (tmp_path / "grpc_router-c1-r0.jsonl").write_text(
+        "".join(json.dumps(s) + "\n" for s in steps))
+    out = subprocess.run([sys.executable, "-m", "batchspec_tools", "steps", str(tmp_path),
+                          "--rows", "1"], capture_output=True, text=True, check=True).stdout
+    row = next(line for line in out.splitlines() if "| kind 0 |" in line)
+    assert [cell.strip() for cell in row.split("|")[4:8]] == ["2", "2.00", "28.00", "14.00"]

@@ -5,13 +5,8 @@ over a model that costs almost nothing: a 2-layer, 64-wide random Llama, the tar
 own draft, so every draft is accepted. Plain (no draft) and drafted (K drafts for every row,
 `--draft-policy fixed --step-aside off --min-draft-confidence 0`) steps at each client count,
 closed-loop clients asking for `max_new_tokens` each past any end-of-sequence. From the
-coordinator's step log, the median of each stage of a step (prefills left out):
-
-- coordinator: the step less its round trips (scheduling, bookkeeping, streaming);
-- draft / verify RPC: a command's round trip less the service's own account of it;
-- draft / verify service: the service's time beside its forwards (decoding the command,
-  checks, cache bookkeeping, sampling, encoding the answer);
-- draft / verify forwards: the forwards themselves.
+coordinator's step log, the median of each stage of a step (prefills left out; the stages
+are `batchspec steps`', bench/steps.py STAGES).
 
 Whatever a step costs here is what speculation must pay for on any model: with a real model,
 add its forwards.
@@ -22,18 +17,10 @@ import random
 import statistics
 import tempfile
 
+from batchspec_tools.bench.steps import STAGES
+
 CLIENTS = (1, 16)
 NUM_DRAFT_TOKENS = 4
-# (column, how it is found from a step-log line), in a step's order
-STAGES = (
-    ("coordinator", lambda s: s["step_s"] - s["draft_s"] - s["verify_s"]),
-    ("draft RPC", lambda s: s["draft_s"] - s["draft_compute_s"]),
-    ("draft service", lambda s: s["draft_compute_s"] - s["draft_forward_s"]),
-    ("draft forwards", lambda s: s["draft_forward_s"]),
-    ("verify RPC", lambda s: s["verify_s"] - s["verify_compute_s"]),
-    ("verify service", lambda s: s["verify_compute_s"] - s["verify_forward_s"]),
-    ("verify forward", lambda s: s["verify_forward_s"]),
-)
 
 
 def free_model(root: pathlib.Path) -> str:

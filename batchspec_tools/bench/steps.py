@@ -7,9 +7,15 @@ cost net (the seconds drafted steps took beyond what the same run's plain steps 
 many rows take for the tokens they committed; negative: drafting saved time), and the target's
 prefill seconds against the run's span. Rounds of a shared machine move by a tenth and more;
 the net cost compares steps of one run, so it shows what drafting did where the tok/s of two
-runs cannot. With --rows N, the median milliseconds of a plain step
-of N rows: the whole step, the target's round trip, its compute, and what is left for the
-coordinator.
+runs cannot. With --rows N, the steps of N rows that prefilled nothing, plain ones and drafted
+ones by draft kind: how many, the tokens a step committed, and the median milliseconds of the
+step and of each of its stages (STAGES):
+
+- coordinator: the step less its round trips (scheduling, bookkeeping, streaming);
+- draft / verify RPC: a command's round trip less the service's own account of it;
+- draft / verify service: the service's time beside its forwards (decoding the command,
+  checks, cache bookkeeping, sampling, encoding the answer);
+- draft / verify forwards: the forwards themselves.
 
     batchspec steps STEPS --rows 16
 
@@ -27,6 +33,16 @@ from batchspec import cliargs
 from coordinator.evidence import bucket_of
 
 NAME = re.compile(r"^(?P<method>.+)-c(?P<clients>\d+)-r(?P<round>\d+)\.jsonl$")
+# (column, how it is found from a step-log line), in a step's order
+STAGES = (
+    ("coordinator", lambda s: s["step_s"] - s["draft_s"] - s["verify_s"]),
+    ("draft RPC", lambda s: s["draft_s"] - s["draft_compute_s"]),
+    ("draft service", lambda s: s["draft_compute_s"] - s["draft_forward_s"]),
+    ("draft forwards", lambda s: s["draft_forward_s"]),
+    ("verify RPC", lambda s: s["verify_s"] - s["verify_compute_s"]),
+    ("verify service", lambda s: s["verify_compute_s"] - s["verify_forward_s"]),
+    ("verify forward", lambda s: s["verify_forward_s"]),
+)
 
 
 def latest_run(path: pathlib.Path) -> list[dict]:
@@ -84,13 +100,45 @@ def run_summary(steps: list[dict]) -> dict:
             "span": steps[-1]["t"] - steps[0]["t"] if steps else None}
 
 
-def plain_step_ms(steps: list[dict], rows: int) -> dict:
-    chosen = [s for s in steps if s["rows"] == rows and not any(s["drafts"])]
-    ms = {key: median(1000 * s[key] for s in chosen)
-          for key in ("step_s", "verify_s", "verify_compute_s")}
-    ms["coordinator"] = median(1000 * (s["step_s"] - s["verify_s"]) for s in chosen)
-    ms["count"] = len(chosen)
-    return ms
+def step_kind(step: dict) -> str:
+    """"plain", or the draft kind of the step's drafted rows ("kind i": the i-th --draft),
+    or "mixed"."""
+    kinds = {k for k, d in zip(step.get("kinds") or [], step["drafts"]) if d}
+    if not any(step["drafts"]):
+        return "plain"
+    return f"kind {kinds.pop()}" if len(kinds) == 1 else "mixed"
+
+
+def breakdown(steps: list[dict], rows: int) -> dict[str, dict]:
+    """Per step kind (step_kind), over the steps of `rows` rows that prefilled nothing: how
+    many, the mean tokens a step committed, the ms a token (their steps' time over their
+    tokens), the median ms of the step and of each stage."""
+    chosen = collections.defaultdict(list)
+    for s in steps:
+        if s["rows"] == rows and not s["prefill_target_s"] and not s.get("prefill_draft_s"):
+            chosen[step_kind(s)].append(s)
+    return {kind: {"count": len(group),
+                   "committed": statistics.mean(s["committed"] for s in group),
+                   "per_token": 1000 * sum(s["step_s"] for s in group)
+                   / sum(s["committed"] for s in group),
+                   "step": statistics.median(1000 * s["step_s"] for s in group),
+                   "stages": {name: statistics.median(1000 * stage(s) for s in group)
+                              for name, stage in STAGES}}
+            for kind, group in sorted(chosen.items())}
+
+
+def print_breakdown(runs: dict, rows: int) -> None:
+    names = [name for name, _ in STAGES]
+    print(f"\nsteps of {rows} rows (no prefill), median ms:\n")
+    print("| method | clients | step | steps | tokens a step | step ms | ms a token | "
+          + " | ".join(names) + " |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in names)
+          + " |")
+    for (method, clients), rounds in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for kind, b in breakdown([s for steps in rounds for s in steps], rows).items():
+            print(f"| {method} | {clients} | {kind} | {b['count']} | {b['committed']:.2f} | "
+                  f"{b['step']:.2f} | {b['per_token']:.2f} | "
+                  + " | ".join(f"{b['stages'][n]:.2f}" for n in names) + " |")
 
 
 def main(argv=None) -> int:
@@ -98,7 +146,8 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("logs", type=pathlib.Path, help="the --step-logs directory")
     parser.add_argument("--rows", type=cliargs.positive_int,
-                        help="also break down plain steps of this many rows")
+                        help="also break down the steps of this many rows, plain and drafted "
+                             "by draft kind, stage by stage")
     args = parser.parse_args(argv)
     if not args.logs.is_dir():
         parser.error(f"{args.logs} is not a directory")
@@ -121,14 +170,7 @@ def main(argv=None) -> int:
               f"{fmt(m['share'], '.2f')} | {fmt(m['net'], '+.2f')} | "
               f"{fmt(m['prefill'], '.1f')} / {fmt(m['span'], '.0f')} |")
     if args.rows:
-        print(f"\nplain steps of {args.rows} rows, median ms:")
-        for (method, clients), rounds in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            ms = plain_step_ms([s for steps in rounds for s in steps], args.rows)
-            if not ms["count"]:
-                continue
-            print(f"  {method} c{clients}: step {fmt(ms['step_s'], '.1f')}, target round trip "
-                  f"{fmt(ms['verify_s'], '.1f')}, compute {fmt(ms['verify_compute_s'], '.1f')}, "
-                  f"coordinator {fmt(ms['coordinator'], '.1f')} ({ms['count']} steps)")
+        print_breakdown(runs, args.rows)
     return 0
 
 
