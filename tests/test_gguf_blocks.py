@@ -40,7 +40,8 @@ ISAS = gguf_blocks.ISAS[:gguf_blocks.ISAS.index(gguf_blocks.best_isa()) + 1]
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("out_features,in_features", [(1, 32), (5, 96), (13, 160), (64, 576)])
+@pytest.mark.parametrize("out_features,in_features",
+                         [(1, 32), (5, 96), (13, 160), (64, 576), (7, 1568)])
 def test_each_product_is_the_float_product_of_the_dequantized_weights(isa, kind, out_features,
                                                                       in_features):
     data, weights = random_blocks(kind, out_features, in_features, seed=out_features)

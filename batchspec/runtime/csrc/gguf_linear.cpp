@@ -199,12 +199,17 @@ __attribute__((target("avx2,fma,f16c"))) void outputs_avx2(bool q4_1, const uint
 // nibbles pick from them with one permute per 16 weights: byte j of the block's 16 (weight
 // j in its low nibble, weight j + 16 in its high one) widened to lane j indexes the first
 // 16 as it is (a permute reads only an index's low 4 bits) and, shifted right by 4, the rest.
+// The block's d and m (as floats, converted exactly from their halves) come from the tile's
+// scales (scales_avx512): a half's conversion a block at a time costs the shuffle port as
+// much as the weights' own permutes do.
 __attribute__((target("avx512f,f16c"))) inline void dequantize_avx512(bool q4_1,
                                                                       const uint8_t* block,
+                                                                      const float* d_scale,
+                                                                      const float* m_scale,
                                                                       __m512 w[2]) {
-  const __m512 d = _mm512_set1_ps(_cvtsh_ss(read_half(block)));
+  const __m512 d = _mm512_set1_ps(*d_scale);
   if (q4_1) {
-    const __m512 m = _mm512_set1_ps(_cvtsh_ss(read_half(block + 2)));
+    const __m512 m = _mm512_set1_ps(*m_scale);
     const __m512 table = _mm512_add_ps(
         _mm512_mul_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)), m);
     const __m512i bytes = _mm512_cvtepu8_epi32(
@@ -216,6 +221,29 @@ __attribute__((target("avx512f,f16c"))) inline void dequantize_avx512(bool q4_1,
       const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * v));
       w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8)), d);
     }
+  }
+}
+
+// Output rows [o0, o0 + O)'s scales of blocks [b0, b0 + n), n <= 16: d (a block's first
+// half) into d[o][j], and for Q4_1 m (its second) into m[o][j], 16 blocks' halves gathered
+// and converted at once.
+template <int O>
+__attribute__((target("avx512f,f16c"))) inline void scales_avx512(
+    bool q4_1, const uint8_t* wp, int64_t blocks, int64_t o0, int64_t b0, int n,
+    float (*d)[16], float (*m)[16]) {
+  const int64_t bytes = q4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  const __m512i offsets = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(bytes)));
+  const __mmask16 lanes = static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1);
+  for (int o = 0; o < O; ++o) {
+    const uint8_t* first = wp + ((o0 + o) * blocks + b0) * bytes;
+    // each block's first four bytes (d and m; d and two weights for Q8_0), only the n blocks'
+    const __m512i halves = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, offsets,
+                                                       first, 1);
+    _mm512_store_ps(d[o], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(halves)));
+    if (q4_1)
+      _mm512_store_ps(m[o], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(halves, 16))));
   }
 }
 
@@ -237,19 +265,25 @@ __attribute__((target("avx512f,f16c"))) void tile_avx512(bool q4_1, const uint8_
   __m512 acc[O][R];
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512 w[O][2];
-    for (int o = 0; o < O; ++o) {
-      const uint8_t* block = wp + ((o0 + o) * blocks + b) * bytes;
-      prefetch(block);
-      dequantize_avx512(q4_1, block, w[o]);
-    }
-    for (int r = 0; r < R; ++r) {
-      const float* xb = x + (r0 + r) * in + b * kBlock;
-      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+  alignas(64) float d[O][16], m[O][16];
+  for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, blocks - b0));
+    scales_avx512<O>(q4_1, wp, blocks, o0, b0, n, d, m);
+    for (int j = 0; j < n; ++j) {
+      const int64_t b = b0 + j;
+      __m512 w[O][2];
       for (int o = 0; o < O; ++o) {
-        acc[o][r] = _mm512_fmadd_ps(w[o][0], x0, acc[o][r]);
-        acc[o][r] = _mm512_fmadd_ps(w[o][1], x1, acc[o][r]);
+        const uint8_t* block = wp + ((o0 + o) * blocks + b) * bytes;
+        prefetch(block);
+        dequantize_avx512(q4_1, block, &d[o][j], &m[o][j], w[o]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x + (r0 + r) * in + b * kBlock;
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        for (int o = 0; o < O; ++o) {
+          acc[o][r] = _mm512_fmadd_ps(w[o][0], x0, acc[o][r]);
+          acc[o][r] = _mm512_fmadd_ps(w[o][1], x1, acc[o][r]);
+        }
       }
     }
   }
