@@ -103,9 +103,9 @@ def run_summary(steps: list[dict]) -> dict:
 def step_kind(step: dict) -> str:
     """"plain", or the draft kind of the step's drafted rows ("kind i": the i-th --draft),
     or "mixed"."""
-    kinds = {k for k, d in zip(step.get("kinds") or [], step["drafts"]) if d}
     if not any(step["drafts"]):
         return "plain"
+    kinds = {k for k, d in zip(step.get("kinds") or [], step["drafts"]) if d}
     return f"kind {kinds.pop()}" if len(kinds) == 1 else "mixed"
 
 
