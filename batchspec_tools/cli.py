@@ -111,6 +111,12 @@ def serve_parser() -> argparse.ArgumentParser:
                         help="overrides --dtype for the draft models (default: auto where "
                              "--dtype is auto or float32: bfloat16 for a feature head on a "
                              "CPU that multiplies bfloat16 natively, float32 otherwise)")
+    parser.add_argument("--draft-host", default="target", choices=("target", "own"),
+                        help="where the first draft model runs: in the target's process "
+                             "(default: its proposals ride in the verify, with no round "
+                             "trip of their own), or in a draft service of its own (as "
+                             "every further draft model, and a draft on another device or "
+                             "of another tokenizer)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds to wait for each service to become healthy")
     coordinator = parser.add_argument_group("coordinator (as `batchspec coordinator`)")
@@ -151,12 +157,13 @@ def serve(argv) -> int:
     if args.http_port == 0:
         args.http_port = processes.free_port()
     services = serve_services(args, names)
-    coordinator_cmd = [sys.executable, "-m", "coordinator",
-                       "--target", f"127.0.0.1:{services[0][1]}"]
+    target = f"127.0.0.1:{services[0][1]}"
+    coordinator_cmd = [sys.executable, "-m", "coordinator", "--target", target]
+    hosted = hosted_draft(args, names)
     ports = iter(port for _, port, _ in services[1:])
     for name in names if names != ["none"] else []:  # the drafts' order is the kinds'
-        coordinator_cmd += ["--draft", LOCAL_NGRAM if name == "ngram" else
-                            f"127.0.0.1:{next(ports)}"]
+        coordinator_cmd += ["--draft", LOCAL_NGRAM if name == "ngram" else target
+                            if name == hosted else f"127.0.0.1:{next(ports)}"]
     tokenizer = args.tokenizer or models.tokenizer_file(args.target_model)
     if tokenizer:
         coordinator_cmd += ["--tokenizer", tokenizer]
@@ -184,11 +191,47 @@ def serve_services(args, names: list[str]) -> list[tuple[list[str], int, str]]:
     target_cmd = [sys.executable, "-m", "target_service", "--model", args.target_model,
                   "--port", str(target_port), "--device", args.target_device or args.device,
                   "--dtype", args.dtype]
+    hosted = hosted_draft(args, names)
+    if hosted is not None:
+        target_cmd += hosted_flags(args, hosted)
     services = [(target_cmd, target_port, "batchspec.v1.TargetService")]
-    for name in [n for n in names if n not in ("none", "ngram")]:
+    for name in [n for n in names if n not in ("none", "ngram", hosted)]:
         port = processes.free_port()
         services.append((draft_command(args, name, port), port, "batchspec.v1.DraftService"))
     return services
+
+
+def hosted_draft(args, names: list[str]) -> str | None:
+    """The draft model (its name in --draft-model) the target hosts: with --draft-host target,
+    the first model draft, where it runs on the target's device and shares its vocabulary;
+    None: each draft model has a service of its own."""
+    from batchspec.runtime import models
+
+    if args.draft_host != "target":
+        return None
+    for name in [n for n in names if n not in ("none", "ngram")][:1]:
+        device = args.target_device or args.device
+        if (args.draft_device or args.device) != device:
+            return None
+        model, _ = pick_draft(args.target_model, None if name == "auto" else name,
+                              args.draft_layers)
+        try:
+            models.check_hostable_draft(model, args.target_model)
+        except ValueError:
+            return None
+        return name
+    return None
+
+
+def hosted_flags(args, name: str) -> list[str]:
+    """The target service's flags that host draft `name` (see hosted_draft)."""
+    from batchspec.runtime import models
+
+    model, layers = pick_draft(args.target_model, None if name == "auto" else name,
+                               args.draft_layers)
+    return (["--draft-model", model,
+             "--draft-dtype", models.draft_service_dtype(args.dtype, args.draft_dtype)]
+            + (["--draft-num-layers", str(layers)] if layers else []))
 
 
 def run_services(args, services, coordinator_cmd: list[str], public_tls=None) -> int:

@@ -64,6 +64,9 @@ class VerifySpec:
     sampling: SamplingParams
     logprobs: int | None = None  # see Sequence.logprobs
     token_masks: tuple[bytes, ...] = ()  # structured output: see grammar.Constraint.masks
+    # verify the first num_proposed tokens the target's hosted draft proposes first (then
+    # draft_token_ids and token_masks are empty); 0: draft_token_ids
+    num_proposed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +96,15 @@ class VerifyOutcome:
     cache_len: int
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked
     features: object = None  # cache_pb2.Features of the positions cached, when asked
+
+
+@dataclasses.dataclass(frozen=True)
+class Hosted:
+    """What a target's hosted draft answered the propose of a verify command."""
+
+    proposals: list[Proposal]  # one per propose entry, in order; none where it refused
+    timing: Timing  # the draft's own account (inside the verify's)
+    error: errors.BatchspecError | None = None  # why it refused
 
 
 def _logprobs(token_ids, wire) -> list[TokenLogprob]:
@@ -321,15 +333,25 @@ class DraftClient(ServiceClient):
     def propose(self, num_drafts: int, realign: bool, specs: list[ProposeSpec],
                 timeout: float | None = None,
                 min_confidence: float = 0.0) -> tuple[list[Proposal], Timing]:
-        result = self.stream.call(timeout=timeout, propose=draft_pb2.ProposeCommand(
-            num_draft_tokens=num_drafts, realign=realign, min_draft_confidence=min_confidence,
-            entries=[
-                draft_pb2.ProposeEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
-                                       keep_len=s.keep_len, append_token_ids=s.append_token_ids,
-                                       sampling=_sampling(s.sampling), features=s.features)
-                for s in specs]))
-        return [Proposal(e.seq_id, list(e.draft_token_ids), e.cache_len, e.cut)
-                for e in result.entries], _timing(result.timing)
+        result = self.stream.call(timeout=timeout, propose=propose_command(
+            num_drafts, realign, specs, min_confidence))
+        return _proposals(result), _timing(result.timing)
+
+
+def propose_command(num_drafts: int, realign: bool, specs: list[ProposeSpec],
+                    min_confidence: float = 0.0) -> draft_pb2.ProposeCommand:
+    """A propose, for a draft service or for a target's hosted draft (TargetClient.verify)."""
+    return draft_pb2.ProposeCommand(
+        num_draft_tokens=num_drafts, realign=realign, min_draft_confidence=min_confidence,
+        entries=[draft_pb2.ProposeEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
+                                        keep_len=s.keep_len, append_token_ids=s.append_token_ids,
+                                        sampling=_sampling(s.sampling), features=s.features)
+                 for s in specs])
+
+
+def _proposals(result: draft_pb2.ProposeResult) -> list[Proposal]:
+    return [Proposal(e.seq_id, list(e.draft_token_ids), e.cache_len, e.cut)
+            for e in result.entries]
 
 
 class TargetClient(ServiceClient):
@@ -339,24 +361,37 @@ class TargetClient(ServiceClient):
     features_for_drafts = False
 
     def verify(self, realign: bool, specs: list[VerifySpec], timeout: float | None = None,
-               return_features: bool | None = None) -> tuple[list[VerifyOutcome], Timing]:
+               return_features: bool | None = None,
+               propose: draft_pb2.ProposeCommand | None = None):
+        """(outcomes, Timing) of a verify; with `propose` (propose_command's, for the draft
+        the target hosts, run first), (outcomes, Timing, Hosted)."""
         if return_features is None:
             return_features = self.features_for_drafts
         command = target_pb2.VerifyCommand(realign=realign, return_features=return_features,
-                                           entries=[
+                                           propose=propose, entries=[
             target_pb2.VerifyEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
                                    append_token_ids=s.append_token_ids,
                                    draft_token_ids=s.draft_token_ids,
                                    sampling=_sampling(s.sampling),
                                    logprobs=None if s.logprobs is None
                                    else cache_pb2.LogprobsSpec(num_top=s.logprobs),
-                                   token_masks=s.token_masks)
+                                   token_masks=s.token_masks, num_proposed=s.num_proposed)
             for s in specs])
         result = self.stream.call(timeout=timeout, verify=command)
-        return [VerifyOutcome(e.seq_id, e.num_accepted, list(e.output_token_ids), e.cache_len,
-                              _logprobs(e.output_token_ids, e.logprobs) if s.logprobs is not None
-                              else None, e.features if return_features else None)
-                for e, s in zip(result.entries, specs)], _timing(result.timing)
+        outcomes = [VerifyOutcome(e.seq_id, e.num_accepted, list(e.output_token_ids),
+                                  e.cache_len, _logprobs(e.output_token_ids, e.logprobs)
+                                  if s.logprobs is not None else None,
+                                  e.features if return_features else None)
+                    for e, s in zip(result.entries, specs)]
+        if propose is None:
+            return outcomes, _timing(result.timing)
+        if result.WhichOneof("proposed") == "propose":
+            hosted = Hosted(_proposals(result.propose), _timing(result.propose.timing))
+        else:
+            refused = result.propose_error
+            hosted = Hosted([], Timing(), errors.from_status_code(refused.code, refused.message,
+                                                                  refused.reason))
+        return outcomes, _timing(result.timing), hosted
 
     def features(self, prefixes: list[tuple[int, list[int]]]) -> list:
         """The target's Features of every position of each (seq_id, tokens) prefix, computed

@@ -9,6 +9,12 @@ drafts with its fallback (StepPlan.fallback) or else decodes plainly this step, 
 counts as a draft rejected at once (unless a confidence cut made it). After the verify,
 `observe` moves each draft's record of its valid cache and feeds each row's outcome back to the
 policy.
+
+A draft the target hosts (its replica is the target's instance) is not called: its propose
+rides in the verify command (`Deferred`), runs there first, and its rows verify what it
+proposed. Its answer arrives with the verify's and `resolve` books it as a call's would be
+booked; its rows have no fallback within the step, and rows under a grammar are called as
+before (their drafts are cut to the grammar before the verify).
 """
 import dataclasses
 import functools
@@ -17,7 +23,7 @@ import operator
 import time
 
 from batchspec import errors
-from coordinator import features, goodput, scheduler
+from coordinator import clients, features, goodput, scheduler
 from coordinator.clients import Proposal, ProposeSpec, Timing, VerifyOutcome
 from coordinator.drafts import DraftKind
 from coordinator.peers import Peers
@@ -42,6 +48,9 @@ class RowDraft:
     token_masks: tuple[bytes, ...] = ()
     forced: tuple[int, ...] = ()
     aside: bool = False  # its cohort stepped aside: no plan was made for it
+    # it verifies what the target's hosted draft proposes first, up to num_drafts (proposal:
+    # None until resolved)
+    deferred: bool = False
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -56,12 +65,28 @@ class RowDraft:
 
 
 @dataclasses.dataclass(frozen=True)
+class Deferred:
+    """A kind's propose that runs in the target, by the draft it hosts, before the verify."""
+
+    kind: DraftKind
+    seqs: list[Sequence]  # the rows it proposes for, in command order
+    specs: list[ProposeSpec]
+    num_drafts: int
+    cut: float  # its min_draft_confidence
+
+    def command(self):
+        return clients.propose_command(self.num_drafts, mixed(self.seqs), self.specs, self.cut)
+
+
+@dataclasses.dataclass(frozen=True)
 class DraftedCohort:
-    """A cohort whose drafts are ready to verify."""
+    """A cohort whose drafts are ready to verify (or, for its deferred rows, to propose in the
+    verify)."""
 
     rows: list[RowDraft]
     timing: Timing | None = None  # the draft services' own account, summed; None: no call
     round_trip_s: float = 0.0  # coordinator-side, every draft call of the step
+    deferred: Deferred | None = None
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -73,8 +98,8 @@ class DraftedCohort:
 
     @property
     def plain(self) -> bool:
-        """No row has a proposal: the step decodes plainly."""
-        return all(row.proposal is None for row in self.rows)
+        """No row has a proposal or awaits one: the step decodes plainly."""
+        return all(row.proposal is None and not row.deferred for row in self.rows)
 
     def constrained(self, k: int) -> "DraftedCohort":
         """The cohort with each constrained row's output masks, taken at its committed
@@ -99,7 +124,17 @@ class DraftedCohort:
     def still_open(self, active) -> "DraftedCohort | None":
         """The cohort less the rows that ended since (not in `active`); None if none is left."""
         rows = [row for row in self.rows if row.seq.seq_id in active]
-        return dataclasses.replace(self, rows=rows) if rows else None
+        if not rows:
+            return None
+        deferred = self.deferred
+        if deferred is not None:  # the propose keeps only rows still verified
+            kept = [(s, spec) for s, spec in zip(deferred.seqs, deferred.specs)
+                    if s.seq_id in active]
+            deferred = dataclasses.replace(deferred, seqs=[s for s, _ in kept],
+                                           specs=[spec for _, spec in kept]) if kept else None
+            rows = [row if deferred is not None or not row.deferred
+                    else dataclasses.replace(row, num_drafts=0, deferred=False) for row in rows]
+        return dataclasses.replace(self, rows=rows, deferred=deferred)
 
 
 @dataclasses.dataclass
@@ -118,15 +153,20 @@ class _Step:
     answers: dict[int, Proposal] = dataclasses.field(default_factory=dict)
     # (the service's own timing, round-trip seconds) of each draft call
     spent: list[tuple[Timing, float]] = dataclasses.field(default_factory=list)
+    deferred: Deferred | None = None  # the propose the target's hosted draft runs
+    later: dict[int, int] = dataclasses.field(default_factory=dict)  # its rows -> drafts
 
     def result(self) -> DraftedCohort:
         asked = dict(self.missed)  # each row's kind to observe: its drafts' or its miss's
         asked.update((i, index) for i, (index, _) in self.drafted.items())
-        rows = [RowDraft(seq, self.drafted[i][1] if i in self.drafted else 0, asked.get(i),
-                         self.answers.get(i)) for i, seq in enumerate(self.seqs)]
+        if self.deferred is not None:
+            asked.update((i, self.deferred.kind.index) for i in self.later)
+        rows = [RowDraft(seq, self.drafted[i][1] if i in self.drafted
+                         else self.later.get(i, 0), asked.get(i), self.answers.get(i),
+                         deferred=i in self.later) for i, seq in enumerate(self.seqs)]
         timing = functools.reduce(operator.add, (t for t, _ in self.spent)) \
             if self.spent else None
-        return DraftedCohort(rows, timing, sum(s for _, s in self.spent))
+        return DraftedCohort(rows, timing, sum(s for _, s in self.spent), self.deferred)
 
 
 def sampled(seqs: list[Sequence]) -> bool:
@@ -184,6 +224,10 @@ class Drafter:
         for kind in sorted(self.kinds, key=lambda kind: self.policy.kinds[kind.index].unit_cost):
             rows = [i for i in range(len(seqs)) if i not in step.drafted and kind.index == (
                 plan.fallback[i] if i in step.missed else plan.kind(i))]
+            if rows and step.deferred is None and self.hosted(kind):
+                later = [i for i in rows if seqs[i].constraint is None]
+                self._defer(kind, step, later, plan, timeout)
+                rows = [i for i in rows if i not in later]
             if rows:
                 self._call(kind, step, rows, plan, timeout)
             for i in [i for i in step.missed if i not in step.drafted]:
@@ -232,6 +276,72 @@ class Drafter:
             if i in got and got[i].cut:
                 step.declined.add((i, kind.index))
 
+    def hosted(self, kind: DraftKind) -> bool:
+        """Whether `kind`'s replica is the target's own instance: a draft the target hosts."""
+        instance = getattr(kind.client, "instance", None)
+        return kind.up and bool(instance) and \
+            instance == getattr(self.peers.target, "instance", None)
+
+    def _defer(self, kind: DraftKind, step: _Step, rows: list[int], plan: StepPlan,
+               timeout: float | None) -> None:
+        """Rows planned with the target's hosted draft: their propose goes in the verify
+        (step.deferred); a row that cannot draft with it this step misses at once."""
+        num_drafts = max((plan.k[i] for i in rows), default=0)
+        ready = self._ready(kind, step, rows, num_drafts, timeout)
+        if ready:
+            seqs, width = ready
+            row_of = {step.seqs[i].seq_id: i for i in rows}
+            step.later = {row_of[s.seq_id]: plan.k[row_of[s.seq_id]] for s in seqs}
+            step.deferred = Deferred(kind, seqs, self._specs(kind, seqs, width), num_drafts,
+                                     self.policy.cut_at(kind.index, len(step.seqs), len(seqs),
+                                                        num_drafts))
+        for i in rows:
+            if i not in step.later:
+                self._observe_miss(step, i)
+                step.missed[i] = kind.index
+
+    def resolve(self, cohort: DraftedCohort, hosted) -> DraftedCohort:
+        """The cohort as drafted, once the verify brought the hosted draft's answer
+        (clients.Hosted; None: the verify carried no propose): each deferred row's proposal
+        booked as a call's would be (the draft's record of its cache, the cost model, a miss
+        as evidence). A refused propose is handled as a refused call: its rows verified no
+        drafts."""
+        deferred = cohort.deferred
+        if deferred is None or hosted is None:
+            return cohort
+        kind, seqs = deferred.kind, deferred.seqs
+        error = hosted.error
+        if isinstance(error, errors.Unavailable):
+            self.peers.draft_lost(kind, error)
+        elif error is not None and not isinstance(error, errors.DeadlineExceeded):
+            refuse(kind, seqs, error)  # its rows decode without it from now on
+        got = {p.seq_id: p for p in hosted.proposals}
+        for seq in seqs:
+            if seq.seq_id in got:
+                seq.drafts[kind.index].cache_len = got[seq.seq_id].cache_len
+        if got:
+            self._observe_call(kind, seqs, list(got.values()), deferred.specs, hosted.timing,
+                               hosted.timing.compute_seconds)
+        rows = []
+        for row in cohort.rows:
+            if row.deferred:
+                proposal = got.get(row.seq.seq_id)
+                drafted = proposal is not None and bool(proposal.draft_token_ids)
+                if drafted and not row.seq.sampling.greedy:
+                    self.recorder.sampled_row()
+                if not drafted and not (proposal is not None and proposal.cut):
+                    self.policy.observe_miss(row.seq.seq_id,
+                                             goodput.sampling_band(row.seq.sampling),
+                                             kind.index)
+                row = dataclasses.replace(row, proposal=proposal,
+                                          num_drafts=row.num_drafts if drafted else 0)
+            rows.append(row)
+        timing = hosted.timing if cohort.timing is None else cohort.timing + hosted.timing
+        # its time is the draft's compute in the target: no round trip of its own
+        return dataclasses.replace(cohort, rows=rows, timing=timing, deferred=None,
+                                   round_trip_s=cohort.round_trip_s
+                                   + hosted.timing.compute_seconds)
+
     def _observe_miss(self, step: _Step, i: int) -> None:
         """Row i's miss, if it has one, as evidence: a draft rejected at once, unless a
         confidence cut made it (a draft that declined is no rejection)."""
@@ -246,15 +356,11 @@ class Drafter:
         the draft holds nothing of is prefilled first); {} when none can or the service is
         lost. A proposal's tokens are what the service drafted (and cached, but the last),
         which may be more than the row verifies (or fewer: a lookup proposes what it finds)."""
-        rows = [i for i in rows if not step.seqs[i].drafts[kind.index].refused]
-        seqs = [step.seqs[i] for i in rows]
+        ready = self._ready(kind, step, rows, num_drafts, timeout)
+        if not ready:
+            return {}
+        ready, width = ready
         try:
-            if not seqs or not self.peers.warm(kind, seqs) or not num_drafts:
-                return {}
-            ready, width = scheduler.draft_plan(seqs, kind.index)
-            if not ready or (kind.reads_features
-                             and not features.ensure(self.peers.target, ready)):
-                return {}
             proposals, timing, round_trip = self._send(
                 kind, ready, width, num_drafts, timeout,
                 self.policy.cut_at(kind.index, len(step.seqs), len(ready), num_drafts))
@@ -264,7 +370,7 @@ class Drafter:
         except errors.DeadlineExceeded:
             return {}
         except errors.InvalidArgument as error:
-            refuse(kind, seqs, error)
+            refuse(kind, ready, error)
             return {}
         step.spent.append((timing, round_trip))
         for seq, proposal in zip(ready, proposals):
@@ -274,24 +380,58 @@ class Drafter:
         row_of = {step.seqs[i].seq_id: i for i in rows}
         return {row_of[p.seq_id]: p for p in proposals}
 
+    def _ready(self, kind: DraftKind, step: _Step, rows, num_drafts: int,
+               timeout: float | None) -> tuple[list[Sequence], int] | None:
+        """(the rows of `rows` that can draft with `kind` together, the committed tokens each
+        appends) once the draft holds them all (cold rows prefilled, with the target's
+        features for a head that reads them); None when none can or the draft is lost."""
+        seqs = [step.seqs[i] for i in rows if not step.seqs[i].drafts[kind.index].refused]
+        try:
+            if not seqs or not self.peers.warm(kind, seqs) or not num_drafts:
+                return None
+            ready, width = scheduler.draft_plan(seqs, kind.index)
+            if not ready or (kind.reads_features
+                             and not features.ensure(self.peers.target, ready)):
+                return None
+        except errors.Unavailable as error:
+            self.peers.draft_lost(kind, error)
+            return None
+        except errors.DeadlineExceeded:
+            return None
+        except errors.InvalidArgument as error:
+            refuse(kind, seqs, error)
+            return None
+        return ready, width
+
+    @staticmethod
+    def _specs(kind: DraftKind, seqs: list[Sequence], width: int) -> list[ProposeSpec]:
+        """Each row's propose entry: it appends its last `width` committed tokens."""
+        return [ProposeSpec(s.seq_id, s.drafts[kind.index].cache_len, s.committed_len - width,
+                            s.token_ids[s.committed_len - width:], s.sampling,
+                            s.features.fed_with(s.committed_len - width, s.committed_len)
+                            if kind.reads_features else None) for s in seqs]
+
     def _send(self, kind: DraftKind, seqs: list[Sequence], width: int, num_drafts: int,
               timeout: float | None, cut: float = 0.0) -> tuple[list[Proposal], Timing, float]:
         """One propose command; every row appends `width` committed tokens first, and each
         row's draft is cut where the draft's confidence falls below `cut`."""
-        specs = [ProposeSpec(s.seq_id, s.drafts[kind.index].cache_len, s.committed_len - width,
-                             s.token_ids[s.committed_len - width:], s.sampling,
-                             s.features.fed_with(s.committed_len - width, s.committed_len)
-                             if kind.reads_features else None) for s in seqs]
+        specs = self._specs(kind, seqs, width)
         started = time.perf_counter()
         proposals, timing = kind.client.propose(
             num_drafts, mixed(seqs), specs, timeout=timeout, min_confidence=cut)
         round_trip = time.perf_counter() - started
+        self._observe_call(kind, seqs, proposals, specs, timing, round_trip)
+        return proposals, timing, round_trip
+
+    def _observe_call(self, kind: DraftKind, seqs: list[Sequence], proposals: list[Proposal],
+                      specs: list[ProposeSpec], timing: Timing, round_trip: float) -> None:
+        """A propose's measured cost, for the policy's cost model of `kind`."""
         drafted = max((len(p.draft_token_ids) for p in proposals), default=0)
         if any(p.cut for p in proposals):  # a cut returns fewer drafts than it ran forwards
             drafted = max(p.cache_len - s.committed_len + 1 for s, p in zip(seqs, proposals))
+        width = len(specs[0].append_token_ids) if specs else 0
         self.policy.observe_call(kind.index, len(seqs), width, drafted, timing.forward_seconds,
                                  round_trip)
-        return proposals, timing, round_trip
 
     # ---- after the verify -----------------------------------------------------------------------
     def observe_verify(self, cohort: DraftedCohort, timing: Timing, seconds: float) -> None:

@@ -254,6 +254,7 @@ class Engine:
 
     def _finish(self, cohort: DraftedCohort, verified: Verified, started: float) -> None:
         """Commit a verified cohort (on the engine thread); `started`: when its step began."""
+        cohort = self.drafter.resolve(cohort, verified.hosted)
         self.drafter.observe_verify(cohort, verified.timing, verified.seconds)
         record = StepRecord(cohort.mixed, not self.peers.draft_up, cohort.plain, cohort.timing,
                             verified.timing, cohort.round_trip_s, verified.seconds)

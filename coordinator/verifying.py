@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import time
 
-from coordinator.clients import Timing, VerifyOutcome, VerifySpec
+from coordinator.clients import Hosted, Timing, VerifyOutcome, VerifySpec
 from coordinator.drafting import DraftedCohort
 from coordinator.peers import Peers
 from coordinator.pool import RequestPool
@@ -22,6 +22,7 @@ class Verified:
     outcomes: list[VerifyOutcome]  # one per row, in row order
     timing: Timing
     seconds: float  # coordinator-side round trip
+    hosted: Hosted | None = None  # the hosted draft's answer to a deferred propose
 
 
 def cohort_timeout(handles: list[RequestHandle]) -> float | None:
@@ -67,14 +68,25 @@ class Verifier:
         return self._thread.submit(self.verify, cohort)
 
     def verify(self, cohort: DraftedCohort) -> Verified:
+        """The cohort's verify; with deferred rows, the hosted draft's propose runs first in
+        the same command and they verify what it proposed (Verified.hosted)."""
         specs = [VerifySpec(row.seq.seq_id, row.seq.target.cache_len,
                             row.seq.token_ids[row.seq.target.cache_len:], row.draft_token_ids,
-                            row.seq.sampling, row.seq.logprobs, row.token_masks)
+                            row.seq.sampling, row.seq.logprobs, row.token_masks,
+                            row.num_drafts if row.deferred else 0)
                  for row in cohort.rows]
+        timeout = cohort_timeout(self.pool.handles_of(cohort.seqs))
         started = time.perf_counter()
-        outcomes, timing = self.peers.target.verify(
-            cohort.mixed, specs, timeout=cohort_timeout(self.pool.handles_of(cohort.seqs)))
-        return Verified(outcomes, timing, time.perf_counter() - started)
+        if cohort.deferred is None:
+            outcomes, timing = self.peers.target.verify(cohort.mixed, specs, timeout=timeout)
+            return Verified(outcomes, timing, time.perf_counter() - started)
+        outcomes, timing, hosted = self.peers.target.verify(
+            cohort.mixed, specs, timeout=timeout, propose=cohort.deferred.command())
+        # the draft's part of the command is booked as drafting (Drafter.resolve)
+        inside = hosted.timing.compute_seconds
+        timing = dataclasses.replace(timing, compute_seconds=max(0.0, timing.compute_seconds
+                                                                 - inside))
+        return Verified(outcomes, timing, time.perf_counter() - started - inside, hosted)
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=False)

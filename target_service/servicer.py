@@ -1,10 +1,12 @@
 """gRPC edge of the target service: a command converted (batchspec.runtime.wire), the verifier
-or the runner called, the result converted."""
+or the runner called, the result converted. A target may host a draft (`hosted_draft`, a
+DraftServicer on the same server, runner lock and compute thread): a verify may then ask it to
+propose first and verify what it proposed, in one command."""
 import time
 
 from batchspec import errors
 from batchspec.runtime import service, wire
-from batchspec.v1 import target_pb2, target_pb2_grpc
+from batchspec.v1 import draft_pb2, target_pb2, target_pb2_grpc
 from target_service import verifier
 
 SERVICE_NAME = "batchspec.v1.TargetService"
@@ -12,6 +14,7 @@ SERVICE_NAME = "batchspec.v1.TargetService"
 
 class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceServicer):
     result_type = target_pb2.TargetResult
+    hosted_draft = None  # a DraftServicer sharing this one's lock and instance, or None
 
     def handle(self, kind, command):
         if kind == "prefill" and command.return_features:
@@ -29,12 +32,33 @@ class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceService
             return "features", wire.features_result(
                 self.runner.features(wire.feature_prefixes(command)))
         started = time.perf_counter()
-        rows = wire.verify_rows(command, self.runner.vocab_size)
-        if not rows:
+        if not command.entries:
             raise errors.InvalidArgument("verify names no sequence")
+        proposed, hosted = self.propose_first(command)
+        rows = wire.verify_rows(command, self.runner.vocab_size, proposed)
         outcomes, group = verifier.verify(self.runner, rows, realign=command.realign,
                                           keep_features=command.return_features)
-        return "verify", wire.verify_result(outcomes, service.timing(group, started))
+        result = wire.verify_result(outcomes, service.timing(group, started))
+        if isinstance(hosted, draft_pb2.ProposeResult):
+            result.propose.CopyFrom(hosted)
+        elif hosted is not None:
+            result.propose_error.CopyFrom(hosted)
+        return "verify", result
+
+    def propose_first(self, command):
+        """(proposed tokens by sequence, the ProposeResult or the CommandError) of a verify's
+        propose by the hosted draft; (None, None) when it asks none. A refused propose leaves
+        the draft's caches as they were, and its rows verify no drafts."""
+        if not command.HasField("propose"):
+            return None, None
+        if self.hosted_draft is None:
+            raise errors.InvalidArgument("this target hosts no draft: send drafts as "
+                                         "draft_token_ids, or start it with --draft-model")
+        try:
+            _, result = self.hosted_draft.handle("propose", command.propose)
+        except errors.BatchspecError as error:
+            return {}, wire.error(error)
+        return {e.seq_id: list(e.draft_token_ids) for e in result.entries}, result
 
 
 def prefill_with_features(runner, command):

@@ -62,6 +62,28 @@ def start_target(model_dir, port=0, dtype="float32"):
                                        TARGET_NAME)
 
 
+def start_hosting_target(model_dir, draft_dir, port=0, dtype="float32",
+                         draft_dtype="float32"):
+    """A target that hosts a draft, as `python -m target_service --model M --draft-model D`:
+    (server, port, target runner, draft runner)."""
+    from target_service.__main__ import host_draft
+
+    config = service.ServiceConfig(model=model_dir, port=port, device=TEST_DEVICE, dtype=dtype,
+                                   draft=service.ServiceConfig(model=draft_dir,
+                                                               device=TEST_DEVICE,
+                                                               dtype=draft_dtype))
+    servicers = []
+
+    def make_servicer(*args, **kwargs):
+        servicers.append(TargetServicer(*args, **kwargs))
+        return servicers[-1]
+
+    server, port, _, runner = service.start_model_service(
+        config, make_servicer, target_pb2_grpc.add_TargetServiceServicer_to_server,
+        TARGET_NAME, host=host_draft)
+    return server, port, runner, servicers[0].hosted_draft.runner
+
+
 def start_draft(model_dir, port=0, dtype="float32"):
     return service.start_model_service(service.ServiceConfig(model=model_dir, port=port,
                                                              device=TEST_DEVICE, dtype=dtype),
@@ -111,18 +133,27 @@ def running_stack(target_dir, draft_dir, *, batch_size=8, num_draft_tokens=4, me
                   target_tokenizer=None, step_log=None, **engine_kwargs):
     """Target, drafts and coordinator servers in this process, on free loopback ports.
     drafts: the draft services, in order: "model" (the draft_dir model, in draft_dtype),
-    "ngram", "local:ngram" (the n-gram draft in the coordinator's process: no service), or
+    "ngram", "local:ngram" (the n-gram draft in the coordinator's process: no service),
     "translating" (the draft_dir model of another tokenizer than the target's, whose
-    tokenizer.json is target_tokenizer). The Stack's draft fields are the first service's."""
-    target_server, target_port, _, target_runner = start_target(target_dir, dtype=target_dtype)
+    tokenizer.json is target_tokenizer), or "hosted" (the draft_dir model hosted by the target
+    service: the target's address). The Stack's draft fields are the first service's, or the
+    hosted draft's."""
+    if "hosted" in drafts:
+        target_server, target_port, target_runner, hosted_runner = start_hosting_target(
+            target_dir, draft_dir, dtype=target_dtype, draft_dtype=draft_dtype)
+    else:
+        target_server, target_port, _, target_runner = start_target(target_dir,
+                                                                    dtype=target_dtype)
     started = [start_ngram() if kind == "ngram"
                else start_translating(draft_dir, target_tokenizer) if kind == "translating"
                else start_draft(draft_dir, dtype=draft_dtype) for kind in drafts
-               if kind != "local:ngram"]
+               if kind not in ("local:ngram", "hosted")]
     addresses = iter(f"127.0.0.1:{port}" for _, port, _, _ in started)
-    draft_addresses = tuple(kind if kind == "local:ngram" else next(addresses)
-                            for kind in drafts)
+    draft_addresses = tuple(kind if kind == "local:ngram" else f"127.0.0.1:{target_port}"
+                            if kind == "hosted" else next(addresses) for kind in drafts)
     draft_server, draft_port, _, draft_runner = started[0] if started else (None,) * 4
+    if "hosted" in drafts:
+        draft_server, draft_port, draft_runner = target_server, target_port, hosted_runner
     # fixed K unless a test asks for adaptive draft length: tiny drafts are rarely confident
     engine_kwargs.setdefault("min_draft_confidence", 0.0)
     # every step drafts K unless a test asks for the goodput policy: these tests check the

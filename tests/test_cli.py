@@ -61,6 +61,24 @@ def test_serve_passes_the_coordinator_its_own_flags_with_their_values():
     assert config.engine_config_from_args(forwarded) == config.engine_config_from_args(given)
 
 
+def test_serve_hosts_the_first_draft_model_in_the_target_unless_told_otherwise():
+    """The default pair: the target service hosts the feature head (no draft service of its
+    own) and the coordinator names the target as that draft; --draft-host own, or a draft on
+    another device, gets a draft service."""
+    parser = cli.serve_parser()
+    args = parser.parse_args([])
+    names = ["auto", "ngram"]
+    [(target_cmd, _, _)] = cli.serve_services(args, names)
+    assert cli.hosted_draft(args, names) == "auto"
+    assert target_cmd[target_cmd.index("--draft-model") + 1] == "smollm2-eagle"
+    for flags in (["--draft-host", "own"], ["--draft-device", "meta"]):
+        args = parser.parse_args(flags)
+        services = cli.serve_services(args, names)
+        assert cli.hosted_draft(args, names) is None and len(services) == 2
+        assert "--draft-model" not in services[0][0]
+        assert "draft_service" in services[1][0]
+
+
 def test_coordinator_flag_defaults_are_the_config_defaults():
     """Defaults are declared once, in the config dataclasses: parsing no flags builds the
     same config as the dataclasses' own defaults."""
@@ -116,6 +134,7 @@ def test_a_users_mistake_is_a_usage_error_not_a_traceback(args, complaint):
     (["target", "--model", "./no-such-dir"], "no such file or directory"),
     (["target", "--device", "gpu7"], "device must be"),
     (["target", "--dtype", "float8"], "--dtype"),
+    (["target", "--draft-model", "ngram"], "n-gram draft"),
     (["draft", "--model", "/no/such/draft"], "no such file or directory"),
     (["draft", "--model", "ngram", "--port", "-5"], "port must be"),
     (["health"], "address"),

@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from batchspec.v1 import generate_pb2
+from coordinator import clients
 
 import tiny_models
 from conftest import TEST_DEVICE, running_stack, wait_for
@@ -70,6 +71,31 @@ def test_greedy_output_is_the_targets_own(model_dirs, references, arch, batch_si
         assert len(tokens) <= max_new
         assert last.stats.num_generated_tokens == len(tokens)
         assert last.stats.num_prompt_tokens == len(prompt)
+
+
+@pytest.mark.parametrize("arch,batch_size,num_draft_tokens,overlap", [
+    ("llama", 1, 3, "off"), ("llama", 8, 4, "on"), ("gpt2", 4, 5, "off")])
+def test_a_draft_the_target_hosts_drafts_in_the_verify_and_stays_exact(
+        model_dirs, references, arch, batch_size, num_draft_tokens, overlap, monkeypatch):
+    """The draft hosted by the target service: its proposals ride in the verify command (no
+    propose of its own reaches it), and every output is the target alone's."""
+    requests = random_requests(seed=batch_size + 7, count=16)
+    target_dir, draft_dir = model_dirs[arch]
+    calls = []
+    monkeypatch.setattr(clients.DraftClient, "propose", lambda *a, **k: calls.append(a))
+    with running_stack(target_dir, draft_dir, batch_size=batch_size, drafts=("hosted",),
+                       num_draft_tokens=num_draft_tokens, overlap=overlap) as stack:
+        results = generate_all(stack.stub(), requests)
+        assert wait_for(lambda: not stack.target_runner.caches and not stack.draft_runner.caches)
+        engine = stack.router.engines[0]
+        assert engine.drafter.hosted(engine.peers.kinds[0])
+    mismatches = [i for i, ((prompt, max_new), (tokens, _)) in enumerate(zip(requests, results))
+                  if tokens != references(arch, prompt, max_new)]
+    assert not mismatches, f"requests {mismatches} differ from target-only greedy decoding"
+    accepted = sum(last.stats.num_accepted_tokens for _, last in results)
+    drafted = sum(last.stats.num_drafted_tokens for _, last in results)
+    assert 0 < accepted < drafted
+    assert not calls  # every proposal came with a verify
 
 
 @pytest.mark.parametrize("arch,batch_size", [("llama", 1), ("gpt2", 4)])

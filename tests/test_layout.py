@@ -25,7 +25,8 @@ ALLOWED = {
     "batchspec.runtime": {"batchspec"},
     # the processes
     "coordinator": {"batchspec"},
-    "target_service": {"batchspec", "batchspec.runtime"},
+    # a target may host a draft: its DraftService, served beside it
+    "target_service": {"batchspec", "batchspec.runtime", "draft_service"},
     "draft_service": {"batchspec", "batchspec.runtime"},
     # the tools
     "batchspec_tools.data": set(),

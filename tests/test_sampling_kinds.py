@@ -86,8 +86,9 @@ def assert_follows_the_target(ours, target_dir, prompt):
 
 
 @pytest.mark.parametrize("kinds,draft", [(("model",), "near"), (("model",), "far"),
-                                         (("ngram",), None), (("ngram", "model"), "near")],
-                         ids=["model-near", "model-far", "ngram", "router"])
+                                         (("ngram",), None), (("ngram", "model"), "near"),
+                                         (("ngram", "hosted"), "near")],
+                         ids=["model-near", "model-far", "ngram", "router", "router-hosted"])
 def test_sampled_output_is_the_targets_and_drafts_are_accepted(model_dirs, far_draft, kinds,
                                                                 draft):
     target_dir, near_dir = model_dirs["llama"]
@@ -133,14 +134,18 @@ def feature_heads(model_dirs, tmp_path_factory):
             "far": (target_dir, tiny.save_feature_head(target_dir, root / "far"))}
 
 
-@pytest.mark.parametrize("head", ["exact", "far"])
-def test_sampled_output_through_a_feature_head_is_the_targets(feature_heads, head):
+@pytest.mark.parametrize("head,drafts", [("exact", ("model",)), ("far", ("model",)),
+                                         ("exact", ("hosted",))],
+                         ids=["exact", "far", "exact-hosted"])
+def test_sampled_output_through_a_feature_head_is_the_targets(feature_heads, head, drafts):
     """The feature kind: its sampled drafts are accepted where they are the target's choices;
     an exact head's drafts are all but always accepted (a step of K = 2 ends with the bonus
-    token, the third output, the target's), a far one's mostly not."""
+    token, the third output, the target's), a far one's mostly not. Hosted by the target, it
+    reads the features the coordinator relays as a draft service does."""
     target_dir, head_dir = feature_heads[head]
     prompt = lookup_prompt(target_dir)
-    with running_stack(target_dir, head_dir, batch_size=16, num_draft_tokens=2) as stack:
+    with running_stack(target_dir, head_dir, batch_size=16, num_draft_tokens=2,
+                       drafts=drafts) as stack:
         results = sample(stack, range(NUM_SAMPLES), prompt)
         again = sample(stack, range(20), prompt)
     assert [r[0] for r in again] == [r[0] for r in results[:20]]  # seeded requests repeat

@@ -11,10 +11,11 @@ from batchspec import errors
 from batchspec.params import SamplingParams
 from batchspec.runtime import compute
 from batchspec.runtime.rows import ProposeRow, VerifyRow
+from coordinator import clients
 from coordinator.clients import DraftClient, ProposeSpec, TargetClient, VerifySpec
 from draft_service import proposer
 
-from conftest import start_draft, start_target
+from conftest import start_draft, start_hosting_target, start_target
 
 GREEDY = SamplingParams()
 
@@ -228,3 +229,80 @@ def test_acceptance_runs_on_the_logits_device():
                              torch.tensor([2, 1]))
     assert result.num_accepted.device.type == "meta"
     assert result.output_token_ids.shape == (2, 3)
+
+
+@pytest.fixture(scope="module")
+def hosting(model_dirs):
+    """A target hosting the tiny Llama's draft: (target client, draft client, target runner,
+    draft runner), both clients on its one port."""
+    server, port, target_runner, draft_runner = start_hosting_target(*model_dirs["llama"])
+    clients = TargetClient(f"127.0.0.1:{port}"), DraftClient(f"127.0.0.1:{port}")
+    yield (*clients, target_runner, draft_runner)
+    for client in clients:
+        client.close()
+    server.stop(0)
+
+
+def test_a_verify_runs_the_hosted_drafts_propose_first_and_verifies_its_tokens(
+        hosting, target, draft):
+    """The hosted draft proposes inside the verify command what it proposes on its own, and
+    the target verifies those tokens as if they had been sent: the same outcome as a propose
+    to a draft service followed by a verify of its tokens."""
+    hosted_target, hosted_draft, target_runner, draft_runner = hosting
+    prompt = [5, 6, 7, 9, 4]
+    for client in (hosted_target, hosted_draft, target[0], draft[0]):
+        client.prefill([(50, prompt)])
+    spec = ProposeSpec(50, 5, 5, [8], GREEDY)
+    try:
+        [proposal], _ = draft[0].propose(3, False, [spec])
+        [expected], _ = target[0].verify(False, [VerifySpec(50, 5, [8],
+                                                            proposal.draft_token_ids[:2],
+                                                            GREEDY)])
+        [outcome], timing, answer = hosted_target.verify(
+            False, [VerifySpec(50, 5, [8], [], GREEDY, num_proposed=2)],
+            propose=clients.propose_command(3, False, [spec]))
+    finally:
+        for client in (hosted_target, hosted_draft, target[0], draft[0]):
+            client.release([50])
+    assert answer.error is None and answer.proposals == [proposal]
+    assert outcome == expected  # the first two proposed tokens verified, as sent ones are
+    assert 0 < answer.timing.compute_seconds <= timing.compute_seconds
+    assert not target_runner.caches and not draft_runner.caches
+
+
+def test_a_hosted_propose_refused_verifies_no_drafts_and_says_why(hosting):
+    """A propose the hosted draft refuses (a cache length it does not hold) leaves its
+    caches as they were; the verify still runs, its entry verifying no drafts."""
+    hosted_target, hosted_draft, _, draft_runner = hosting
+    hosted_target.prefill([(51, [5, 6, 7])])
+    hosted_draft.prefill([(51, [5, 6, 7])])
+    try:
+        [outcome], _, answer = hosted_target.verify(
+            False, [VerifySpec(51, 3, [8], [], GREEDY, num_proposed=2)],
+            propose=clients.propose_command(2, False, [ProposeSpec(51, 9, 3, [8], GREEDY)]))
+        assert isinstance(answer.error, errors.BatchspecError) and not answer.proposals
+        assert outcome.num_accepted == 0 and len(outcome.output_token_ids) == 1
+        assert draft_runner.caches[51].length == 3
+    finally:
+        hosted_target.release([51])
+        hosted_draft.release([51])
+
+
+def test_a_propose_in_a_verify_is_refused_where_it_cannot_be_run(hosting, target):
+    """A target that hosts no draft refuses a verify that carries a propose; an entry that
+    names both proposed and sent drafts is refused, before anything runs."""
+    hosted_target, _, _, _ = hosting
+    target[0].prefill([(52, [5, 6, 7])])
+    hosted_target.prefill([(52, [5, 6, 7])])
+    try:
+        with pytest.raises(errors.InvalidArgument, match="hosts no draft"):
+            target[0].verify(False, [VerifySpec(52, 3, [8], [], GREEDY, num_proposed=1)],
+                             propose=clients.propose_command(1, False, [ProposeSpec(52, 3, 3, [8],
+                                                                            GREEDY)]))
+        with pytest.raises(errors.InvalidArgument, match="num_proposed"):
+            hosted_target.verify(False, [VerifySpec(52, 3, [8], [9], GREEDY, num_proposed=1)])
+        with pytest.raises(errors.InvalidArgument, match="num_proposed"):
+            hosted_target.verify(False, [VerifySpec(52, 3, [8], [], GREEDY, num_proposed=1)])
+    finally:
+        target[0].release([52])
+        hosted_target.release([52])

@@ -336,6 +336,22 @@ def translation_flags(draft: str, target: str, target_tokenizer: str | None = No
     return ["--target-tokenizer", target_tokenizer or tokenizer_file(target)]
 
 
+def check_hostable_draft(draft: str, target: str) -> None:
+    """ValueError unless a target service can host `draft` (--draft-model): a draft model of
+    the target's vocabulary (the n-gram draft runs in the coordinator; a draft of another
+    tokenizer is a translating draft service of its own)."""
+    from batchspec.ngram import NGRAM_MODEL
+
+    check_spec(draft)
+    if draft == NGRAM_MODEL:
+        raise ValueError("the n-gram draft is no model to host: the coordinator runs it "
+                         "(--draft local:ngram)")
+    own, theirs = vocabulary_digest(draft), vocabulary_digest(target)
+    if own and theirs and own != theirs:
+        raise ValueError(f"the draft {draft} has another tokenizer than the target {target}: "
+                         "serve it as a draft service of its own (--target-tokenizer)")
+
+
 def tokenizer_file(spec: str) -> str | None:
     """A model's tokenizer as a tokenizer.json readable without torch: a model dir's own file
     (a draft directory: its base model's), or one exported once from a GGUF file into the

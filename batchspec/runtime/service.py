@@ -217,6 +217,8 @@ class ServiceConfig:
     threads: int = 0  # CPU threads torch computes with; 0: the role's default (see threads_for)
     # a draft of another tokenizer: the target's tokenizer.json, whose tokens it drafts
     target_tokenizer: str | None = None
+    # a target's hosted draft (--draft-model): served beside it, on its server and compute thread
+    draft: "ServiceConfig | None" = None
 
     def __post_init__(self):
         models.check_spec(self.model)
@@ -290,6 +292,16 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int,
                             help="parameter dtype (default auto: float32, where a GGUF "
                                  "model's linear layers multiply by its Q4_1/Q8_0 blocks as "
                                  "stored on a CPU; float32: dequantized weights only)")
+        parser.add_argument("--draft-model", default=None,
+                            help="host this draft model too: its DraftService answers on the "
+                                 "same port, and a verify may ask it to propose first, in one "
+                                 "command (no round trip of its own); a draft of the target's "
+                                 "vocabulary (default: none)")
+        parser.add_argument("--draft-dtype", default=models.AUTO, choices=models.DTYPE_CHOICES,
+                            help="the hosted draft's parameter dtype (default auto, as the "
+                                 "draft service's --dtype)")
+        parser.add_argument("--draft-num-layers", type=int, default=None,
+                            help="keep only the hosted draft's first N layers")
     parser.set_defaults(role=role)
     parser.add_argument("--num-layers", type=int, default=None,
                         help="keep only the model's first N layers (a cheap draft)")
@@ -314,6 +326,13 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int,
 
 
 def config_from_args(args) -> ServiceConfig:
+    draft = getattr(args, "draft_model", None)
+    if draft is not None:
+        models.check_hostable_draft(draft, args.model)
+        draft = ServiceConfig(model=draft, host=args.host, port=args.port, device=args.device,
+                              dtype=models.served_draft_dtype(args.draft_dtype, draft,
+                                                              args.device),
+                              num_layers=args.draft_num_layers)
     return ServiceConfig(model=args.model, host=args.host, port=args.port, device=args.device,
                          dtype=models.served_draft_dtype(args.dtype, args.model, args.device)
                          if args.role == "draft" else args.dtype,
@@ -321,18 +340,21 @@ def config_from_args(args) -> ServiceConfig:
                          metrics_port=args.metrics_port, max_sequences=args.max_sequences,
                          max_cached_tokens=args.max_cached_tokens, threads=args.threads,
                          target_tokenizer=getattr(args, "target_tokenizer", None),
-                         tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_ca))
+                         tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_ca),
+                         draft=draft)
 
 
 def start_model_service(config: ServiceConfig, make_servicer, add_to_server, service_name, *,
                         build=None, warm=None, gate: Gate | None = None,
-                        threads: int | None = None):
+                        threads: int | None = None, host=None):
     """Load the model, start serving; returns (server, port, health, runner). Health turns
     SERVING only after the model is loaded and has run one warm-up forward. The model is
     loaded, tuned and run on the compute thread only (see batchspec.runtime.compute).
     build(config) -> runner and warm(runner) default to a model runner's; gate: see Gate
     (default: one from the config's capacity); threads: torch's CPU threads (None: its
-    default), set on the compute thread before anything runs there."""
+    default), set on the compute thread before anything runs there; host(config, runner,
+    servicer, gate) -> [(add_to_server, servicer, service name)]: services hosted beside it
+    (a target's draft), ready to serve."""
     if threads:
         compute.run(set_threads, threads)
         log.info("computing with %d CPU thread%s", threads, "s" * (threads > 1))
@@ -345,11 +367,13 @@ def start_model_service(config: ServiceConfig, make_servicer, add_to_server, ser
         log.info("%s metrics on http://%s:%d/metrics", role, config.host, http.server_port)
     gate = gate or Gate(config.max_sequences, config.max_cached_tokens)
     servicer = make_servicer(runner, dtype=config.dtype, metrics=metrics, gate=gate)
+    services = [(add_to_server, servicer, service_name)]
+    services += host(config, runner, servicer, gate) if host is not None else []
     server, port, health = server_lib.create_server(
-        f"{config.host}:{config.port}", [(add_to_server, servicer, service_name)],
+        f"{config.host}:{config.port}", services,
         credentials=config.tls.credentials() if config.tls else None)
     server.start()
-    server_lib.set_serving(health, [service_name])
+    server_lib.set_serving(health, [name for _, _, name in services])
     log.info("%s serving %s on %s:%d (%s, %s, %s)", service_name, config.model, config.host,
              port, config.device, config.dtype,
              "plaintext" if config.tls is None
@@ -399,21 +423,23 @@ def model_hosting(make_servicer):
 
 
 def main(role: str, default_port: int, hosting, add_to_server, service_name, argv=None):
-    """hosting(config) -> (make_servicer, build, warm): what serves the configured model."""
+    """hosting(config) -> (make_servicer, build, warm[, host]): what serves the configured model
+    (host: see start_model_service)."""
     parser = cliargs.parser(f"batchspec {role}", f"Serve the {role} over gRPC.")
     add_service_arguments(parser, default_port, role)
     config = server_lib.parse_config(parser, argv, config_from_args)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
-    make_servicer, build, warm = hosting(config)
+    make_servicer, build, warm, *host = hosting(config)
     gate = Gate(config.max_sequences, config.max_cached_tokens)
     try:
         server, port, health, runner = start_model_service(
             config, make_servicer, add_to_server, service_name, build=build, warm=warm,
-            gate=gate, threads=threads_for(role, config))
+            gate=gate, threads=threads_for(role, config), host=host[0] if host else None)
     except (OSError, RuntimeError, ValueError) as error:  # a model or device not to be had
         log.error("cannot serve %s on %s: %s", config.model, config.device, error)
         raise SystemExit(1) from None
     print(f"{role} listening on {config.host}:{port}", flush=True)
     # SIGTERM: NOT_SERVING, then draining: the held sequences are served until released
-    server_lib.run_until_signalled(server, health, [service_name], grace_s=config.grace_s,
+    names = [service_name] + (["batchspec.v1.DraftService"] if config.draft else [])
+    server_lib.run_until_signalled(server, health, names, grace_s=config.grace_s,
                                    on_stop=lambda grace_s: gate.drain(runner, grace_s))

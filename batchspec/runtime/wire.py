@@ -133,13 +133,27 @@ def scoring(command: cache_pb2.PrefillCommand) -> dict[int, tuple[int, int]]:
             for e in command.entries if e.HasField("prompt_logprobs")}
 
 
-def verify_rows(command: target_pb2.VerifyCommand, vocab_size: int) -> list[VerifyRow]:
-    return [_verify_row(entry, vocab_size) for entry in command.entries]
+def verify_rows(command: target_pb2.VerifyCommand, vocab_size: int,
+                proposed: dict[int, list[int]] | None = None) -> list[VerifyRow]:
+    """proposed: what a hosted draft proposed first (VerifyCommand.propose), by sequence; an
+    entry with num_proposed verifies the first num_proposed of its sequence's tokens there."""
+    return [_verify_row(entry, vocab_size, proposed) for entry in command.entries]
 
 
-def _verify_row(entry: target_pb2.VerifyEntry, vocab_size: int) -> VerifyRow:
+def _verify_row(entry: target_pb2.VerifyEntry, vocab_size: int,
+                proposed: dict[int, list[int]] | None) -> VerifyRow:
     from batchspec.runtime import logprobs
 
+    drafts = list(entry.draft_token_ids)
+    if entry.num_proposed:
+        if drafts or entry.token_masks:
+            raise errors.InvalidArgument(
+                f"sequence {entry.seq_id}: an entry that verifies a hosted proposal "
+                "(num_proposed) carries no draft_token_ids or token_masks")
+        if proposed is None:
+            raise errors.InvalidArgument(
+                f"sequence {entry.seq_id}: num_proposed without a propose in the command")
+        drafts = proposed.get(entry.seq_id, [])[:entry.num_proposed]
     num_top = None
     if entry.HasField("logprobs"):
         num_top = entry.logprobs.num_top
@@ -156,7 +170,7 @@ def _verify_row(entry: target_pb2.VerifyEntry, vocab_size: int) -> VerifyRow:
             raise errors.InvalidArgument(f"sequence {entry.seq_id}: {raised}") from raised
     return VerifyRow(seq_id=entry.seq_id, expected_cache_len=entry.expected_cache_len,
                      append_token_ids=list(entry.append_token_ids),
-                     draft_token_ids=list(entry.draft_token_ids),
+                     draft_token_ids=drafts,
                      sampling=sampling(entry.sampling), num_top=num_top, token_masks=masks)
 
 

@@ -1,4 +1,5 @@
 from batchspec.v1 import cache_pb2 as _cache_pb2
+from batchspec.v1 import draft_pb2 as _draft_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -8,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyEntry(_message.Message):
-    __slots__ = ("seq_id", "expected_cache_len", "append_token_ids", "draft_token_ids", "sampling", "logprobs", "token_masks")
+    __slots__ = ("seq_id", "expected_cache_len", "append_token_ids", "draft_token_ids", "sampling", "logprobs", "token_masks", "num_proposed")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +17,7 @@ class VerifyEntry(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     expected_cache_len: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -23,17 +25,20 @@ class VerifyEntry(_message.Message):
     sampling: _cache_pb2.SamplingParams
     logprobs: _cache_pb2.LogprobsSpec
     token_masks: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[_cache_pb2.LogprobsSpec, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    num_proposed: int
+    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[_cache_pb2.LogprobsSpec, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ..., num_proposed: _Optional[int] = ...) -> None: ...
 
 class VerifyCommand(_message.Message):
-    __slots__ = ("realign", "entries", "return_features")
+    __slots__ = ("realign", "entries", "return_features", "propose")
     REALIGN_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
     realign: bool
     entries: _containers.RepeatedCompositeFieldContainer[VerifyEntry]
     return_features: bool
-    def __init__(self, realign: _Optional[bool] = ..., entries: _Optional[_Iterable[_Union[VerifyEntry, _Mapping]]] = ..., return_features: _Optional[bool] = ...) -> None: ...
+    propose: _draft_pb2.ProposeCommand
+    def __init__(self, realign: _Optional[bool] = ..., entries: _Optional[_Iterable[_Union[VerifyEntry, _Mapping]]] = ..., return_features: _Optional[bool] = ..., propose: _Optional[_Union[_draft_pb2.ProposeCommand, _Mapping]] = ...) -> None: ...
 
 class VerifyResultEntry(_message.Message):
     __slots__ = ("seq_id", "num_accepted", "output_token_ids", "cache_len", "logprobs", "features")
@@ -72,12 +77,16 @@ class FeaturesResult(_message.Message):
     def __init__(self, features: _Optional[_Iterable[_Union[_cache_pb2.Features, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("entries", "timing")
+    __slots__ = ("entries", "timing", "propose", "propose_error")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_ERROR_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[VerifyResultEntry]
     timing: _cache_pb2.CommandTiming
-    def __init__(self, entries: _Optional[_Iterable[_Union[VerifyResultEntry, _Mapping]]] = ..., timing: _Optional[_Union[_cache_pb2.CommandTiming, _Mapping]] = ...) -> None: ...
+    propose: _draft_pb2.ProposeResult
+    propose_error: _cache_pb2.CommandError
+    def __init__(self, entries: _Optional[_Iterable[_Union[VerifyResultEntry, _Mapping]]] = ..., timing: _Optional[_Union[_cache_pb2.CommandTiming, _Mapping]] = ..., propose: _Optional[_Union[_draft_pb2.ProposeResult, _Mapping]] = ..., propose_error: _Optional[_Union[_cache_pb2.CommandError, _Mapping]] = ...) -> None: ...
 
 class TargetCommand(_message.Message):
     __slots__ = ("command_id", "timeout_ms", "prefill", "verify", "trim", "release", "features")

@@ -71,6 +71,7 @@ class BenchConfig:
     target: str = "smollm2"
     draft: str | None = None  # default: the packaged distilled draft
     draft_layers: int | None = None
+    draft_host: str = "target"  # the gRPC methods' model draft: in the target, or own
     num_prompts: int = 82
     max_new_tokens: int = 64
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
@@ -180,6 +181,7 @@ class Workload:
     draft_dtype: str | None = None  # the served model draft's (BenchConfig.draft_dtype)
     sampling: dict = dataclasses.field(default_factory=dict)  # temperature, top_p; {}: greedy
     step_aside: bool = EngineConfig.step_aside  # the gRPC methods' coordinators
+    draft_host: str = "target"  # the model draft: hosted by the target service, or "own"
 
     def request_fields(self, i: int) -> dict:
         """GenerateRequest fields of prompt i's request: its sampling settings, seeded i."""
@@ -264,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
                         default=EngineConfig.draft_policy,
                         help="batchspec's draft length: goodput (the default of `serve`) or "
                              "fixed K")
+    parser.add_argument("--draft-host", choices=("target", "own"), default="target",
+                        help="the gRPC methods' model draft: hosted by the target service "
+                             "(as `serve` runs it; its proposals ride in the verify) or in a "
+                             "draft service of its own")
     parser.add_argument("--step-aside", choices=("on", "off"),
                         default="on" if EngineConfig.step_aside else "off",
                         help="the gRPC methods' --step-aside (on, as `serve`: decode plainly "
@@ -354,7 +360,8 @@ def config_from_args(args) -> BenchConfig:
                            concurrency=ints(args.concurrency), step_logs=args.step_logs,
                            device=args.device, temperature=args.temperature,
                            top_p=args.top_p, overhead=args.overhead,
-                           min_draft_confidence=args.min_draft_confidence)
+                           min_draft_confidence=args.min_draft_confidence,
+                           draft_host=args.draft_host)
     return BenchConfig(target=args.target, draft=args.draft, draft_layers=args.draft_layers,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                        batch_sizes=batch_sizes, ks=ks,
@@ -367,7 +374,8 @@ def config_from_args(args) -> BenchConfig:
                        repeat=args.repeat, concurrency=ints(args.concurrency),
                        step_logs=args.step_logs, device=args.device,
                        draft_dtype=args.draft_dtype, temperature=args.temperature,
-                       top_p=args.top_p, overhead=args.overhead, head_check=args.head_check)
+                       top_p=args.top_p, overhead=args.overhead, head_check=args.head_check,
+                       draft_host=args.draft_host)
 
 
 # ---- the workload ------------------------------------------------------------------------------
@@ -376,6 +384,7 @@ def build_workload(config: BenchConfig, scratch: pathlib.Path) -> Workload:
     if config.temperature > 0:
         workload.sampling = {"temperature": config.temperature, "top_p": config.top_p}
     workload.step_aside = config.step_aside
+    workload.draft_host = config.draft_host
     return workload
 
 
@@ -536,16 +545,35 @@ def service_commands(workload: Workload) -> list[tuple[str, str, list[str]]]:
     """(role, module, its flags) of each service a GrpcStack starts, in GrpcStack.SERVICES
     order: the target and the model draft on the workload's device (the n-gram draft runs in
     the coordinator's process, as `batchspec serve` runs it); a model draft of another
-    tokenizer than the target's translating to the target's tokens."""
+    tokenizer than the target's translating to the target's tokens. With draft_host "target"
+    (as `serve`) the target hosts a model draft of its vocabulary: no draft service."""
     from batchspec.runtime import models
 
     device = ["--device", workload.device]
+    target = ["--model", workload.target, "--dtype", workload.dtype, *device]
+    if hosts_draft(workload):
+        return [("target", "target_service", target + [
+            "--draft-model", workload.draft, "--draft-dtype", workload.draft_service_dtype]
+            + (["--draft-num-layers", str(workload.draft_layers)]
+               if workload.draft_layers else []))]
     layers = ["--num-layers", str(workload.draft_layers)] if workload.draft_layers else []
-    return [("target", "target_service",
-             ["--model", workload.target, "--dtype", workload.dtype, *device]),
+    return [("target", "target_service", target),
             ("model", "draft_service",
              ["--model", workload.draft, "--dtype", workload.draft_service_dtype, *device,
               *layers, *models.translation_flags(workload.draft, workload.target)])]
+
+
+def hosts_draft(workload: Workload) -> bool:
+    """Whether the workload's target service hosts its model draft (see service_commands)."""
+    from batchspec.runtime import models
+
+    if workload.draft_host != "target":
+        return False
+    try:
+        models.check_hostable_draft(workload.draft, workload.target)
+    except ValueError:
+        return False
+    return True
 
 
 class GrpcStack:
@@ -561,9 +589,11 @@ class GrpcStack:
 
         self.procs, self.logs = [], []
         self.coordinator_pid: int | None = None  # while a coordinator runs (see coordinator)
-        self.ports = {role: free_port() for role in self.SERVICES}
-        self.metrics = {role: free_port() for role in self.SERVICES}
         services = service_commands(workload)
+        self.roles = [role for role, _, _ in services]  # the processes', in order
+        self.ports = {role: free_port() for role in self.roles}
+        self.metrics = {role: free_port() for role in self.roles}
+        self.ports.setdefault("model", self.ports["target"])  # a draft the target hosts
         try:
             for role, module, extra in services:
                 self._start(role, module, extra)
@@ -594,7 +624,7 @@ class GrpcStack:
             wait_healthy(f"127.0.0.1:{self.ports[role]}", f"batchspec.v1.{name}", 600,
                          self.procs)
         except RuntimeError as error:
-            log = self.logs[self.SERVICES.index(role)]
+            log = self.logs[self.roles.index(role)]
             tail = pathlib.Path(log).read_text(errors="replace")[-1500:]
             raise RuntimeError(f"{error} (the {role} service; its log {log} "
                                f"ends:\n{tail})") from error
@@ -637,7 +667,7 @@ class GrpcStack:
         coordinator (None where not readable; see processes.cpu_seconds)."""
         from batchspec_tools.processes import cpu_seconds
 
-        pids = {role: proc.pid for role, proc in zip(self.SERVICES, self.procs)}
+        pids = {role: proc.pid for role, proc in zip(self.roles, self.procs)}
         if self.coordinator_pid is not None:
             pids["coordinator"] = self.coordinator_pid
         return {role: cpu_seconds(pid) for role, pid in pids.items()}
@@ -650,7 +680,7 @@ class GrpcStack:
 
         count = len(workload.prompts)
         with self.coordinator(workload, batch_size, k, drafts, extra) as (port, metrics_port):
-            before = {r: scrape(self.metrics[r]) for r in self.SERVICES}
+            before = {r: scrape(self.metrics[r]) for r in self.roles}
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = generate_pb2_grpc.CoordinatorStub(channel)
 
@@ -665,9 +695,11 @@ class GrpcStack:
                     results = list(pool.map(one, workload.prompts))
                 seconds = time.perf_counter() - started
             coord = scrape(metrics_port)
-            after = {r: scrape(self.metrics[r]) for r in self.SERVICES}
+            after = {r: scrape(self.metrics[r]) for r in self.roles}
+        # a hosted draft's proposes run inside the target's verifies: counted there
         spent = {r: after[r].get(f'command_seconds_sum{{command="{c}"}}', 0)
                  - before[r].get(f'command_seconds_sum{{command="{c}"}}', 0)
+                 if r in after else 0.0
                  for r, c in (("target", "verify"), ("model", "propose"))}
         # the n-gram lookups run in the coordinator: counted in its draft time, as "rpc"
         compute = {"target": spent["target"], "draft": spent["model"]}
@@ -958,7 +990,7 @@ def write_overhead(config: BenchConfig) -> list[pathlib.Path]:
     def start(model: str, prompts: list[list[int]]):
         workload = Workload(model, model, None, prompts, config.max_new_tokens, [tiny.EOS],
                             min_draft_confidence=0.0, draft_policy="fixed", dtype="float32",
-                            device=config.device)
+                            device=config.device, draft_host=config.draft_host)
         return GrpcStack(workload, together=True), workload
 
     report = overhead.run(start, config.max_new_tokens)
