@@ -1,5 +1,6 @@
 """`batchspec bench --quick` produces a complete report, and batchspec's output is exact."""
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -182,7 +183,8 @@ def test_closed_loop_clients_against_the_same_server_without_drafts(tmp_path):
     for row in serving:  # each process's CPU seconds over the timed run
         spent = row["cpu_s"]
         assert spent["target"] > 0 and spent["coordinator"] > 0 and spent["clients"] > 0
-        assert "model" in spent and "ngram" not in spent  # n-gram lookups: the coordinator's
+        # the target hosts the model draft; n-gram lookups: the coordinator's
+        assert "model" not in spent and "ngram" not in spent
     assert "target cores busy" in (out / "results.md").read_text()
     logs = sorted(p.name for p in (tmp_path / "steps").iterdir())
     assert logs[0] == "grpc_router-c1-r0.jsonl" and len(logs) == 10
@@ -323,10 +325,10 @@ def test_a_bench_stopped_with_sigterm_stops_the_services_it_started(tmp_path):
     services = []
     try:
         deadline = time.monotonic() + 180
-        while len(_children(bench.pid)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)  # the three services, started once for every gRPC method
+        while len(_children(bench.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the target (hosting the draft) and a coordinator
         services = _children(bench.pid)
-        assert len(services) >= 3, services
+        assert len(services) >= 2, services
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=60) != 0
         deadline = time.monotonic() + 30
@@ -347,7 +349,8 @@ def test_bench_runs_both_models_on_the_device_asked_and_refuses_one_it_cannot_us
 
     from batchspec_tools.bench import run as bench
 
-    workload = bench.Workload("target-dir", "draft-dir", 2, [[5, 6]], 4, [3], device="cuda:1")
+    workload = bench.Workload("target-dir", "draft-dir", 2, [[5, 6]], 4, [3], device="cuda:1",
+                              draft_host="own")
     commands = {role: (module, flags) for role, module, flags in
                 bench.service_commands(workload)}
     assert [role for role, *_ in bench.service_commands(workload)] == list(
@@ -357,6 +360,13 @@ def test_bench_runs_both_models_on_the_device_asked_and_refuses_one_it_cannot_us
         assert flags[flags.index("--device") + 1] == "cuda:1"
     assert commands["model"][1][-2:] == ["--num-layers", "2"]
     assert "ngram" not in commands  # the coordinator runs the lookup (local:ngram)
+    # hosted (the default): one target service, its draft on the same device
+    [(role, module, flags)] = bench.service_commands(dataclasses.replace(workload,
+                                                                         draft_host="target"))
+    assert (role, module) == ("target", "target_service")
+    assert flags[flags.index("--device") + 1] == "cuda:1"
+    assert flags[flags.index("--draft-model") + 1] == "draft-dir"
+    assert flags[-2:] == ["--draft-num-layers", "2"]
     with pytest.raises(SystemExit) as stopped:
         bench.main(["--quick", "--device", "tpu"])
     assert stopped.value.code == 2 and "device must be cpu, cuda" in capsys.readouterr().err
