@@ -207,20 +207,13 @@ def hosted_draft(args, names: list[str]) -> str | None:
     None: each draft model has a service of its own."""
     from batchspec.runtime import models
 
-    if args.draft_host != "target":
+    drafts = [n for n in names if n not in ("none", "ngram")]
+    if args.draft_host != "target" or not drafts \
+            or (args.draft_device or args.device) != (args.target_device or args.device):
         return None
-    for name in [n for n in names if n not in ("none", "ngram")][:1]:
-        device = args.target_device or args.device
-        if (args.draft_device or args.device) != device:
-            return None
-        model, _ = pick_draft(args.target_model, None if name == "auto" else name,
-                              args.draft_layers)
-        try:
-            models.check_hostable_draft(model, args.target_model)
-        except ValueError:
-            return None
-        return name
-    return None
+    model, _ = pick_draft(args.target_model, None if drafts[0] == "auto" else drafts[0],
+                          args.draft_layers)
+    return drafts[0] if models.hostable_draft(model, args.target_model) else None
 
 
 def hosted_flags(args, name: str) -> list[str]:

@@ -324,12 +324,17 @@ def _digest(tokens: list[str]) -> str:
     return hashlib.sha256("\n".join(tokens).encode()).hexdigest()[:32] if tokens else ""
 
 
+def other_tokenizer(draft: str, target: str) -> bool:
+    """Whether both models' vocabularies are known and differ (a draft of another tokenizer)."""
+    own, theirs = vocabulary_digest(draft), vocabulary_digest(target)
+    return bool(own and theirs and own != theirs)
+
+
 def translation_flags(draft: str, target: str, target_tokenizer: str | None = None) -> list[str]:
     """The draft service's flags to serve `draft` for `target`: where their vocabularies
     differ (another tokenizer), --target-tokenizer and the target's tokenizer.json, so that
     it takes and proposes the target's tokens; else none."""
-    own, theirs = vocabulary_digest(draft), vocabulary_digest(target)
-    if not (own and theirs and own != theirs):
+    if not other_tokenizer(draft, target):
         return []
     log.info("the draft %s has another tokenizer than the target %s: it drafts in its own "
              "tokens, translated to the target's", draft, target)
@@ -346,10 +351,18 @@ def check_hostable_draft(draft: str, target: str) -> None:
     if draft == NGRAM_MODEL:
         raise ValueError("the n-gram draft is no model to host: the coordinator runs it "
                          "(--draft local:ngram)")
-    own, theirs = vocabulary_digest(draft), vocabulary_digest(target)
-    if own and theirs and own != theirs:
+    if other_tokenizer(draft, target):
         raise ValueError(f"the draft {draft} has another tokenizer than the target {target}: "
                          "serve it as a draft service of its own (--target-tokenizer)")
+
+
+def hostable_draft(draft: str, target: str) -> bool:
+    """Whether a target service can host `draft` (see check_hostable_draft)."""
+    try:
+        check_hostable_draft(draft, target)
+    except ValueError:
+        return False
+    return True
 
 
 def tokenizer_file(spec: str) -> str | None:

@@ -567,13 +567,8 @@ def hosts_draft(workload: Workload) -> bool:
     """Whether the workload's target service hosts its model draft (see service_commands)."""
     from batchspec.runtime import models
 
-    if workload.draft_host != "target":
-        return False
-    try:
-        models.check_hostable_draft(workload.draft, workload.target)
-    except ValueError:
-        return False
-    return True
+    return workload.draft_host == "target" and models.hostable_draft(workload.draft,
+                                                                     workload.target)
 
 
 class GrpcStack:
