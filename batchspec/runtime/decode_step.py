@@ -13,6 +13,8 @@ gate/up products, SiLU and the down product.
 - `llama_step` does the work beside its products in loops of its own (csrc/step_ops.h): a
   position's hidden states are the same bit for bit whatever step, batch or cache layout it
   is computed in (tested), and the lean forward's up to rounding, as its products are.
+  Over float32 weights it multiplies in its own loops too (for a draft's loop only,
+  draft_loop.py: a target's float32 steps keep the lean forward's bits).
 
 It takes a step only where that holds: transformers' RMS norm and SiLU feed-forward; a model
 whose every layer multiplies by GGUF blocks (`forward._joined`), no more positions than every
@@ -105,7 +107,7 @@ class Decoder:
         return (batch * fed <= self.max_rows and (fed == 1 or mask is not None)
                 and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
                 and not torch.is_grad_enabled() and fastlinear.valid_positions() is None
-                and len(layers) * self._per_layer == len(self.weights)
+                and len(layers) * self.per_layer == len(self.weights)
                 and all(isinstance(layer, kvcache.AppendLayer) and layer.is_initialized
                         and layer.keys.dim() == 4 for layer in layers))
 
@@ -137,7 +139,7 @@ class Decoder:
         return hidden
 
     @property
-    def _per_layer(self) -> int:
+    def per_layer(self) -> int:
         """Weights a layer hands the C++ step (see `weights`)."""
         return 9 if self.shapes else 6
 
@@ -151,7 +153,7 @@ class Decoder:
             if method == fastlinear.PACKED:
                 return None
             methods.append(fastlinear.USUAL if rows > fastlinear.MAX_ROWS else method)
-        return methods * (len(self.weights) // self._per_layer)
+        return methods * (len(self.weights) // self.per_layer)
 
     def _attention(self, fed: int, mask: torch.Tensor | None):
         """(way to attend, the mask SDPA takes, enable_gqa) as grouped_sdpa and transformers'

@@ -60,7 +60,7 @@ def _llama_body(base) -> Callable | None:
                       if type(layer.mlp).__name__ in _MLPS else None for layer in layers]
     projections = [(_attention_inputs(layer.self_attn, qkv), _feed_forward(layer.mlp, gate_up))
                    for layer, qkv, gate_up in zip(layers, qkv_blocks, gate_up_blocks)]
-    inline = all(type(n).__name__ in _RMS_NORMS for layer in layers
+    inline = all(type(n).__name__ in RMS_NORMS for layer in layers
                  for n in (layer.input_layernorm, layer.post_attention_layernorm))
     decoder = decode_step.Decoder.of(base, layers, qkv_blocks, gate_up_blocks) \
         if inline and all(type(layer.mlp).__name__ in _MLPS for layer in layers) else None
@@ -81,16 +81,17 @@ def _llama_body(base) -> Callable | None:
             hidden = hidden + feed_forward(_rms_norm(layer.post_attention_layernorm, hidden))
         return _rms_norm(base.norm, hidden)
 
+    body.decoder = decoder  # (draft_loop steps with it)
     return body
 
 
 # RMS norms whose forward is _rms_norm's (transformers' Llama-family norm)
-_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 
 
 def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """norm(hidden), the same operations inline for transformers' Llama-family norms."""
-    if type(norm).__name__ not in _RMS_NORMS:
+    if type(norm).__name__ not in RMS_NORMS:
         return norm(hidden)
     dtype = hidden.dtype
     hidden = hidden.to(torch.float32)
@@ -191,6 +192,7 @@ def _causal_lm(embed, body, head) -> Callable:
         logits = head(hidden[:, -num_logits:]) if num_logits else None
         return logits, hidden if keep_hidden else None
 
+    forward.decoder = getattr(body, "decoder", None)  # a Llama body's C++ step, or None
     return forward
 
 

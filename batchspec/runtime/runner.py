@@ -13,13 +13,14 @@ sequences, and rolls caches back. Invariants:
 import collections
 import contextlib
 import dataclasses
+import functools
 import time
 
 import torch
 
 from batchspec import errors, packing
 from batchspec.cachebook import CacheBook, StepCost
-from batchspec.runtime import fastlinear, forward, kvcache, logprobs
+from batchspec.runtime import draft_loop, fastlinear, forward, kvcache, logprobs
 
 
 @dataclasses.dataclass
@@ -86,6 +87,14 @@ class ModelRunner(CacheBook):
         self.logit_token_ids = model.lm_head.token_ids if self.reads_features else None
         # the model's lean forward (None: transformers' own)
         self.lean_forward = forward.lean_forward(model) if lean else None
+
+    @functools.cached_property
+    def draft_loop(self) -> "draft_loop.DraftLoop | None":
+        """The model's greedy draft steps in one C++ call (draft_loop), or None; built when a
+        proposal first asks."""
+        if self.lean_forward is None or self.device.type != "cpu":
+            return None
+        return draft_loop.DraftLoop.of(self.model, self.lean_forward, self.max_context_len)
 
     def prefill(self, entries: list[tuple[int, list[int]]],
                 features: dict[int, torch.Tensor] | None = None) -> list[int]:
@@ -391,6 +400,32 @@ class GroupForward:
         if self.hidden is not None:
             self.hidden = self.hidden[self.slots]
         return logits[self.slots]
+
+    @torch.inference_mode()
+    def greedy_steps(self, token_ids: torch.Tensor, steps: int, sure: torch.Tensor,
+                     min_confidence: float):
+        """Feed token_ids [rows] to every row, then each row's greedy choice, for up to
+        `steps` single-token steps in one call (runner.draft_loop: fewer where
+        min_confidence cuts every row, from each row's product of confidences `sure`
+        [rows] on). Returns (choices [rows, run], their confidences [rows, run]), or None
+        (nothing done) where the loop does not take these steps."""
+        loop = self.runner.draft_loop
+        batch = len(self.lengths)
+        if loop is None or not loop.takes(self.cache, batch, max(self.lengths) + steps):
+            return None
+        started = time.perf_counter()
+        sure = self._seated(sure)  # (vacant rows: 0, cut from the start)
+        column_mask = None if self.mask is None or bool(self.mask.all()) else self.mask.bool()
+        chosen, confidence = loop(self._seated(token_ids), torch.tensor(self.lengths),
+                                  self.cache, column_mask, steps, sure, min_confidence)
+        run = chosen.shape[1]
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones(batch, run)], dim=1)
+        self.hidden = None
+        self._advanced(run, None, started)
+        if self.slots is None:
+            return chosen, confidence
+        return chosen[self.slots], confidence[self.slots]
 
     def _seated(self, rows: torch.Tensor) -> torch.Tensor:
         """A tensor of the group's rows [rows, ...] as the batch's rows: vacant rows zeros

@@ -518,11 +518,59 @@ void check_step(const at::Tensor& hidden, const Step& s, size_t weights, size_t 
               "llama_step: packed heads take one query a row");
 }
 
-// hidden [batch, new, width] -> hidden after every layer (before the final norm). Per layer l:
+// x [rows, in] @ weight.T for a float32 weight [out, in] into columns [offset, offset + out)
+// of out [rows, columns] (step_ops::dense_rows: a row's result whatever the batch).
+void dense_into(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, int64_t offset) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
+                  weight.is_contiguous() && weight.size(1) == x.size(1) &&
+                  offset + weight.size(0) <= out.size(1),
+              "llama_step: float32 weights [out, in], contiguous, that fit their output");
+  const int64_t rows = x.size(0), in = x.size(1), columns = out.size(1);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>() + offset;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, in * rows));
+  at::parallel_for(0, weight.size(0), grain, [&](int64_t begin, int64_t end) {
+    step_ops::dense_rows(xp, rows, in, wp, begin, end, op, columns);
+  });
+}
+
+// A layer's products in llama_step: over GGUF blocks (6 weights a layer, 4 kinds) or over
+// float32 weights (9 weights a layer, no kinds), each product's weights joined in its output.
+struct Products {
+  at::TensorList weights;
+  at::IntArrayRef kinds;
+  int64_t isa;
+
+  bool dense() const { return kinds.empty(); }
+  int64_t per_layer() const { return dense() ? 9 : 6; }
+  const at::Tensor& input_norm(int64_t l) const { return weights[per_layer() * l]; }
+  const at::Tensor& post_norm(int64_t l) const { return weights[per_layer() * l + (dense() ? 5 : 3)]; }
+
+  // product p of layer l (0: q/k/v, 1: o, 2: gate/up, 3: down) of x [rows, in]
+  at::Tensor operator()(int64_t l, int64_t p, const at::Tensor& x) const {
+    if (!dense()) {
+      return linear(x, weights[6 * l + 1 + (p < 2 ? p : p + 1)], x.size(1), kinds[4 * l + p] == 1,
+                    isa);
+    }
+    static constexpr int64_t kFirst[4] = {1, 4, 6, 8}, kCount[4] = {3, 1, 2, 1};
+    const at::Tensor* w = weights.data() + 9 * l + kFirst[p];
+    int64_t columns = 0;
+    for (int64_t i = 0; i < kCount[p]; ++i) columns += w[i].size(0);
+    at::Tensor out = at::empty({x.size(0), columns}, x.options());
+    for (int64_t i = 0, offset = 0; i < kCount[p]; offset += w[i].size(0), ++i)
+      dense_into(x, w[i], out, offset);
+    return out;
+  }
+};
+
+// hidden [batch, new, width] -> hidden after every layer (before the final norm), every row's
+// work in step_ops' loops (a position's result independent of the step it is in): every query
+// attends where `mask` says, or causally without one. Per layer l over GGUF blocks:
 // weights[6l .. 6l+5] = input norm, joined q/k/v blocks, o blocks, post-attention norm,
 // joined gate/up blocks, down blocks; kinds[4l .. 4l+3] their block kinds (1: Q4_1, 0: Q8_0).
-// Beside the products, the row-wise work is step_ops' (a position's result independent of the
-// step it is in): every query attends where `mask` says, or causally without one.
+// Over float32 weights (kinds empty): weights[9l .. 9l+8] = input norm, q, k, v, o,
+// post-attention norm, gate, up, down.
 at::Tensor llama_step(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                       at::TensorList weights, at::IntArrayRef kinds, at::TensorList keys,
                       at::TensorList values, at::IntArrayRef written,
@@ -530,7 +578,9 @@ at::Tensor llama_step(const at::Tensor& hidden_in, const at::Tensor& cos, const 
                       int64_t head_dim, double eps, double scaling) {
   const Step s{cos, sin, keys, values, written, mask, kDirect, heads, kv_heads, head_dim,
                eps, scaling, false};
-  check_step(hidden_in, s, weights.size(), kinds.size(), 6, 4);
+  const Products product{weights, kinds, best_isa()};
+  check_step(hidden_in, s, weights.size(), kinds.size(), product.per_layer(),
+             product.dense() ? 0 : 4);
   const int64_t batch = hidden_in.size(0), fed = hidden_in.size(1), width = hidden_in.size(2);
   const int64_t rows = batch * fed, inner_width = heads * head_dim;
   TORCH_CHECK(hidden_in.scalar_type() == at::kFloat && kv_heads > 0 && heads % kv_heads == 0 &&
@@ -547,10 +597,7 @@ at::Tensor llama_step(const at::Tensor& hidden_in, const at::Tensor& cos, const 
   at::Tensor normed = at::empty({rows, width}, hidden.options());
   at::Tensor attended_rows = at::empty({rows, inner_width}, hidden.options());
   float* h = hidden.data_ptr<float>();
-  const int64_t isa = best_isa();
   for (int64_t l = 0; l < static_cast<int64_t>(keys.size()); ++l) {
-    const at::Tensor* w = weights.data() + 6 * l;
-    const int64_t* kind = kinds.data() + 4 * l;
     const int64_t column = written[l];
     TORCH_CHECK(keys[l].scalar_type() == at::kFloat && keys[l].dim() == 4 &&
                     keys[l].stride(3) == 1 && keys[l].strides() == values[l].strides() &&
@@ -560,9 +607,9 @@ at::Tensor llama_step(const at::Tensor& hidden_in, const at::Tensor& cos, const 
                 "columns, head_dim] alike, with free columns");
     TORCH_CHECK(!mask.has_value() || mask->size(3) == column + fed,
                 "llama_step: the mask covers every column of layer ", l);
-    step_ops::rms_norm(h, w[0].data_ptr<float>(), rows, width, static_cast<float>(eps),
-                       normed.data_ptr<float>());
-    at::Tensor qkv = linear(normed, w[1], width, kind[0] == 1, isa);
+    step_ops::rms_norm(h, product.input_norm(l).data_ptr<float>(), rows, width,
+                       static_cast<float>(eps), normed.data_ptr<float>());
+    at::Tensor qkv = product(l, 0, normed);
     step_ops::rotate(qkv.data_ptr<float>(), rows, heads + kv_heads, qkv.size(1), head_dim,
                      cos_rows.data_ptr<float>(), sin_rows.data_ptr<float>());
     const step_ops::Cache cache{keys[l].data_ptr<float>(), values[l].data_ptr<float>(),
@@ -570,18 +617,96 @@ at::Tensor llama_step(const at::Tensor& hidden_in, const at::Tensor& cos, const 
     step_ops::attention(qkv.data_ptr<float>(), batch, fed, heads, kv_heads, head_dim, cache,
                         column, mask, static_cast<float>(scaling),
                         attended_rows.data_ptr<float>());
-    step_ops::add_into(h, linear(attended_rows, w[2], inner_width, kind[1] == 1, isa)
-                              .data_ptr<float>(), rows * width);
-    step_ops::rms_norm(h, w[3].data_ptr<float>(), rows, width, static_cast<float>(eps),
-                       normed.data_ptr<float>());
-    const at::Tensor gate_up = linear(normed, w[4], width, kind[2] == 1, isa);
+    step_ops::add_into(h, product(l, 1, attended_rows).data_ptr<float>(), rows * width);
+    step_ops::rms_norm(h, product.post_norm(l).data_ptr<float>(), rows, width,
+                       static_cast<float>(eps), normed.data_ptr<float>());
+    const at::Tensor gate_up = product(l, 2, normed);
     const int64_t inner = gate_up.size(1) / 2;
     at::Tensor inputs = at::empty({rows, inner}, hidden.options());
     step_ops::silu_gate(gate_up.data_ptr<float>(), rows, inner, inputs.data_ptr<float>());
-    step_ops::add_into(h, linear(inputs, w[5], inner, kind[3] == 1, isa).data_ptr<float>(),
-                       rows * width);
+    step_ops::add_into(h, product(l, 3, inputs).data_ptr<float>(), rows * width);
   }
   return hidden.view({batch, fed, width});
+}
+
+// A draft's greedy loop: `steps` single-token steps of every row, each feeding the token the
+// one before chose, in one call. tokens [batch] (long) the tokens fed first, at positions
+// [batch] (long); embed [vocab, width] the input embeddings; cos/sin [positions, head_dim] the
+// rotations of every position; the layers as llama_step takes them, their buffers written up
+// to written[l] with room for `steps` more columns; column_mask [batch, columns] (bool) the
+// real columns written so far (none: all); final norm and head [vocab', width] (float32),
+// head_ids [vocab'] the token of each head row (none: row i is token i). Each step's choice is
+// the first largest logit; its confidence that logit's probability. With min_confidence > 0
+// the loop stops after the step at which every row's product of confidences, from `sure`
+// [batch] on, is below it. Returns (tokens [batch, steps run], confidences [batch, steps run]).
+std::tuple<at::Tensor, at::Tensor> llama_draft(
+    const at::Tensor& tokens_in, const at::Tensor& positions, const at::Tensor& embed,
+    const at::Tensor& cos_table, const at::Tensor& sin_table, at::TensorList weights,
+    at::IntArrayRef kinds, at::TensorList keys, at::TensorList values, at::IntArrayRef written,
+    const c10::optional<at::Tensor>& column_mask, const at::Tensor& norm, const at::Tensor& head,
+    const c10::optional<at::Tensor>& head_ids, int64_t steps, int64_t heads, int64_t kv_heads,
+    int64_t head_dim, double eps, double scaling, double norm_eps, const at::Tensor& sure_in,
+    double min_confidence) {
+  const int64_t batch = tokens_in.size(0), width = embed.size(1), vocab = head.size(0);
+  TORCH_CHECK(tokens_in.dim() == 1 && positions.sizes() == tokens_in.sizes() &&
+                  sure_in.sizes() == tokens_in.sizes() && steps >= 1,
+              "llama_draft: one token, position and confidence a row; at least one step");
+  TORCH_CHECK(embed.scalar_type() == at::kFloat && head.scalar_type() == at::kFloat &&
+                  norm.scalar_type() == at::kFloat && head.size(1) == width &&
+                  norm.numel() == width && cos_table.size(1) == head_dim,
+              "llama_draft: float32 embeddings, final norm and head of the model's width");
+  TORCH_CHECK(!head_ids.has_value() || head_ids->numel() == vocab,
+              "llama_draft: a token per head row");
+  const int64_t last = positions.max().item<int64_t>() + steps;
+  TORCH_CHECK(positions.min().item<int64_t>() >= 0 && last <= cos_table.size(0),
+              "llama_draft: positions past the rotation table");
+  at::Tensor mask_columns;  // [batch, columns + steps]: the real columns, then the new ones
+  if (column_mask.has_value()) {
+    TORCH_CHECK(column_mask->scalar_type() == at::kBool && column_mask->dim() == 2 &&
+                    column_mask->size(0) == batch,
+                "llama_draft: the column mask is bool [batch, columns]");
+    mask_columns = at::ones({batch, column_mask->size(1) + steps}, column_mask->options());
+    mask_columns.narrow(1, 0, column_mask->size(1)).copy_(*column_mask);
+  }
+  const at::Tensor head_w = head.contiguous(), norm_w = norm.contiguous();
+  at::Tensor chosen = at::empty({batch, steps}, tokens_in.options().dtype(at::kLong));
+  at::Tensor confidence = at::empty({batch, steps}, embed.options());
+  at::Tensor sure = sure_in.to(at::kFloat).contiguous().clone();
+  at::Tensor fed = tokens_in.to(at::kLong).contiguous().clone();
+  at::Tensor normed = at::empty({batch, width}, embed.options());
+  at::Tensor logits = at::empty({batch, vocab}, embed.options());
+  std::vector<int64_t> columns(written.begin(), written.end());
+  int64_t run = 0;
+  while (run < steps) {
+    const at::Tensor at_positions = positions + run;
+    const at::Tensor hidden_in = embed.index_select(0, fed).view({batch, 1, width});
+    c10::optional<at::Tensor> mask;
+    if (column_mask.has_value())
+      mask = mask_columns.narrow(1, 0, column_mask->size(1) + run + 1).unsqueeze(1).unsqueeze(1);
+    const at::Tensor hidden = llama_step(
+        hidden_in, cos_table.index_select(0, at_positions), sin_table.index_select(0, at_positions),
+        weights, kinds, keys, values, columns, mask, heads, kv_heads, head_dim, eps, scaling);
+    step_ops::rms_norm(hidden.data_ptr<float>(), norm_w.data_ptr<float>(), batch, width,
+                       static_cast<float>(norm_eps), normed.data_ptr<float>());
+    dense_into(normed, head_w, logits, 0);
+    bool any_open = false;
+    for (int64_t b = 0; b < batch; ++b) {
+      int64_t index;
+      float probability;
+      step_ops::top_choice(logits.data_ptr<float>() + b * vocab, vocab, &index, &probability);
+      const int64_t token = head_ids.has_value() ? head_ids->data_ptr<int64_t>()[index] : index;
+      chosen.data_ptr<int64_t>()[b * steps + run] = token;
+      confidence.data_ptr<float>()[b * steps + run] = probability;
+      fed.data_ptr<int64_t>()[b] = token;
+      float& row_sure = sure.data_ptr<float>()[b];
+      row_sure = row_sure * probability;
+      any_open = any_open || !(row_sure < min_confidence);
+    }
+    for (auto& column : columns) ++column;
+    ++run;
+    if (min_confidence > 0.0 && !any_open) break;
+  }
+  return {chosen.narrow(1, 0, run), confidence.narrow(1, 0, run)};
 }
 
 // x [..., in] @ weight.T for a float32 weight [out, in], as fastlinear.weight_major computes
@@ -653,6 +778,11 @@ TORCH_LIBRARY(batchspec_gguf, m) {
   m.def("llama_step(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, "
         "Tensor(a!)[] keys, Tensor(b!)[] values, int[] written, Tensor? mask, int heads, "
         "int kv_heads, int head_dim, float eps, float scaling) -> Tensor");
+  m.def("llama_draft(Tensor tokens, Tensor positions, Tensor embed, Tensor cos, Tensor sin, "
+        "Tensor[] weights, int[] kinds, Tensor(a!)[] keys, Tensor(b!)[] values, int[] written, "
+        "Tensor? column_mask, Tensor norm, Tensor head, Tensor? head_ids, int steps, int heads, "
+        "int kv_heads, int head_dim, float eps, float scaling, float norm_eps, Tensor sure, "
+        "float min_confidence) -> (Tensor, Tensor)");
   m.def("gumbel_choose(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
         "Tensor seeds, Tensor positions, Tensor? token_ids) -> Tensor");
 }
@@ -665,6 +795,7 @@ TORCH_LIBRARY_IMPL(batchspec_gguf, CPU, m) {
   m.impl("linear_with", linear_with);
   m.impl("llama_step", llama_step);
   m.impl("llama_step_dense", llama_step_dense);
+  m.impl("llama_draft", llama_draft);
   m.impl("gumbel_choose", sample_ops::gumbel_choose);
 }
 

@@ -1,6 +1,6 @@
 // The row-wise work of a decode step beside its products, fused: RMS norm, rotation, attention
 // over a layer's cache, the SiLU gate and the residual sums, each one loop over plain floats
-// instead of a handful of ATen calls.
+// instead of a handful of ATen calls; and float32 products for a draft's loop.
 //
 // Invariants:
 // - One fixed order of operations per row and per query: a position's result depends only on
@@ -10,7 +10,8 @@
 //   of that position alone does.
 // - Plain multiplies and adds, never fused (the file is built with -ffp-contract=off): the
 //   compiler's vector code for a loop (AVX2 or AVX-512 clones where the CPU has them, SSE2
-//   elsewhere) rounds every lane as the scalar code does.
+//   elsewhere; eight lanes written with GCC's vector extension where the hot loops need it)
+//   rounds every lane as the scalar code does.
 // - Against ATen's operations (the lean forward) the results differ only by rounding: the
 //   sums' order, and exp evaluated by its own polynomial (Cephes' expf, ~1e-7 relative).
 #pragma once
@@ -38,14 +39,75 @@ __attribute__((always_inline)) inline float lanes_sum(const float* lane) {
   return (a + c) + (b + e);
 }
 
+// Eight float32 lanes: the clone's vector registers (GCC's vector extension), one lane per
+// element i % 8; each lane's arithmetic is the scalar code's.
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+
+__attribute__((always_inline)) inline Lanes load(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+typedef float Quad __attribute__((vector_size(4 * sizeof(float))));
+typedef int32_t QuadMask __attribute__((vector_size(4 * sizeof(int32_t))));
+
+__attribute__((always_inline)) inline Quad low(const Lanes& v) {
+  Quad q;
+  std::memcpy(&q, &v, sizeof(q));
+  return q;
+}
+
+__attribute__((always_inline)) inline Quad high(const Lanes& v) {
+  Quad q;
+  std::memcpy(&q, reinterpret_cast<const float*>(&v) + 4, sizeof(q));
+  return q;
+}
+
 // sum of x[i] * y[i], element i into lane i % 8.
 __attribute__((always_inline)) inline float dot(const float* x, const float* y, int64_t n) {
-  float lane[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  Lanes acc = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) lane[l] += x[i + l] * y[i + l];
+  for (; i + kLanes <= n; i += kLanes) acc += load(x + i) * load(y + i);
+  float lane[kLanes];
+  std::memcpy(lane, &acc, sizeof(lane));
   for (; i < n; ++i) lane[i % kLanes] += x[i] * y[i];
   return lanes_sum(lane);
+}
+
+// dot(x, y[k], n) for four y at once (four independent chains of sums; each in dot's order).
+__attribute__((always_inline)) inline void dot4(const float* x, const float* y0,
+                                                const float* y1, const float* y2,
+                                                const float* y3, int64_t n, float* out) {
+  const int64_t whole = n - n % kLanes;
+  Lanes a = {0, 0, 0, 0, 0, 0, 0, 0}, b = a, c = a, d = a;
+  for (int64_t i = 0; i < whole; i += kLanes) {
+    const Lanes v = load(x + i);
+    a += v * load(y0 + i);
+    b += v * load(y1 + i);
+    c += v * load(y2 + i);
+    d += v * load(y3 + i);
+  }
+  if (whole < n) {  // the tail, lane by lane
+    Lanes* sums[4] = {&a, &b, &c, &d};
+    const float* ys[4] = {y0, y1, y2, y3};
+    for (int k = 0; k < 4; ++k) {
+      float lane[kLanes];
+      std::memcpy(lane, sums[k], sizeof(lane));
+      for (int64_t i = whole; i < n; ++i) lane[i % kLanes] += x[i] * ys[k][i];
+      std::memcpy(sums[k], lane, sizeof(lane));
+    }
+  }
+  // lanes_sum of the four, in vector registers: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+  const Quad a4 = low(a) + high(a), b4 = low(b) + high(b);
+  const Quad c4 = low(c) + high(c), d4 = low(d) + high(d);
+  const Quad ab = __builtin_shuffle(a4, b4, QuadMask{0, 1, 4, 5}) +
+                  __builtin_shuffle(a4, b4, QuadMask{2, 3, 6, 7});
+  const Quad cd = __builtin_shuffle(c4, d4, QuadMask{0, 1, 4, 5}) +
+                  __builtin_shuffle(c4, d4, QuadMask{2, 3, 6, 7});
+  const Quad sums = __builtin_shuffle(ab, cd, QuadMask{0, 2, 4, 6}) +
+                    __builtin_shuffle(ab, cd, QuadMask{1, 3, 5, 7});
+  std::memcpy(out, &sums, sizeof(sums));
 }
 
 // e^x for x in float32, Cephes' expf polynomial (~1e-7 relative); inputs beyond +-88.3 are
@@ -71,6 +133,33 @@ __attribute__((always_inline)) inline float exp_poly(float x) {
   const int32_t k1 = k / 2, k2 = k - k1;
   int32_t b1 = (k1 + 127) << 23, b2 = (k2 + 127) << 23;
   float s1, s2;
+  std::memcpy(&s1, &b1, sizeof(s1));
+  std::memcpy(&s2, &b2, sizeof(s2));
+  return (y * s1) * s2;
+}
+
+typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// exp_poly of each lane, the same operations lane by lane.
+__attribute__((always_inline)) inline Lanes exp_lanes(Lanes x) {
+  const Lanes low = {-88.3f, -88.3f, -88.3f, -88.3f, -88.3f, -88.3f, -88.3f, -88.3f};
+  const Lanes high = -low;
+  x = x < low ? low : (x > high ? high : x);
+  const float magic = 12582912.0f;
+  const Lanes n = (x * 1.44269504088896341f + magic) - magic;
+  Lanes r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const Lanes z = r * r;
+  Lanes y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const IntLanes k = __builtin_convertvector(n, IntLanes);
+  const IntLanes k1 = k / 2, k2 = k - k1;
+  const IntLanes b1 = (k1 + 127) << 23, b2 = (k2 + 127) << 23;
+  Lanes s1, s2;
   std::memcpy(&s1, &b1, sizeof(s1));
   std::memcpy(&s2, &b2, sizeof(s2));
   return (y * s1) * s2;
@@ -116,6 +205,37 @@ STEP_OPS_CLONES void silu_gate(const float* gate_up, int64_t rows, int64_t inner
   }
 }
 
+// out[r * out_stride + o] = x[r] . weight[o] for o in [begin, end): float32 weight rows
+// [out, in], summed as `dot` sums (a row's result whatever the batch or the split).
+STEP_OPS_CLONES void dense_rows(const float* x, int64_t rows, int64_t in, const float* weight,
+                                int64_t begin, int64_t end, float* out, int64_t out_stride) {
+  int64_t o = begin;
+  for (; o + 4 <= end; o += 4)
+    for (int64_t r = 0; r < rows; ++r) {
+      float sums[4];
+      dot4(x + r * in, weight + o * in, weight + (o + 1) * in, weight + (o + 2) * in,
+           weight + (o + 3) * in, in, sums);
+      for (int k = 0; k < 4; ++k) out[r * out_stride + o + k] = sums[k];
+    }
+  for (; o < end; ++o)
+    for (int64_t r = 0; r < rows; ++r)
+      out[r * out_stride + o] = dot(x + r * in, weight + o * in, in);
+}
+
+// The first largest of logits [n] and its probability under their softmax (1 / the sum of
+// e^(logit - largest)).
+STEP_OPS_CLONES void top_choice(const float* logits, int64_t n, int64_t* index,
+                                float* probability) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (logits[i] > logits[best]) best = i;
+  const float top = logits[best];
+  float lane[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i = 0; i < n; ++i) lane[i % kLanes] += exp_poly(logits[i] - top);
+  *index = best;
+  *probability = 1.0f / lanes_sum(lane);
+}
+
 // x += y, elementwise.
 STEP_OPS_CLONES void add_into(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];
@@ -136,29 +256,43 @@ STEP_OPS_CLONES void attend_query(const float* q, const float* keys, const float
                                   int64_t column_stride, const int64_t* picked, int64_t n,
                                   int64_t head_dim, float scaling, float* scores, float* out) {
   float top = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) {
-    scores[i] = dot(q, keys + picked[i] * column_stride, head_dim) * scaling;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    dot4(q, keys + picked[i] * column_stride, keys + picked[i + 1] * column_stride,
+         keys + picked[i + 2] * column_stride, keys + picked[i + 3] * column_stride, head_dim,
+         scores + i);
+  for (; i < n; ++i) scores[i] = dot(q, keys + picked[i] * column_stride, head_dim);
+  for (i = 0; i < n; ++i) {
+    scores[i] = scores[i] * scaling;
     top = scores[i] > top ? scores[i] : top;
   }
   float lane[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      scores[i + l] = exp_poly(scores[i + l] - top);
-      lane[l] += scores[i + l];
-    }
+  i = 0;
+  Lanes sum = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (; i + kLanes <= n; i += kLanes) {
+    const Lanes e = exp_lanes(load(scores + i) - top);
+    std::memcpy(scores + i, &e, sizeof(e));
+    sum += e;
+  }
+  std::memcpy(lane, &sum, sizeof(sum));
   for (; i < n; ++i) {
     scores[i] = exp_poly(scores[i] - top);
     lane[i % kLanes] += scores[i];
   }
   const float total = lanes_sum(lane);
-  for (int64_t d = 0; d < head_dim; ++d) out[d] = 0.0f;
-  for (int64_t j = 0; j < n; ++j) {
-    const float p = scores[j];
-    const float* v = values + picked[j] * column_stride;
-    for (int64_t d = 0; d < head_dim; ++d) out[d] += p * v[d];
+  // each out[d] sums p * v[d] over the columns in order; eight d at a time where they fit
+  int64_t d = 0;
+  for (; d + kLanes <= head_dim; d += kLanes) {
+    Lanes sum = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t j = 0; j < n; ++j) sum += scores[j] * load(values + picked[j] * column_stride + d);
+    sum = sum / total;
+    std::memcpy(out + d, &sum, sizeof(sum));
   }
-  for (int64_t d = 0; d < head_dim; ++d) out[d] = out[d] / total;
+  for (; d < head_dim; ++d) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) sum += scores[j] * values[picked[j] * column_stride + d];
+    out[d] = sum / total;
+  }
 }
 
 // qkv [batch * fed, (heads + 2 * kv_heads) * head_dim] (q and k rotated): its keys and values

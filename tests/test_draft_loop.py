@@ -1,0 +1,123 @@
+"""A draft's greedy steps in one C++ call (runtime/draft_loop.py): the proposals, caches and
+cuts of the Python steps, over rows of different lengths, rejected drafts, rows that leave and
+join, float32 weights and GGUF blocks."""
+import os
+import random
+
+import pytest
+import torch
+
+from batchspec.params import SamplingParams
+from batchspec.runtime import draft_loop, gguf_blocks, models, tiny
+from batchspec.runtime import runner as runner_lib
+from batchspec.runtime.rows import ProposeRow
+from draft_service import proposer
+
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(autouse=True)
+def kernels():
+    if not gguf_blocks.load() and not os.environ.get("CI"):
+        pytest.skip("no C++ compiler to build the kernels")  # in CI they must build
+
+
+def _runners(model):
+    looped, stepped = (runner_lib.ModelRunner(model, name="draft", device=torch.device("cpu"),
+                                              eos_token_ids=[], max_context_len=256)
+                       for _ in range(2))
+    stepped.draft_loop = None  # (a cached property: this runner keeps the Python steps)
+    return looped, stepped
+
+
+def _model(kind, model_dirs, tmp_path):
+    if kind == "gguf":
+        return models.load_causal_lm(tiny.save_gguf(tmp_path), dtype="auto")
+    return models.load_causal_lm(model_dirs["llama"][0])
+
+
+@pytest.mark.parametrize("kind,min_confidence", [("float32", 0.0), ("float32", 0.05),
+                                                 ("gguf", 0.0)])
+def test_the_loop_proposes_what_the_python_steps_propose(model_dirs, tmp_path, monkeypatch,
+                                                          kind, min_confidence):
+    """Rounds of proposals over rows of different lengths (a masked batch), some drafts
+    rejected, rows leaving and new ones joining: the loop's drafts, cache lengths and cuts
+    are the Python steps' (the tiny models' logits are nowhere within rounding of a tie), and
+    the next round's proposals from its caches are too."""
+    model = _model(kind, model_dirs, tmp_path)
+    looped, stepped = _runners(model)
+    assert looped.draft_loop is not None
+    calls = []
+    real = draft_loop.DraftLoop.__call__
+    monkeypatch.setattr(draft_loop.DraftLoop, "__call__",
+                        lambda self, *a: calls.append(a[4]) or real(self, *a))
+    rng = random.Random(3)
+    committed = {}  # seq_id -> committed tokens
+    held = {}  # seq_id -> (positions cached, of which matching `committed`)
+    next_id = 0
+    cut_lengths = []
+
+    def join(count):
+        nonlocal next_id
+        for _ in range(count):
+            prompt = [rng.randrange(4, 90) for _ in range(rng.randint(3, 20))]
+            committed[next_id] = prompt
+            for runner in (looped, stepped):
+                runner.prefill([(next_id, prompt[:-1])])
+            held[next_id] = (len(prompt) - 1, len(prompt) - 1)
+            next_id += 1
+
+    join(5)
+    for round_ in range(24):
+        rows = [ProposeRow(i, held[i][0], held[i][1], committed[i][held[i][1]:], GREEDY)
+                for i in committed]
+        proposed = []
+        for appended in sorted({len(r.append_token_ids) for r in rows}):  # a group each
+            group = [r for r in rows if len(r.append_token_ids) == appended]
+            results = [proposer.propose(runner, group, 4, realign=True,
+                                        min_confidence=min_confidence)[0]
+                       for runner in (looped, stepped)]
+            assert results[0] == results[1]
+            proposed += zip(group, results[0])
+            cut_lengths += [len(p.draft_token_ids) for p in results[0] if p.cut]
+        for row, proposal in proposed:
+            drafts = proposal.draft_token_ids
+            accepted = rng.randint(0, len(drafts))
+            fed = len(committed[row.seq_id])  # cached: the committed tokens, then drafts
+            committed[row.seq_id] += drafts[:accepted] + [rng.randrange(4, 90)]
+            held[row.seq_id] = (proposal.cache_len,
+                                min(proposal.cache_len, fed + accepted))
+        if round_ % 6 == 5:  # one leaves, two join: the loop runs over a seated batch
+            gone = rng.choice(sorted(committed))
+            for runner in (looped, stepped):
+                runner.release([gone])
+            del committed[gone], held[gone]
+            join(2)
+    assert len(calls) >= 20  # (a round cut by min_confidence at its first draft runs none)
+    assert set(calls) <= {3}  # K = 4: the first draft's forward, then three steps in one call
+    if min_confidence:  # rows cut within the loop's steps, and a loop cut short
+        assert {1, 2} <= set(cut_lengths)
+
+
+def test_a_sampled_row_keeps_the_python_steps(model_dirs, tmp_path, monkeypatch):
+    model = _model("float32", model_dirs, tmp_path)
+    looped, _ = _runners(model)
+    calls = []
+    monkeypatch.setattr(draft_loop.DraftLoop, "__call__", lambda self, *a: calls.append(a))
+    looped.prefill([(1, [5, 6, 7]), (2, [8, 9])])
+    sampled = SamplingParams(temperature=0.8, seed=1)
+    proposals, _ = proposer.propose(looped, [ProposeRow(1, 3, 3, [8], GREEDY),
+                                             ProposeRow(2, 2, 2, [4], sampled)], 4,
+                                    realign=True)
+    assert [len(p.draft_token_ids) for p in proposals] == [4, 4] and not calls
+
+
+def test_the_loop_is_built_only_for_models_it_steps(model_dirs, tmp_path):
+    """GPT-2 (learned positions) and a feature head keep the Python steps."""
+    for arch in ("gpt2", "head"):
+        model = models.load_causal_lm(
+            tiny.save_feature_head(model_dirs["llama"][0], tmp_path / "head")
+            if arch == "head" else model_dirs[arch][0])
+        runner = runner_lib.ModelRunner(model, name=arch, device=torch.device("cpu"),
+                                        eos_token_ids=[], max_context_len=256)
+        assert runner.draft_loop is None
