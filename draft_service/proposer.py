@@ -41,7 +41,8 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
     for j in range(num_drafts):  # the last draft is never fed
         if j and loop:
             looped = group.greedy_steps(next_input[:, 0], num_drafts - j, cut.sure,
-                                        cut.min_confidence)
+                                        cut.min_confidence,
+                                        None if features is None else features[:, -1])
             loop = looped is not None
             if loop:
                 for column, (token_ids, sure) in enumerate(zip(*(t.unbind(1) for t in looped))):

@@ -1,6 +1,6 @@
 """A draft's greedy steps in one C++ call (runtime/draft_loop.py): the proposals, caches and
 cuts of the Python steps, over rows of different lengths, rejected drafts, rows that leave and
-join, float32 weights and GGUF blocks."""
+join; float32 weights and GGUF blocks; causal LMs and feature heads."""
 import os
 import random
 
@@ -33,11 +33,15 @@ def _runners(model):
 def _model(kind, model_dirs, tmp_path):
     if kind == "gguf":
         return models.load_causal_lm(tiny.save_gguf(tmp_path), dtype="auto")
+    if kind.startswith("head"):  # a feature head; "head-q8": its products over Q8_0 blocks
+        path = tiny.save_feature_head(model_dirs["llama"][0], tmp_path / "head")
+        return models.load_causal_lm(path, dtype="auto" if kind == "head-q8" else "float32")
     return models.load_causal_lm(model_dirs["llama"][0])
 
 
 @pytest.mark.parametrize("kind,min_confidence", [("float32", 0.0), ("float32", 0.05),
-                                                 ("gguf", 0.0)])
+                                                 ("gguf", 0.0), ("head", 0.0),
+                                                 ("head-q8", 0.0)])
 def test_the_loop_proposes_what_the_python_steps_propose(model_dirs, tmp_path, monkeypatch,
                                                           kind, min_confidence):
     """Rounds of proposals over rows of different lengths (a masked batch), some drafts
@@ -47,29 +51,42 @@ def test_the_loop_proposes_what_the_python_steps_propose(model_dirs, tmp_path, m
     model = _model(kind, model_dirs, tmp_path)
     looped, stepped = _runners(model)
     assert looped.draft_loop is not None
+    width = looped.reads_features
     calls = []
     real = draft_loop.DraftLoop.__call__
     monkeypatch.setattr(draft_loop.DraftLoop, "__call__",
-                        lambda self, *a: calls.append(a[4]) or real(self, *a))
+                        lambda self, *a, **k: calls.append(a[4]) or real(self, *a, **k))
     rng = random.Random(3)
+    generator = torch.Generator().manual_seed(3)
     committed = {}  # seq_id -> committed tokens
+    features = {}  # seq_id -> a feature head's: the target's features before each token
     held = {}  # seq_id -> (positions cached, of which matching `committed`)
     next_id = 0
     cut_lengths = []
+
+    def features_of(seq_id, start, end):
+        if not width:
+            return None
+        while len(features[seq_id]) < end:
+            features[seq_id].append(torch.randn(width, generator=generator))
+        return torch.stack(features[seq_id][start:end])
 
     def join(count):
         nonlocal next_id
         for _ in range(count):
             prompt = [rng.randrange(4, 90) for _ in range(rng.randint(3, 20))]
-            committed[next_id] = prompt
+            committed[next_id], features[next_id] = prompt, []
+            fed = features_of(next_id, 0, len(prompt) - 1)
             for runner in (looped, stepped):
-                runner.prefill([(next_id, prompt[:-1])])
+                runner.prefill([(next_id, prompt[:-1])],
+                               None if fed is None else {next_id: fed})
             held[next_id] = (len(prompt) - 1, len(prompt) - 1)
             next_id += 1
 
     join(5)
     for round_ in range(24):
-        rows = [ProposeRow(i, held[i][0], held[i][1], committed[i][held[i][1]:], GREEDY)
+        rows = [ProposeRow(i, held[i][0], held[i][1], committed[i][held[i][1]:], GREEDY,
+                           features_of(i, held[i][1], len(committed[i])))
                 for i in committed]
         proposed = []
         for appended in sorted({len(r.append_token_ids) for r in rows}):  # a group each
@@ -95,7 +112,7 @@ def test_the_loop_proposes_what_the_python_steps_propose(model_dirs, tmp_path, m
             join(2)
     assert len(calls) >= 20  # (a round cut by min_confidence at its first draft runs none)
     assert set(calls) <= {3}  # K = 4: the first draft's forward, then three steps in one call
-    if min_confidence:  # rows cut within the loop's steps, and a loop cut short
+    if min_confidence:  # rows cut within the loop's steps
         assert {1, 2} <= set(cut_lengths)
 
 
@@ -112,12 +129,9 @@ def test_a_sampled_row_keeps_the_python_steps(model_dirs, tmp_path, monkeypatch)
     assert [len(p.draft_token_ids) for p in proposals] == [4, 4] and not calls
 
 
-def test_the_loop_is_built_only_for_models_it_steps(model_dirs, tmp_path):
-    """GPT-2 (learned positions) and a feature head keep the Python steps."""
-    for arch in ("gpt2", "head"):
-        model = models.load_causal_lm(
-            tiny.save_feature_head(model_dirs["llama"][0], tmp_path / "head")
-            if arch == "head" else model_dirs[arch][0])
-        runner = runner_lib.ModelRunner(model, name=arch, device=torch.device("cpu"),
-                                        eos_token_ids=[], max_context_len=256)
-        assert runner.draft_loop is None
+def test_the_loop_is_built_only_for_models_it_steps(model_dirs):
+    """GPT-2 (learned positions) keeps the Python steps."""
+    model = models.load_causal_lm(model_dirs["gpt2"][0])
+    runner = runner_lib.ModelRunner(model, name="gpt2", device=torch.device("cpu"),
+                                    eos_token_ids=[], max_context_len=256)
+    assert runner.draft_loop is None

@@ -35,7 +35,7 @@ from batchspec.runtime import attention, fastlinear, gguf_blocks, kvcache
 
 log = logging.getLogger(__name__)
 
-_KINDS = {"q4_1": 1, "q8_0": 0}  # Blocks.kind -> llama_step's kind code
+KINDS = {"q4_1": 1, "q8_0": 0}  # Blocks.kind -> llama_step's kind code
 DIRECT, PACKED, FOLDED = 0, 1, 2  # llama_step's ways to attend (csrc: Attend)
 
 
@@ -201,7 +201,7 @@ def _blocks(layers, qkv_blocks, gate_up_blocks):
             return None
         weights += [layer_norms[0].weight, qkv.data, o.data, layer_norms[1].weight,
                     gate_up.data, down.data]
-        kinds += [_KINDS[p.kind] for p in products]
+        kinds += [KINDS[p.kind] for p in products]
         limits += [p.max_rows for p in products]
         norms += [n.variance_epsilon for n in layer_norms]
     return weights, kinds, min(limits), (), norms

@@ -210,6 +210,7 @@ def _head(model, body) -> Callable:
         logits = model.lm_head.subset_logits(hidden[:, -num_logits:]) if num_logits else None
         return logits, hidden
 
+    forward.decoder = getattr(body, "decoder", None)
     return forward
 
 

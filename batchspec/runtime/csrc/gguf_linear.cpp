@@ -629,34 +629,55 @@ at::Tensor llama_step(const at::Tensor& hidden_in, const at::Tensor& cos, const 
   return hidden.view({batch, fed, width});
 }
 
+// x [rows, in] @ W.T: W a float32 weight [out, in] (kind -1) or GGUF blocks of `kind`
+// (1: Q4_1, 0: Q8_0) [out, bytes a row].
+at::Tensor product_of(const at::Tensor& x, const at::Tensor& weight, int64_t kind, int64_t isa) {
+  if (kind >= 0) return linear(x, weight, x.size(1), kind == 1, isa);
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  dense_into(x, weight, out, 0);
+  return out;
+}
+
 // A draft's greedy loop: `steps` single-token steps of every row, each feeding the token the
 // one before chose, in one call. tokens [batch] (long) the tokens fed first, at positions
-// [batch] (long); embed [vocab, width] the input embeddings; cos/sin [positions, head_dim] the
-// rotations of every position; the layers as llama_step takes them, their buffers written up
-// to written[l] with room for `steps` more columns; column_mask [batch, columns] (bool) the
-// real columns written so far (none: all); final norm and head [vocab', width] (float32),
-// head_ids [vocab'] the token of each head row (none: row i is token i). Each step's choice is
-// the first largest logit; its confidence that logit's probability. With min_confidence > 0
-// the loop stops after the step at which every row's product of confidences, from `sure`
-// [batch] on, is below it. Returns (tokens [batch, steps run], confidences [batch, steps run]).
+// [batch] (long); embed [vocab, width] the input embeddings; a feature head's fuse weight
+// (product_of's, of `fuse_kind`) and features [batch, width], the features before the tokens
+// fed first: a step's input is then fuse(embedding, features) and its features the next's;
+// cos/sin [positions, head_dim] the rotations of every position; the layers as llama_step
+// takes them, their buffers written up to written[l] with room for `steps` more columns;
+// column_mask [batch, columns] (bool) the real columns written so far (none: all); the
+// final norm and the head (product_of's, of `head_kind`, vocab' rows), head_ids [vocab'] the
+// token of each head row (none: row i is token i). Each step's choice is the first largest
+// logit; its confidence that logit's probability. With min_confidence > 0 the loop stops
+// after the step at which every row's product of confidences, from `sure` [batch] on, is
+// below it. Returns (tokens [batch, steps run], confidences [batch, steps run]).
 std::tuple<at::Tensor, at::Tensor> llama_draft(
     const at::Tensor& tokens_in, const at::Tensor& positions, const at::Tensor& embed,
-    const at::Tensor& cos_table, const at::Tensor& sin_table, at::TensorList weights,
-    at::IntArrayRef kinds, at::TensorList keys, at::TensorList values, at::IntArrayRef written,
+    const c10::optional<at::Tensor>& fuse, int64_t fuse_kind,
+    const c10::optional<at::Tensor>& features, const at::Tensor& cos_table,
+    const at::Tensor& sin_table, at::TensorList weights, at::IntArrayRef kinds,
+    at::TensorList keys, at::TensorList values, at::IntArrayRef written,
     const c10::optional<at::Tensor>& column_mask, const at::Tensor& norm, const at::Tensor& head,
-    const c10::optional<at::Tensor>& head_ids, int64_t steps, int64_t heads, int64_t kv_heads,
-    int64_t head_dim, double eps, double scaling, double norm_eps, const at::Tensor& sure_in,
-    double min_confidence) {
+    int64_t head_kind, const c10::optional<at::Tensor>& head_ids, int64_t steps, int64_t heads,
+    int64_t kv_heads, int64_t head_dim, double eps, double scaling, double norm_eps,
+    const at::Tensor& sure_in, double min_confidence) {
   const int64_t batch = tokens_in.size(0), width = embed.size(1), vocab = head.size(0);
   TORCH_CHECK(tokens_in.dim() == 1 && positions.sizes() == tokens_in.sizes() &&
                   sure_in.sizes() == tokens_in.sizes() && steps >= 1,
               "llama_draft: one token, position and confidence a row; at least one step");
-  TORCH_CHECK(embed.scalar_type() == at::kFloat && head.scalar_type() == at::kFloat &&
-                  norm.scalar_type() == at::kFloat && head.size(1) == width &&
-                  norm.numel() == width && cos_table.size(1) == head_dim,
-              "llama_draft: float32 embeddings, final norm and head of the model's width");
-  TORCH_CHECK(!head_ids.has_value() || head_ids->numel() == vocab,
-              "llama_draft: a token per head row");
+  TORCH_CHECK(embed.scalar_type() == at::kFloat && norm.scalar_type() == at::kFloat &&
+                  norm.numel() == width && cos_table.size(1) == head_dim &&
+                  (head_kind >= 0 || (head.scalar_type() == at::kFloat && head.size(1) == width)),
+              "llama_draft: float32 embeddings and final norm of the model's width; a head "
+              "over that width");
+  TORCH_CHECK(fuse.has_value() == features.has_value() &&
+                  (!features.has_value() ||
+                   (features->scalar_type() == at::kFloat && features->dim() == 2 &&
+                    features->size(0) == batch && features->size(1) == width)),
+              "llama_draft: a fuse weight with float32 features [batch, width], or neither");
+  TORCH_CHECK(!head_ids.has_value() || (head_ids->numel() == vocab &&
+                                        head_ids->scalar_type() == at::kLong),
+              "llama_draft: a token (long) per head row");
   const int64_t last = positions.max().item<int64_t>() + steps;
   TORCH_CHECK(positions.min().item<int64_t>() >= 0 && last <= cos_table.size(0),
               "llama_draft: positions past the rotation table");
@@ -668,27 +689,31 @@ std::tuple<at::Tensor, at::Tensor> llama_draft(
     mask_columns = at::ones({batch, column_mask->size(1) + steps}, column_mask->options());
     mask_columns.narrow(1, 0, column_mask->size(1)).copy_(*column_mask);
   }
-  const at::Tensor head_w = head.contiguous(), norm_w = norm.contiguous();
+  const int64_t isa = best_isa();
+  const at::Tensor norm_w = norm.contiguous();
   at::Tensor chosen = at::empty({batch, steps}, tokens_in.options().dtype(at::kLong));
   at::Tensor confidence = at::empty({batch, steps}, embed.options());
   at::Tensor sure = sure_in.to(at::kFloat).contiguous().clone();
   at::Tensor fed = tokens_in.to(at::kLong).contiguous().clone();
-  at::Tensor normed = at::empty({batch, width}, embed.options());
-  at::Tensor logits = at::empty({batch, vocab}, embed.options());
+  at::Tensor feature = features.has_value() ? features->contiguous() : at::Tensor();
   std::vector<int64_t> columns(written.begin(), written.end());
   int64_t run = 0;
   while (run < steps) {
     const at::Tensor at_positions = positions + run;
-    const at::Tensor hidden_in = embed.index_select(0, fed).view({batch, 1, width});
+    at::Tensor hidden_in = embed.index_select(0, fed);
+    if (fuse.has_value())
+      hidden_in = product_of(at::cat({hidden_in, feature}, 1), *fuse, fuse_kind, isa);
     c10::optional<at::Tensor> mask;
     if (column_mask.has_value())
       mask = mask_columns.narrow(1, 0, column_mask->size(1) + run + 1).unsqueeze(1).unsqueeze(1);
     const at::Tensor hidden = llama_step(
-        hidden_in, cos_table.index_select(0, at_positions), sin_table.index_select(0, at_positions),
-        weights, kinds, keys, values, columns, mask, heads, kv_heads, head_dim, eps, scaling);
+        hidden_in.view({batch, 1, width}), cos_table.index_select(0, at_positions),
+        sin_table.index_select(0, at_positions), weights, kinds, keys, values, columns, mask,
+        heads, kv_heads, head_dim, eps, scaling);
+    at::Tensor normed = at::empty({batch, width}, embed.options());
     step_ops::rms_norm(hidden.data_ptr<float>(), norm_w.data_ptr<float>(), batch, width,
                        static_cast<float>(norm_eps), normed.data_ptr<float>());
-    dense_into(normed, head_w, logits, 0);
+    const at::Tensor logits = product_of(normed, head, head_kind, isa);
     bool any_open = false;
     for (int64_t b = 0; b < batch; ++b) {
       int64_t index;
@@ -702,6 +727,7 @@ std::tuple<at::Tensor, at::Tensor> llama_draft(
       row_sure = row_sure * probability;
       any_open = any_open || !(row_sure < min_confidence);
     }
+    feature = normed;
     for (auto& column : columns) ++column;
     ++run;
     if (min_confidence > 0.0 && !any_open) break;
@@ -778,9 +804,10 @@ TORCH_LIBRARY(batchspec_gguf, m) {
   m.def("llama_step(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, "
         "Tensor(a!)[] keys, Tensor(b!)[] values, int[] written, Tensor? mask, int heads, "
         "int kv_heads, int head_dim, float eps, float scaling) -> Tensor");
-  m.def("llama_draft(Tensor tokens, Tensor positions, Tensor embed, Tensor cos, Tensor sin, "
-        "Tensor[] weights, int[] kinds, Tensor(a!)[] keys, Tensor(b!)[] values, int[] written, "
-        "Tensor? column_mask, Tensor norm, Tensor head, Tensor? head_ids, int steps, int heads, "
+  m.def("llama_draft(Tensor tokens, Tensor positions, Tensor embed, Tensor? fuse, int fuse_kind, "
+        "Tensor? features, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, "
+        "Tensor(a!)[] keys, Tensor(b!)[] values, int[] written, Tensor? column_mask, "
+        "Tensor norm, Tensor head, int head_kind, Tensor? head_ids, int steps, int heads, "
         "int kv_heads, int head_dim, float eps, float scaling, float norm_eps, Tensor sure, "
         "float min_confidence) -> (Tensor, Tensor)");
   m.def("gumbel_choose(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
