@@ -36,20 +36,14 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
     first_position = [r.keep_len + len(r.append_token_ids) for r in rows]
     drafts = []
     cut = _Cut(rows, num_drafts, min_confidence)
-    # greedy rows' drafts after the first: in one call where the runner has the loop
-    loop = all(p.greedy for p in params) and runner.draft_loop is not None
-    for j in range(num_drafts):  # the last draft is never fed
-        if j and loop:
-            looped = group.greedy_steps(next_input[:, 0], num_drafts - j, cut.sure,
-                                        cut.min_confidence,
-                                        None if features is None else features[:, -1])
-            loop = looped is not None
-            if loop:
-                for column, (token_ids, sure) in enumerate(zip(*(t.unbind(1) for t in looped))):
-                    if cut.open_any:
-                        cut.after(j + column, sure)
-                    drafts.append(token_ids)
-                break
+    # greedy rows: every step in one call where the runner has the loop
+    looped = all(p.greedy for p in params) and runner.draft_loop is not None \
+        and group.greedy_steps(next_input, num_drafts, cut.sure, cut.min_confidence, features)
+    for j, (token_ids, sure) in enumerate(zip(*(t.unbind(1) for t in looped or ()))):
+        if cut.open_any:
+            cut.after(j, sure)
+        drafts.append(token_ids)
+    for j in range(0 if looped else num_drafts):  # the last draft is never fed
         logits = group.step(next_input, num_logits=1, features=features)  # [batch, 1, vocab]
         if features is not None:
             features = group.hidden[:, -1:]

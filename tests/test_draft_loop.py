@@ -55,7 +55,8 @@ def test_the_loop_proposes_what_the_python_steps_propose(model_dirs, tmp_path, m
     calls = []
     real = draft_loop.DraftLoop.__call__
     monkeypatch.setattr(draft_loop.DraftLoop, "__call__",
-                        lambda self, *a, **k: calls.append(a[4]) or real(self, *a, **k))
+                        lambda self, *a, **k: calls.append((a[0].shape[1], a[4]))
+                        or real(self, *a, **k))
     rng = random.Random(3)
     generator = torch.Generator().manual_seed(3)
     committed = {}  # seq_id -> committed tokens
@@ -63,6 +64,7 @@ def test_the_loop_proposes_what_the_python_steps_propose(model_dirs, tmp_path, m
     held = {}  # seq_id -> (positions cached, of which matching `committed`)
     next_id = 0
     cut_lengths = []
+    groups = 0
 
     def features_of(seq_id, start, end):
         if not width:
@@ -96,6 +98,7 @@ def test_the_loop_proposes_what_the_python_steps_propose(model_dirs, tmp_path, m
                        for runner in (looped, stepped)]
             assert results[0] == results[1]
             proposed += zip(group, results[0])
+            groups += 1
             cut_lengths += [len(p.draft_token_ids) for p in results[0] if p.cut]
         for row, proposal in proposed:
             drafts = proposal.draft_token_ids
@@ -110,10 +113,12 @@ def test_the_loop_proposes_what_the_python_steps_propose(model_dirs, tmp_path, m
                 runner.release([gone])
             del committed[gone], held[gone]
             join(2)
-    assert len(calls) >= 20  # (a round cut by min_confidence at its first draft runs none)
-    assert set(calls) <= {3}  # K = 4: the first draft's forward, then three steps in one call
+    assert len(calls) == groups  # every proposal in one call of K = 4 steps
+    assert {steps for _, steps in calls} == {4}
     if min_confidence:  # rows cut within the loop's steps
         assert {1, 2} <= set(cut_lengths)
+    else:  # after a row's drafts were all accepted it appends two tokens
+        assert {fed for fed, _ in calls} == {1, 2}
 
 
 def test_a_sampled_row_keeps_the_python_steps(model_dirs, tmp_path, monkeypatch):

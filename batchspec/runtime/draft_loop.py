@@ -1,10 +1,10 @@
-"""A draft's greedy steps in one C++ call (csrc/gguf_linear.cpp: llama_draft).
+"""A draft's greedy proposal in one C++ call (csrc/gguf_linear.cpp: llama_draft).
 
-After a proposal's first forward (the appended tokens, through the lean forward), each
-further draft is one single-token step per row: its embedding (a feature head's fused with
-the features the step before predicted), every layer as llama_step computes it (step_ops'
-loops; over float32 weights or GGUF blocks), the final norm, the head and the first largest
-logit, fed to the next step, with no Python between the steps.
+Its K steps: the first feeds the appended tokens, each after it the draft the one before
+chose, one position a row; each step's embeddings (a feature head's fused with the target's
+features of the appended tokens, then with those the step before predicted), every layer as
+llama_step computes it (step_ops' loops; over float32 weights or GGUF blocks), the final
+norm, the head and the first largest logit, with no Python between the steps.
 
 A draft's numbers never reach the output (the target verifies every token), so the loop
 computes as llama_step does, not bit for bit as the lean forward: its drafts may differ from
@@ -99,27 +99,26 @@ class DraftLoop:
                    head_module.token_ids if isinstance(head_module, SubsetHead) else None,
                    cos[0].float().contiguous(), sin[0].float().contiguous())
 
-    def takes(self, cache, batch: int, last_position: int) -> bool:
-        """Whether a loop of single-token steps of `batch` rows over `cache` up to
-        `last_position` is one this loop runs."""
+    def takes(self, cache, positions: int, last_position: int) -> bool:
+        """Whether a proposal feeding `positions` positions a step at most (over all rows)
+        over `cache`, up to `last_position`, is one this loop runs."""
         layers = getattr(cache, "layers", ())
-        return (batch <= self.decoder.max_rows and last_position < self.cos.shape[0]
+        return (positions <= self.decoder.max_rows and last_position < self.cos.shape[0]
                 and len(layers) * self.decoder.per_layer == len(self.decoder.weights)
                 and all(isinstance(layer, kvcache.AppendLayer) and layer.is_initialized
-                        and layer.keys.dim() == 4 and layer.keys.shape[0] == batch
-                        for layer in layers))
+                        and layer.keys.dim() == 4 for layer in layers))
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache,
                  column_mask: torch.Tensor | None, steps: int, sure: torch.Tensor,
                  min_confidence: float, features: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed tokens [batch] at positions [batch] (a feature head: after features [batch,
-        width]), then each step's choice, for `steps` steps (fewer where min_confidence cuts
-        every row: see llama_draft); the cache's layers advanced by the steps run. Returns
-        (choices [batch, run], their confidences [batch, run])."""
-        d, rows = self.decoder, tokens.shape[0]
-        buffers = [layer.room(steps, layer.keys) for layer in cache.layers]
-        fuse, fuse_kind = (None, FLOAT32) if self.fuse is None else self.fuse.args(rows)
+        """Feed tokens [batch, fed] from positions [batch] on (a feature head: after
+        features [batch, fed, width]), then each step's choice, for `steps` steps (fewer where
+        min_confidence cuts every row: see llama_draft); the cache's layers advanced by the
+        positions fed. Returns (choices [batch, run], their confidences [batch, run])."""
+        d, (rows, fed) = self.decoder, tokens.shape
+        buffers = [layer.room(fed + steps - 1, layer.keys) for layer in cache.layers]
+        fuse, fuse_kind = (None, FLOAT32) if self.fuse is None else self.fuse.args(rows * fed)
         chosen, confidence = torch.ops.batchspec_gguf.llama_draft(
             tokens, positions, self.embed, fuse, fuse_kind,
             None if features is None else features.float().contiguous(), self.cos, self.sin,
@@ -128,5 +127,5 @@ class DraftLoop:
             self.head_ids, steps, d.heads, d.kv_heads, d.head_dim, d.eps, d.scaling,
             self.norm_eps, sure, min_confidence)
         for layer, buffer in zip(cache.layers, buffers):
-            layer.keys, layer.values = buffer.advanced(chosen.shape[1])
+            layer.keys, layer.values = buffer.advanced(fed + chosen.shape[1] - 1)
         return chosen, confidence

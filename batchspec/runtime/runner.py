@@ -402,29 +402,30 @@ class GroupForward:
         return logits[self.slots]
 
     @torch.inference_mode()
-    def greedy_steps(self, token_ids: torch.Tensor, steps: int, sure: torch.Tensor,
+    def greedy_steps(self, input_ids: torch.Tensor, steps: int, sure: torch.Tensor,
                      min_confidence: float, features: torch.Tensor | None = None):
-        """Feed token_ids [rows] to every row (a feature head: after `features` [rows,
-        width]), then each row's greedy choice, for up to `steps` single-token steps in one
-        call (runner.draft_loop: fewer where min_confidence cuts every row, from each row's
-        product of confidences `sure` [rows] on). Returns (choices [rows, run], their
+        """Feed input_ids [rows, T] to every row (a feature head: after `features` [rows, T,
+        width]), then each row's greedy choice, one token a step, for up to `steps` steps in
+        one call (runner.draft_loop: fewer where min_confidence cuts every row, from each
+        row's product of confidences `sure` [rows] on). Returns (choices [rows, run], their
         confidences [rows, run]), or None (nothing done) where the loop does not take these
         steps."""
         loop = self.runner.draft_loop
-        batch = len(self.lengths)
-        if loop is None or not loop.takes(self.cache, batch, max(self.lengths) + steps):
+        batch, fed = len(self.lengths), input_ids.shape[1]
+        if loop is None or not loop.takes(self.cache, batch * fed,
+                                          max(self.lengths) + fed + steps):
             return None
         started = time.perf_counter()
         sure = self._seated(sure)  # (vacant rows: 0, cut from the start)
         column_mask = None if self.mask is None or bool(self.mask.all()) else self.mask.bool()
-        chosen, confidence = loop(self._seated(token_ids), torch.tensor(self.lengths),
+        chosen, confidence = loop(self._seated(input_ids), torch.tensor(self.lengths),
                                   self.cache, column_mask, steps, sure, min_confidence,
                                   None if features is None else self._seated(features))
-        run = chosen.shape[1]
+        columns = fed + chosen.shape[1] - 1
         if self.mask is not None:
-            self.mask = torch.cat([self.mask, self.mask.new_ones(batch, run)], dim=1)
+            self.mask = torch.cat([self.mask, self.mask.new_ones(batch, columns)], dim=1)
         self.hidden = None
-        self._advanced(run, None, started)
+        self._advanced(columns, None, started)
         if self.slots is None:
             return chosen, confidence
         return chosen[self.slots], confidence[self.slots]

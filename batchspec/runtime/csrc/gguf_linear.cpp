@@ -638,17 +638,18 @@ at::Tensor product_of(const at::Tensor& x, const at::Tensor& weight, int64_t kin
   return out;
 }
 
-// A draft's greedy loop: `steps` single-token steps of every row, each feeding the token the
-// one before chose, in one call. tokens [batch] (long) the tokens fed first, at positions
-// [batch] (long); embed [vocab, width] the input embeddings; a feature head's fuse weight
-// (product_of's, of `fuse_kind`) and features [batch, width], the features before the tokens
-// fed first: a step's input is then fuse(embedding, features) and its features the next's;
-// cos/sin [positions, head_dim] the rotations of every position; the layers as llama_step
-// takes them, their buffers written up to written[l] with room for `steps` more columns;
-// column_mask [batch, columns] (bool) the real columns written so far (none: all); the
-// final norm and the head (product_of's, of `head_kind`, vocab' rows), head_ids [vocab'] the
-// token of each head row (none: row i is token i). Each step's choice is the first largest
-// logit; its confidence that logit's probability. With min_confidence > 0 the loop stops
+// A draft's greedy proposal: `steps` steps of every row in one call, the first feeding
+// tokens [batch, fed] (long) at positions [batch] (long, the first's) on, each after it the
+// token the one before chose. embed [vocab, width]: the input embeddings; a feature head's
+// fuse weight (product_of's, of `fuse_kind`) and features [batch, fed, width], the features
+// before the tokens fed first: a step's input is then fuse(embedding, features), and its
+// own final hidden states the next step's features. cos/sin [positions, head_dim]: the
+// rotations of every position. The layers as llama_step takes them, their buffers written up
+// to written[l] with room for fed + steps - 1 more columns; column_mask [batch, columns]
+// (bool) the real columns written so far (none: all). The final norm and the head
+// (product_of's, of `head_kind`, vocab' rows), head_ids [vocab'] the token of each head row
+// (none: row i is token i). Each step's choice is the first largest logit of its last
+// position; its confidence that logit's probability. With min_confidence > 0 the loop stops
 // after the step at which every row's product of confidences, from `sure` [batch] on, is
 // below it. Returns (tokens [batch, steps run], confidences [batch, steps run]).
 std::tuple<at::Tensor, at::Tensor> llama_draft(
@@ -661,10 +662,13 @@ std::tuple<at::Tensor, at::Tensor> llama_draft(
     int64_t head_kind, const c10::optional<at::Tensor>& head_ids, int64_t steps, int64_t heads,
     int64_t kv_heads, int64_t head_dim, double eps, double scaling, double norm_eps,
     const at::Tensor& sure_in, double min_confidence) {
-  const int64_t batch = tokens_in.size(0), width = embed.size(1), vocab = head.size(0);
-  TORCH_CHECK(tokens_in.dim() == 1 && positions.sizes() == tokens_in.sizes() &&
-                  sure_in.sizes() == tokens_in.sizes() && steps >= 1,
-              "llama_draft: one token, position and confidence a row; at least one step");
+  TORCH_CHECK(tokens_in.dim() == 2 && tokens_in.size(1) >= 1 && steps >= 1,
+              "llama_draft: tokens [batch, fed]; at least one step");
+  const int64_t batch = tokens_in.size(0), first_fed = tokens_in.size(1);
+  const int64_t width = embed.size(1), vocab = head.size(0);
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == batch && sure_in.dim() == 1 &&
+                  sure_in.size(0) == batch,
+              "llama_draft: a position and a confidence a row");
   TORCH_CHECK(embed.scalar_type() == at::kFloat && norm.scalar_type() == at::kFloat &&
                   norm.numel() == width && cos_table.size(1) == head_dim &&
                   (head_kind >= 0 || (head.scalar_type() == at::kFloat && head.size(1) == width)),
@@ -672,48 +676,67 @@ std::tuple<at::Tensor, at::Tensor> llama_draft(
               "over that width");
   TORCH_CHECK(fuse.has_value() == features.has_value() &&
                   (!features.has_value() ||
-                   (features->scalar_type() == at::kFloat && features->dim() == 2 &&
-                    features->size(0) == batch && features->size(1) == width)),
-              "llama_draft: a fuse weight with float32 features [batch, width], or neither");
+                   (features->scalar_type() == at::kFloat && features->dim() == 3 &&
+                    features->size(0) == batch && features->size(1) == first_fed &&
+                    features->size(2) == width)),
+              "llama_draft: a fuse weight with float32 features [batch, fed, width], or neither");
   TORCH_CHECK(!head_ids.has_value() || (head_ids->numel() == vocab &&
                                         head_ids->scalar_type() == at::kLong),
               "llama_draft: a token (long) per head row");
-  const int64_t last = positions.max().item<int64_t>() + steps;
-  TORCH_CHECK(positions.min().item<int64_t>() >= 0 && last <= cos_table.size(0),
+  const int64_t new_columns = first_fed + steps - 1;
+  TORCH_CHECK(positions.min().item<int64_t>() >= 0 &&
+                  positions.max().item<int64_t>() + new_columns <= cos_table.size(0),
               "llama_draft: positions past the rotation table");
-  at::Tensor mask_columns;  // [batch, columns + steps]: the real columns, then the new ones
+  at::Tensor mask_columns;  // [batch, columns + new]: the real columns, then the new ones
+  int64_t old_columns = 0;
   if (column_mask.has_value()) {
     TORCH_CHECK(column_mask->scalar_type() == at::kBool && column_mask->dim() == 2 &&
                     column_mask->size(0) == batch,
                 "llama_draft: the column mask is bool [batch, columns]");
-    mask_columns = at::ones({batch, column_mask->size(1) + steps}, column_mask->options());
-    mask_columns.narrow(1, 0, column_mask->size(1)).copy_(*column_mask);
+    old_columns = column_mask->size(1);
+    mask_columns = at::ones({batch, old_columns + new_columns}, column_mask->options());
+    mask_columns.narrow(1, 0, old_columns).copy_(*column_mask);
   }
   const int64_t isa = best_isa();
   const at::Tensor norm_w = norm.contiguous();
+  const at::Tensor offsets = at::arange(first_fed, positions.options().dtype(at::kLong));
   at::Tensor chosen = at::empty({batch, steps}, tokens_in.options().dtype(at::kLong));
   at::Tensor confidence = at::empty({batch, steps}, embed.options());
   at::Tensor sure = sure_in.to(at::kFloat).contiguous().clone();
-  at::Tensor fed = tokens_in.to(at::kLong).contiguous().clone();
-  at::Tensor feature = features.has_value() ? features->contiguous() : at::Tensor();
+  at::Tensor fed = tokens_in.to(at::kLong).reshape({-1}).contiguous();
+  at::Tensor feature = features.has_value() ? features->reshape({-1, width}).contiguous()
+                                            : at::Tensor();
   std::vector<int64_t> columns(written.begin(), written.end());
   int64_t run = 0;
   while (run < steps) {
-    const at::Tensor at_positions = positions + run;
+    const int64_t now = run == 0 ? first_fed : 1;  // positions fed a row this step
+    const int64_t past = run == 0 ? 0 : first_fed + run - 1;  // new columns before them
+    const at::Tensor at_positions =
+        (positions.to(at::kLong).unsqueeze(1) + past + offsets.narrow(0, 0, now)).reshape({-1});
     at::Tensor hidden_in = embed.index_select(0, fed);
     if (fuse.has_value())
       hidden_in = product_of(at::cat({hidden_in, feature}, 1), *fuse, fuse_kind, isa);
     c10::optional<at::Tensor> mask;
-    if (column_mask.has_value())
-      mask = mask_columns.narrow(1, 0, column_mask->size(1) + run + 1).unsqueeze(1).unsqueeze(1);
+    if (column_mask.has_value()) {
+      const at::Tensor seen = mask_columns.narrow(1, 0, old_columns + past + now);
+      if (now == 1) {
+        mask = seen.unsqueeze(1).unsqueeze(1);
+      } else {  // every query its row's columns, and the new positions up to its own
+        at::Tensor several = seen.unsqueeze(1).repeat({1, now, 1});
+        several.narrow(2, old_columns + past, now).copy_(at::ones({now, now}, seen.options()).tril());
+        mask = several.unsqueeze(1);
+      }
+    }
     const at::Tensor hidden = llama_step(
-        hidden_in.view({batch, 1, width}), cos_table.index_select(0, at_positions),
+        hidden_in.view({batch, now, width}), cos_table.index_select(0, at_positions),
         sin_table.index_select(0, at_positions), weights, kinds, keys, values, columns, mask,
         heads, kv_heads, head_dim, eps, scaling);
+    const at::Tensor last = hidden.select(1, now - 1).contiguous();  // [batch, width]
     at::Tensor normed = at::empty({batch, width}, embed.options());
-    step_ops::rms_norm(hidden.data_ptr<float>(), norm_w.data_ptr<float>(), batch, width,
+    step_ops::rms_norm(last.data_ptr<float>(), norm_w.data_ptr<float>(), batch, width,
                        static_cast<float>(norm_eps), normed.data_ptr<float>());
     const at::Tensor logits = product_of(normed, head, head_kind, isa);
+    if (run == 0) fed = at::empty({batch}, fed.options());
     bool any_open = false;
     for (int64_t b = 0; b < batch; ++b) {
       int64_t index;
@@ -728,7 +751,7 @@ std::tuple<at::Tensor, at::Tensor> llama_draft(
       any_open = any_open || !(row_sure < min_confidence);
     }
     feature = normed;
-    for (auto& column : columns) ++column;
+    for (auto& column : columns) column += now;
     ++run;
     if (min_confidence > 0.0 && !any_open) break;
   }
