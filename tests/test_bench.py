@@ -407,10 +407,14 @@ def test_the_warm_up_takes_a_feature_head_as_its_draft(model_dirs, tmp_path):
 def test_overhead_times_each_stage_of_plain_and_drafted_steps_of_a_free_model(tmp_path):
     out = tmp_path / "overhead"
     done = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--overhead",
-                           "--max-new-tokens", "16", "--out", str(out)],
+                           "--max-new-tokens", "16", "--repeat", "2", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "results.json").read_text())
+    # two rounds in turns: plain first, then drafted first
+    order = [(r["round"], r["kind"]) for r in report["rows"]]
+    assert order == [(0, "plain")] * 2 + [(0, "drafted")] * 2 + [(1, "drafted")] * 2 \
+        + [(1, "plain")] * 2
     rows = {(r["kind"], r["clients"]): r for r in report["rows"]}
     assert set(rows) == {(k, c) for k in ("plain", "drafted") for c in (1, 16)}
     k = report["num_draft_tokens"]
@@ -428,7 +432,9 @@ def test_overhead_times_each_stage_of_plain_and_drafted_steps_of_a_free_model(tm
             assert rows[("drafted", 1)]["committed"] == k + 1
             assert stages["draft forwards"] > 0
     markdown = (out / "results.md").read_text()
-    assert "| drafted | 16 |" in markdown and "over plain" in markdown
+    assert "| drafted | 16 |" in markdown and "over plain (rounds)" in markdown
+    drafted = next(line for line in markdown.splitlines() if line.startswith("| drafted | 1 |"))
+    assert len(drafted.split("|")[6].split("(")[1].split(",")) == 2  # a ratio a round
     refused = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--overhead",
                               "--concurrency", "8"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--overhead serves its own" in refused.stderr

@@ -4,9 +4,9 @@ The served stack (target and model draft services, a coordinator per setting)
 over a model that costs almost nothing: a 2-layer, 64-wide random Llama, the target and its
 own draft, so every draft is accepted. Plain (no draft) and drafted (K drafts for every row,
 `--draft-policy fixed --step-aside off --min-draft-confidence 0`) steps at each client count,
-closed-loop clients asking for `max_new_tokens` each past any end-of-sequence. From the
-coordinator's step log, the median of each stage of a step (prefills left out; the stages
-are `batchspec steps`', bench/steps.py STAGES).
+closed-loop clients asking for `max_new_tokens` each past any end-of-sequence, `--repeat`
+rounds in turns. From the coordinator's step log, the median of each stage of a step
+(prefills left out; the stages are `batchspec steps`', bench/steps.py STAGES).
 
 Whatever a step costs here is what speculation must pay for on any model: with a real model,
 add its forwards.
@@ -33,10 +33,12 @@ def free_model(root: pathlib.Path) -> str:
     return str(path)
 
 
-def run(start, max_new_tokens: int = 96, clients=CLIENTS, requests_per_client: int = 2) -> dict:
-    """Serve the free model plain and drafted at each client count; the report's rows.
-    start(model_dir, prompts) -> (stack, workload): the benchmark's services over the model
-    (bench.run.GrpcStack) and their workload."""
+def run(start, max_new_tokens: int = 96, clients=CLIENTS, requests_per_client: int = 2,
+        rounds: int = 1) -> dict:
+    """Serve the free model plain and drafted at each client count, `rounds` times in turns
+    (plain first in even rounds, drafted first in odd ones); the report's rows, one per
+    round, kind and client count. start(model_dir, prompts) -> (stack, workload): the
+    benchmark's services over the model (bench.run.GrpcStack) and their workload."""
     import grpc
 
     from batchspec.runtime import tiny
@@ -45,6 +47,7 @@ def run(start, max_new_tokens: int = 96, clients=CLIENTS, requests_per_client: i
 
     rng = random.Random(0)
     rows = []
+    kinds = (("plain", ()), ("drafted", ("model",)))
     with tempfile.TemporaryDirectory() as scratch:
         root = pathlib.Path(scratch)
         model = free_model(root)
@@ -52,24 +55,26 @@ def run(start, max_new_tokens: int = 96, clients=CLIENTS, requests_per_client: i
                    for _ in range(max(clients) * requests_per_client)]
         stack, workload = start(model, prompts)
         try:
-            for kind, drafts in (("plain", ()), ("drafted", ("model",))):
-                for count in clients:
-                    log = root / f"{kind}-c{count}.jsonl"
-                    extra = ("--step-aside", "off", "--step-log", str(log))
-                    with stack.coordinator(workload, max(clients), NUM_DRAFT_TOKENS, drafts,
-                                           extra) as (port, _), \
-                            grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                        stub = generate_pb2_grpc.CoordinatorStub(channel)
-                        ask = prompts[:count * requests_per_client]
-                        fields = lambda i: {"ignore_eos": True}  # noqa: E731
-                        arrivals.run_closed_loop(stub, ask[:count], 8, count, fields)
-                        log.write_text("")  # the warm-up's steps are not timed
-                        arrivals.run_closed_loop(stub, ask, max_new_tokens, count, fields)
-                    rows.append(summarise(kind, count, read_steps(log)))
+            for round_ in range(rounds):
+                for kind, drafts in kinds if round_ % 2 == 0 else kinds[::-1]:
+                    for count in clients:
+                        log = root / f"{kind}-c{count}-r{round_}.jsonl"
+                        extra = ("--step-aside", "off", "--step-log", str(log))
+                        with stack.coordinator(workload, max(clients), NUM_DRAFT_TOKENS,
+                                               drafts, extra) as (port, _), \
+                                grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                            stub = generate_pb2_grpc.CoordinatorStub(channel)
+                            ask = prompts[:count * requests_per_client]
+                            fields = lambda i: {"ignore_eos": True}  # noqa: E731
+                            arrivals.run_closed_loop(stub, ask[:count], 8, count, fields)
+                            log.write_text("")  # the warm-up's steps are not timed
+                            arrivals.run_closed_loop(stub, ask, max_new_tokens, count, fields)
+                        rows.append(dict(summarise(kind, count, read_steps(log)),
+                                         round=round_))
         finally:
             stack.close()
     return {"max_new_tokens": max_new_tokens, "num_draft_tokens": NUM_DRAFT_TOKENS,
-            "rows": rows}
+            "rounds": rounds, "rows": rows}
 
 
 def read_steps(path: pathlib.Path) -> list[dict]:
@@ -93,21 +98,35 @@ def summarise(kind: str, clients: int, steps: list[dict]) -> dict:
 
 
 def markdown(report: dict) -> str:
+    """The report's table: per kind and client count, the median over rounds of the step and
+    of each stage, each round's step, and the step over the same round's plain one."""
     names = [name for name, _ in STAGES]
+    rounds = report.get("rounds", 1)
     lines = [f"# batchspec bench --overhead ({report['date']})", "",
              f"A free model (2-layer, 64-wide random Llama, its own draft: every draft "
              f"accepted), K = {report['num_draft_tokens']}, {report['max_new_tokens']} new "
-             f"tokens a request; median ms over the steps of a full cohort. Machine: "
-             f"{report['machine']['cpu']}, {report['machine']['cpu_count']} cores, "
-             f"torch {report['machine']['torch']}.", "",
-             "| step | clients | tokens a step | step ms | " + " | ".join(names)
-             + " | over plain |",
-             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " | ---: |"]
-    plain = {r["clients"]: r["step_ms"] for r in report["rows"] if r["kind"] == "plain"}
+             f"tokens a request; median ms over the steps of a full cohort, then over "
+             f"{rounds} round(s) in turns. Machine: {report['machine']['cpu']}, "
+             f"{report['machine']['cpu_count']} cores, torch {report['machine']['torch']}.",
+             "",
+             "| step | clients | tokens a step | step ms | rounds | over plain (rounds) | "
+             + " | ".join(names) + " |",
+             "| --- | ---: | ---: | ---: | --- | --- | " + " | ".join("---:" for _ in names)
+             + " |"]
+    runs = {}  # (kind, clients) -> its rows, by round
     for row in report["rows"]:
-        ratio = row["step_ms"] / plain[row["clients"]] if plain.get(row["clients"]) else None
-        lines.append(f"| {row['kind']} | {row['clients']} | {row['committed']:g} | "
-                     f"{row['step_ms']:.2f} | "
-                     + " | ".join(f"{row['stages_ms'][n]:.2f}" for n in names)
-                     + f" | {'-' if ratio is None else f'{ratio:.2f}x'} |")
+        runs.setdefault((row["kind"], row["clients"]), []).append(row)
+    plain = {(r["clients"], r.get("round", 0)): r["step_ms"] for r in report["rows"]
+             if r["kind"] == "plain"}
+    for (kind, clients), rows in runs.items():
+        median = lambda f: statistics.median(f(r) for r in rows)  # noqa: E731
+        ratios = [r["step_ms"] / plain[(clients, r.get("round", 0))] for r in rows
+                  if plain.get((clients, r.get("round", 0)))]
+        over = f"{statistics.median(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)})" \
+            if ratios else "-"
+        lines.append(f"| {kind} | {clients} | {median(lambda r: r['committed']):g} | "
+                     f"{median(lambda r: r['step_ms']):.2f} | "
+                     f"{', '.join(format(r['step_ms'], '.2f') for r in rows)} | {over} | "
+                     + " | ".join(f"{median(lambda r: r['stages_ms'][n]):.2f}" for n in names)
+                     + " |")
     return "\n".join(lines) + "\n"

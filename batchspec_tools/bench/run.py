@@ -136,7 +136,7 @@ class BenchConfig:
         if self.overhead and (self.quick or self.concurrency or self.arrival_rates
                               or self.temperature > 0 or self.by_category or self.prompts):
             raise ValueError("--overhead serves its own free model and prompts: give it only "
-                             "--max-new-tokens and --out")
+                             "--max-new-tokens, --repeat, --draft-host and --out")
         if self.head_check and (self.overhead or self.concurrency or self.arrival_rates
                                 or self.temperature > 0 or len(self.ks) != 1):
             raise ValueError("--head-check decodes greedily at batch 1 with one --ks: give it "
@@ -298,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "copy-heavy set is batchspec_tools/data/category_prompts.jsonl)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the whole sweep N times in turn and report each setting's "
-                             "median run (its tok/s of every run kept in results.json)")
+                             "median run (its tok/s of every run kept in results.json); with "
+                             "--overhead, N rounds of plain and drafted steps in turns")
     parser.add_argument("--by-category", action="store_true",
                         help="run every method once per prompt category and report each "
                              "category's speed and acceptance apart")
@@ -988,7 +989,7 @@ def write_overhead(config: BenchConfig) -> list[pathlib.Path]:
                             device=config.device, draft_host=config.draft_host)
         return GrpcStack(workload, together=True), workload
 
-    report = overhead.run(start, config.max_new_tokens)
+    report = overhead.run(start, config.max_new_tokens, rounds=config.repeat)
     report.update(machine=machine(), date=datetime.datetime.now(
         datetime.timezone.utc).isoformat(timespec="seconds"))
     out = pathlib.Path(config.out)
