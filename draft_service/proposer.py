@@ -36,9 +36,9 @@ def propose(runner: runner_lib.ModelRunner, rows: list[ProposeRow], num_drafts: 
     first_position = [r.keep_len + len(r.append_token_ids) for r in rows]
     drafts = []
     cut = _Cut(rows, num_drafts, min_confidence)
-    # greedy rows: every step in one call where the runner has the loop
-    looped = all(p.greedy for p in params) and runner.draft_loop is not None \
-        and group.greedy_steps(next_input, num_drafts, cut.sure, cut.min_confidence, features)
+    # every step in one call where the runner has the loop
+    looped = runner.draft_loop is not None and group.draft_steps(
+        next_input, num_drafts, params, cut.sure, cut.min_confidence, features)
     for j, (token_ids, sure) in enumerate(zip(*(t.unbind(1) for t in looped or ()))):
         if cut.open_any:
             cut.after(j, sure)

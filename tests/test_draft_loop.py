@@ -1,6 +1,7 @@
 """A draft's greedy steps in one C++ call (runtime/draft_loop.py): the proposals, caches and
 cuts of the Python steps, over rows of different lengths, rejected drafts, rows that leave and
-join; float32 weights and GGUF blocks; causal LMs and feature heads."""
+join, greedy and sampled rows; float32 weights and GGUF blocks; causal LMs and feature
+heads."""
 import os
 import random
 
@@ -39,15 +40,22 @@ def _model(kind, model_dirs, tmp_path):
     return models.load_causal_lm(model_dirs["llama"][0])
 
 
-@pytest.mark.parametrize("kind,min_confidence", [("float32", 0.0), ("float32", 0.05),
-                                                 ("gguf", 0.0), ("head", 0.0),
-                                                 ("head-q8", 0.0)])
+# a row's sampling settings by its seq_id: greedy, top-p, top-k, the whole distribution
+SETTINGS = (GREEDY, SamplingParams(temperature=0.8, top_p=0.95, seed=7),
+            SamplingParams(temperature=1.0, top_k=5, seed=8),
+            SamplingParams(temperature=1.2, seed=9))
+
+
+@pytest.mark.parametrize("kind,min_confidence,sampled", [
+    ("float32", 0.0, False), ("float32", 0.05, False), ("float32", 0.0, True),
+    ("gguf", 0.0, False), ("head", 0.0, False), ("head-q8", 0.0, True)])
 def test_the_loop_proposes_what_the_python_steps_propose(model_dirs, tmp_path, monkeypatch,
-                                                          kind, min_confidence):
+                                                          kind, min_confidence, sampled):
     """Rounds of proposals over rows of different lengths (a masked batch), some drafts
-    rejected, rows leaving and new ones joining: the loop's drafts, cache lengths and cuts
-    are the Python steps' (the tiny models' logits are nowhere within rounding of a tie), and
-    the next round's proposals from its caches are too."""
+    rejected, rows leaving and new ones joining; with `sampled`, greedy and sampled rows of
+    different settings in one group: the loop's drafts, cache lengths and cuts are the Python
+    steps' (the tiny models' logits, and sampled rows' scores, are nowhere within rounding of
+    a tie), and the next round's proposals from its caches are too."""
     model = _model(kind, model_dirs, tmp_path)
     looped, stepped = _runners(model)
     assert looped.draft_loop is not None
@@ -87,7 +95,8 @@ def test_the_loop_proposes_what_the_python_steps_propose(model_dirs, tmp_path, m
 
     join(5)
     for round_ in range(24):
-        rows = [ProposeRow(i, held[i][0], held[i][1], committed[i][held[i][1]:], GREEDY,
+        rows = [ProposeRow(i, held[i][0], held[i][1], committed[i][held[i][1]:],
+                           SETTINGS[i % len(SETTINGS)] if sampled else GREEDY,
                            features_of(i, held[i][1], len(committed[i])))
                 for i in committed]
         proposed = []
@@ -119,19 +128,6 @@ def test_the_loop_proposes_what_the_python_steps_propose(model_dirs, tmp_path, m
         assert {1, 2} <= set(cut_lengths)
     else:  # after a row's drafts were all accepted it appends two tokens
         assert {fed for fed, _ in calls} == {1, 2}
-
-
-def test_a_sampled_row_keeps_the_python_steps(model_dirs, tmp_path, monkeypatch):
-    model = _model("float32", model_dirs, tmp_path)
-    looped, _ = _runners(model)
-    calls = []
-    monkeypatch.setattr(draft_loop.DraftLoop, "__call__", lambda self, *a: calls.append(a))
-    looped.prefill([(1, [5, 6, 7]), (2, [8, 9])])
-    sampled = SamplingParams(temperature=0.8, seed=1)
-    proposals, _ = proposer.propose(looped, [ProposeRow(1, 3, 3, [8], GREEDY),
-                                             ProposeRow(2, 2, 2, [4], sampled)], 4,
-                                    realign=True)
-    assert [len(p.draft_token_ids) for p in proposals] == [4, 4] and not calls
 
 
 def test_the_loop_is_built_only_for_models_it_steps(model_dirs):

@@ -1,21 +1,22 @@
-"""A draft's greedy proposal in one C++ call (csrc/gguf_linear.cpp: llama_draft).
+"""A draft's proposal in one C++ call (csrc/gguf_linear.cpp: llama_draft).
 
 Its K steps: the first feeds the appended tokens, each after it the draft the one before
 chose, one position a row; each step's embeddings (a feature head's fused with the target's
 features of the appended tokens, then with those the step before predicted), every layer as
 llama_step computes it (step_ops' loops; over float32 weights or GGUF blocks), the final
-norm, the head and the first largest logit, with no Python between the steps.
+norm, the head and the choice (a greedy row's first largest logit, a sampled row's seeded
+Gumbel-max choice as sampling.choose makes it), with no Python between the steps.
 
 A draft's numbers never reach the output (the target verifies every token), so the loop
 computes as llama_step does, not bit for bit as the lean forward: its drafts may differ from
-the lean forward's only where two logits are within rounding of each other.
+the lean forward's only where two logits (a sampled row's: two scores) are within rounding
+of each other.
 
 It takes the steps of a Llama-family causal LM or feature head whose layers the C++ step
 takes (decode_step.Decoder), whose input embedding is a float32 nn.Embedding, whose head (a
 distilled draft's subset head included) and feature fuse are bias-free and float32 or
-GGUF blocks, and whose final norm is transformers' RMS norm; every row greedy, on the CPU,
-over the runtime's cache buffers. GPT-2, a sampled row or any other model keeps a forward a
-step.
+GGUF blocks, and whose final norm is transformers' RMS norm; on the CPU, over the runtime's
+cache buffers. GPT-2 or any other model keeps a forward a step.
 """
 import dataclasses
 import logging
@@ -110,12 +111,14 @@ class DraftLoop:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache,
                  column_mask: torch.Tensor | None, steps: int, sure: torch.Tensor,
-                 min_confidence: float, features: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 min_confidence: float, features: torch.Tensor | None = None,
+                 sampling: list[torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed tokens [batch, fed] from positions [batch] on (a feature head: after
         features [batch, fed, width]), then each step's choice, for `steps` steps (fewer where
-        min_confidence cuts every row: see llama_draft); the cache's layers advanced by the
-        positions fed. Returns (choices [batch, run], their confidences [batch, run])."""
+        min_confidence cuts every row: see llama_draft); sampling: each row's temperature (0:
+        greedy), top_k, top_p and seed (none: every row greedy). The cache's layers advanced
+        by the positions fed. Returns (choices [batch, run], their confidences [batch,
+        run])."""
         d, (rows, fed) = self.decoder, tokens.shape
         buffers = [layer.room(fed + steps - 1, layer.keys) for layer in cache.layers]
         fuse, fuse_kind = (None, FLOAT32) if self.fuse is None else self.fuse.args(rows * fed)
@@ -124,8 +127,8 @@ class DraftLoop:
             None if features is None else features.float().contiguous(), self.cos, self.sin,
             d.weights, d.kinds, [b.keys for b in buffers], [b.values for b in buffers],
             [b.written for b in buffers], column_mask, self.norm, *self.head.args(rows),
-            self.head_ids, steps, d.heads, d.kv_heads, d.head_dim, d.eps, d.scaling,
-            self.norm_eps, sure, min_confidence)
+            self.head_ids, list(sampling), steps, d.heads, d.kv_heads, d.head_dim, d.eps,
+            d.scaling, self.norm_eps, sure, min_confidence)
         for layer, buffer in zip(cache.layers, buffers):
             layer.keys, layer.values = buffer.advanced(fed + chosen.shape[1] - 1)
         return chosen, confidence

@@ -16,11 +16,12 @@ import dataclasses
 import functools
 import time
 
+import numpy as np
 import torch
 
 from batchspec import errors, packing
 from batchspec.cachebook import CacheBook, StepCost
-from batchspec.runtime import draft_loop, fastlinear, forward, kvcache, logprobs
+from batchspec.runtime import draft_loop, fastlinear, forward, kvcache, logprobs, sampling
 
 
 @dataclasses.dataclass
@@ -402,12 +403,13 @@ class GroupForward:
         return logits[self.slots]
 
     @torch.inference_mode()
-    def greedy_steps(self, input_ids: torch.Tensor, steps: int, sure: torch.Tensor,
-                     min_confidence: float, features: torch.Tensor | None = None):
+    def draft_steps(self, input_ids: torch.Tensor, steps: int, params, sure: torch.Tensor,
+                    min_confidence: float, features: torch.Tensor | None = None):
         """Feed input_ids [rows, T] to every row (a feature head: after `features` [rows, T,
-        width]), then each row's greedy choice, one token a step, for up to `steps` steps in
-        one call (runner.draft_loop: fewer where min_confidence cuts every row, from each
-        row's product of confidences `sure` [rows] on). Returns (choices [rows, run], their
+        width]), then each row's choice under its SamplingParams `params` (as
+        sampling.choose makes it), one token a step, for up to `steps` steps in one call
+        (runner.draft_loop: fewer where min_confidence cuts every row, from each row's
+        product of confidences `sure` [rows] on). Returns (choices [rows, run], the
         confidences [rows, run]), or None (nothing done) where the loop does not take these
         steps."""
         loop = self.runner.draft_loop
@@ -416,11 +418,12 @@ class GroupForward:
                                           max(self.lengths) + fed + steps):
             return None
         started = time.perf_counter()
-        sure = self._seated(sure)  # (vacant rows: 0, cut from the start)
+        sure = self._seated(sure)  # (vacant rows: 0, cut from the start; and greedy)
         column_mask = None if self.mask is None or bool(self.mask.all()) else self.mask.bool()
         chosen, confidence = loop(self._seated(input_ids), torch.tensor(self.lengths),
                                   self.cache, column_mask, steps, sure, min_confidence,
-                                  None if features is None else self._seated(features))
+                                  None if features is None else self._seated(features),
+                                  [self._seated(t) for t in _sampling(params)])
         columns = fed + chosen.shape[1] - 1
         if self.mask is not None:
             self.mask = torch.cat([self.mask, self.mask.new_ones(batch, columns)], dim=1)
@@ -514,6 +517,17 @@ class GroupForward:
 # Vacant rows a batch may keep (run, fed a token nothing keeps) rather than be copied into a
 # smaller one: a row that leaves costs its share of each forward until a newcomer takes its
 # place, where a copy of the batch costs about a step's attention at once.
+def _sampling(params) -> list[torch.Tensor]:
+    """Each row's (temperature, 0 for a greedy row; top_k; top_p; seed as int64) as the draft
+    loop takes them; none where every row is greedy."""
+    if all(p.greedy for p in params):
+        return []
+    temperature, top_k, top_p = sampling.settings(params)
+    greedy = torch.tensor([p.greedy for p in params])
+    return [temperature.masked_fill(greedy, 0.0), top_k, top_p,
+            torch.from_numpy(sampling.seeds(params).view(np.int64))]
+
+
 def vacancy_budget(batch_rows: int) -> int:
     return batch_rows // 8
 

@@ -648,8 +648,12 @@ at::Tensor product_of(const at::Tensor& x, const at::Tensor& weight, int64_t kin
 // to written[l] with room for fed + steps - 1 more columns; column_mask [batch, columns]
 // (bool) the real columns written so far (none: all). The final norm and the head
 // (product_of's, of `head_kind`, vocab' rows), head_ids [vocab'] the token of each head row
-// (none: row i is token i). Each step's choice is the first largest logit of its last
-// position; its confidence that logit's probability. With min_confidence > 0 the loop stops
+// (none: row i is token i). Each step's choice is, from its last position's logits, a greedy
+// row's first largest logit and a sampled row's seeded Gumbel-max choice
+// (sample_ops::choose_one) under its settings, `sampling` = (temperature [batch] float32, 0
+// for a greedy row; top_k [batch] long; top_p [batch] float32; seed [batch] long; none: every
+// row greedy) with the noise of the position the chosen token takes; its confidence the
+// largest logit's probability. With min_confidence > 0 the loop stops
 // after the step at which every row's product of confidences, from `sure` [batch] on, is
 // below it. Returns (tokens [batch, steps run], confidences [batch, steps run]).
 std::tuple<at::Tensor, at::Tensor> llama_draft(
@@ -659,9 +663,9 @@ std::tuple<at::Tensor, at::Tensor> llama_draft(
     const at::Tensor& sin_table, at::TensorList weights, at::IntArrayRef kinds,
     at::TensorList keys, at::TensorList values, at::IntArrayRef written,
     const c10::optional<at::Tensor>& column_mask, const at::Tensor& norm, const at::Tensor& head,
-    int64_t head_kind, const c10::optional<at::Tensor>& head_ids, int64_t steps, int64_t heads,
-    int64_t kv_heads, int64_t head_dim, double eps, double scaling, double norm_eps,
-    const at::Tensor& sure_in, double min_confidence) {
+    int64_t head_kind, const c10::optional<at::Tensor>& head_ids, at::TensorList sampling,
+    int64_t steps, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scaling,
+    double norm_eps, const at::Tensor& sure_in, double min_confidence) {
   TORCH_CHECK(tokens_in.dim() == 2 && tokens_in.size(1) >= 1 && steps >= 1,
               "llama_draft: tokens [batch, fed]; at least one step");
   const int64_t batch = tokens_in.size(0), first_fed = tokens_in.size(1);
@@ -683,6 +687,17 @@ std::tuple<at::Tensor, at::Tensor> llama_draft(
   TORCH_CHECK(!head_ids.has_value() || (head_ids->numel() == vocab &&
                                         head_ids->scalar_type() == at::kLong),
               "llama_draft: a token (long) per head row");
+  TORCH_CHECK(sampling.empty() ||
+                  (sampling.size() == 4 && sampling[0].scalar_type() == at::kFloat &&
+                   sampling[1].scalar_type() == at::kLong &&
+                   sampling[2].scalar_type() == at::kFloat &&
+                   sampling[3].scalar_type() == at::kLong &&
+                   std::all_of(sampling.begin(), sampling.end(), [&](const at::Tensor& t) {
+                     return t.dim() == 1 && t.size(0) == batch && t.is_contiguous();
+                   })),
+              "llama_draft: sampling is temperature, top_k, top_p and seed, one a row");
+  const float* temperature = sampling.empty() ? nullptr : sampling[0].data_ptr<float>();
+  const at::Tensor first_positions = positions.to(at::kLong).contiguous();
   const int64_t new_columns = first_fed + steps - 1;
   TORCH_CHECK(positions.min().item<int64_t>() >= 0 &&
                   positions.max().item<int64_t>() + new_columns <= cos_table.size(0),
@@ -741,8 +756,18 @@ std::tuple<at::Tensor, at::Tensor> llama_draft(
     for (int64_t b = 0; b < batch; ++b) {
       int64_t index;
       float probability;
-      step_ops::top_choice(logits.data_ptr<float>() + b * vocab, vocab, &index, &probability);
-      const int64_t token = head_ids.has_value() ? head_ids->data_ptr<int64_t>()[index] : index;
+      const float* row_logits = logits.data_ptr<float>() + b * vocab;
+      step_ops::top_choice(row_logits, vocab, &index, &probability);
+      const int64_t* ids = head_ids.has_value() ? head_ids->data_ptr<int64_t>() : nullptr;
+      int64_t token = ids != nullptr ? ids[index] : index;
+      if (temperature != nullptr && temperature[b] > 0.0f) {
+        const int64_t position = first_positions.data_ptr<int64_t>()[b] + first_fed + run;
+        TORCH_CHECK(position < (int64_t{1} << 32), "llama_draft: a position past 2^32");
+        token = sample_ops::choose_one(row_logits, vocab, temperature[b],
+                                       sampling[1].data_ptr<int64_t>()[b],
+                                       sampling[2].data_ptr<float>()[b],
+                                       sampling[3].data_ptr<int64_t>()[b], position, ids);
+      }
       chosen.data_ptr<int64_t>()[b * steps + run] = token;
       confidence.data_ptr<float>()[b * steps + run] = probability;
       fed.data_ptr<int64_t>()[b] = token;
@@ -830,7 +855,8 @@ TORCH_LIBRARY(batchspec_gguf, m) {
   m.def("llama_draft(Tensor tokens, Tensor positions, Tensor embed, Tensor? fuse, int fuse_kind, "
         "Tensor? features, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, "
         "Tensor(a!)[] keys, Tensor(b!)[] values, int[] written, Tensor? column_mask, "
-        "Tensor norm, Tensor head, int head_kind, Tensor? head_ids, int steps, int heads, "
+        "Tensor norm, Tensor head, int head_kind, Tensor? head_ids, Tensor[] sampling, "
+        "int steps, int heads, "
         "int kv_heads, int head_dim, float eps, float scaling, float norm_eps, Tensor sure, "
         "float min_confidence) -> (Tensor, Tensor)");
   m.def("gumbel_choose(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "

@@ -225,6 +225,21 @@ inline int64_t choose_kept(const Row& row, const float* scaled, std::vector<Item
   return kNoToken;  // not reached: the last band holds every token above -inf
 }
 
+// The token one row of logits [vocab] chooses under its settings (temperature > 0; top_k 0:
+// none; a position below 2^32), as gumbel_choose chooses it.
+inline int64_t choose_one(const float* logits, int64_t vocab, float temperature, int64_t top_k,
+                          float top_p, int64_t seed, int64_t position, const int64_t* ids) {
+  thread_local std::vector<float> scaled;
+  thread_local std::vector<Item> items;
+  scaled.resize(vocab);
+  const Row row{logits, vocab, temperature, top_k > 0 ? std::min(top_k, vocab) : vocab, top_p,
+                mix(static_cast<uint64_t>(seed) ^ 0x9E3779B97F4A7C15ull),
+                static_cast<uint64_t>(position), ids};
+  scale_into(row.logits, vocab, row.temperature, scaled.data());
+  return row.limit >= vocab && row.top_p >= 1.0f ? choose_whole(row, scaled.data())
+                                                  : choose_kept(row, scaled.data(), items);
+}
+
 // tokens [n] for logits [n, vocab] float32 and each row's settings (sampling.gumbel_max)
 inline at::Tensor gumbel_choose(const at::Tensor& logits, const at::Tensor& temperature,
                                 const at::Tensor& top_k, const at::Tensor& top_p,
@@ -260,17 +275,8 @@ inline at::Tensor gumbel_choose(const at::Tensor& logits, const at::Tensor& temp
     TORCH_CHECK(t[r] > 0 && pos[r] >= 0 && pos[r] < (int64_t{1} << 32),
                 "gumbel_choose: temperature > 0 and 0 <= position < 2^32");
   at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
-    thread_local std::vector<float> scaled;
-    thread_local std::vector<Item> items;
-    scaled.resize(vocab);
-    for (int64_t r = first; r < last; ++r) {
-      const Row row{x + r * vocab, vocab, t[r], k[r] > 0 ? std::min(k[r], vocab) : vocab, p[r],
-                    mix(static_cast<uint64_t>(s[r]) ^ 0x9E3779B97F4A7C15ull),
-                    static_cast<uint64_t>(pos[r]), ids};
-      scale_into(row.logits, vocab, row.temperature, scaled.data());
-      o[r] = row.limit >= vocab && row.top_p >= 1.0f ? choose_whole(row, scaled.data())
-                                                      : choose_kept(row, scaled.data(), items);
-    }
+    for (int64_t r = first; r < last; ++r)
+      o[r] = choose_one(x + r * vocab, vocab, t[r], k[r], p[r], s[r], pos[r], ids);
   });
   return out;
 }
