@@ -230,8 +230,12 @@ STEP_OPS_CLONES void top_choice(const float* logits, int64_t n, int64_t* index,
   for (int64_t i = 1; i < n; ++i)
     if (logits[i] > logits[best]) best = i;
   const float top = logits[best];
-  float lane[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int64_t i = 0; i < n; ++i) lane[i % kLanes] += exp_poly(logits[i] - top);
+  Lanes sum = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) sum += exp_lanes(load(logits + i) - top);
+  float lane[kLanes];
+  std::memcpy(lane, &sum, sizeof(lane));
+  for (; i < n; ++i) lane[i % kLanes] += exp_poly(logits[i] - top);
   *index = best;
   *probability = 1.0f / lanes_sum(lane);
 }
