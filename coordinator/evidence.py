@@ -25,6 +25,14 @@ deliver do, so it underrates drafting, and a bucket once aside would rarely show
 margin it needs to come back. Until a bucket has decided, its
 steps alternate after the yardstick, so the pairs come at once.
 
+A drafted step that ends a run of plain steps the evidence chose (the yardstick, or a stretch
+aside) is a warm-up, weighed on neither side: it pays, once, for the draft catching up on every
+token it missed and for its prefill of prompts it has not seen, which the drafted steps after
+it do not pay. Weighed as one pair among a few decayed ones, that one-off cost makes drafting
+that pays look like it loses (a lone row aside probed every 12 steps has its draft catch up 12
+tokens at each probe, and stays aside). So the step after a warm-up drafts too, and it is the
+one paired with the plain step that follows.
+
 Invariants: a decision changes only when the paired ratio differs from 1 by more than
 `margin` (hysteresis), and only once the bucket has `min_pairs` pairs (`min_clear_pairs`
 where the two sides differ by more than `clear_share`), so timing noise does not flip it step
@@ -84,6 +92,7 @@ class Step:
     drafted: bool
     tokens: int
     seconds: float
+    warm_up: bool = False  # pays the draft's one-off catch-up: weighed on neither side
 
     @property
     def rate(self) -> float:
@@ -129,6 +138,8 @@ class Bucket:
     aside: bool = False  # drafting measured slower: step aside
     since_probe: int = 0  # steps since the side not chosen was last tried
     backoff: int = 1  # the probe interval's factor (see EvidenceConfig.max_backoff)
+    plain_run: int = 0  # plain steps since its last drafted step
+    warming: bool = False  # its last step was a warm-up: the next one drafts too
 
 
 def bucket_of(rows: int) -> int:
@@ -161,8 +172,10 @@ class Evidence:
             return Decision.PLAIN
         if not bucket.decided:  # alternate: every step after the first makes a pair
             return Decision.PLAIN if bucket.last is not None and bucket.last.drafted \
-                else Decision.PLAN
+                and not bucket.warming else Decision.PLAN
         bucket.since_probe += 1
+        if bucket.warming:  # the step after a warm-up drafts, so that a pair comes of it
+            return Decision.PLAN
         if bucket.since_probe >= self._probe_interval(rows, bucket, sampled):
             bucket.since_probe = 0
             bucket.backoff = min(2 * bucket.backoff, self.config.max_backoff)
@@ -176,15 +189,20 @@ class Evidence:
         the holes that step's rejected drafts left), which are charged to that step."""
         bucket = self._bucket(rows, sampled)
         bucket.plain_steps += not drafted
+        # plain steps the evidence chose: all of them aside, the yardstick before deciding
+        warm_up = drafted and bucket.plain_run >= 2 and (bucket.aside or not bucket.decided)
+        bucket.plain_run = 0 if drafted else bucket.plain_run + 1
+        bucket.warming = warm_up
         if seconds <= 0 or tokens <= 0:
             return
         last, carried = bucket.last, min(max(carried, 0.0), 0.9 * seconds)
-        bucket.last = Step(drafted, tokens, seconds - carried)
+        bucket.last = Step(drafted, tokens, seconds - carried, warm_up)
         if last is None:
             return
         last.seconds += carried
         prev, bucket.prev = bucket.prev, last
-        if prev is not None and prev.drafted != last.drafted:
+        if prev is not None and prev.drafted != last.drafted \
+                and not (prev.warm_up or last.warm_up):
             self._pair(bucket, prev, last)
 
     def _pair(self, bucket: Bucket, before: Step, after: Step) -> None:

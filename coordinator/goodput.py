@@ -4,7 +4,10 @@ tokens per second, K = 0 (plain decoding, no draft call) included.
 The model of one step of a cohort of B rows, c of which draft K tokens:
 - draft time: one forward of c rows feeding W tokens (W >= 1: the last committed token, plus
   any the draft missed while a row was at K = 0), then K - 1 forwards of one token; none when
-  c = 0;
+  c = 0. What a row's catch-up costs past a step's usual W (STEADY_WIDTH) is paid once and
+  serves the steps after, so it is spread over cold_horizon steps, as a cold row's prefill
+  is: charged whole, a row idle for a while would cost more to resume the longer it idled,
+  and stay idle until it explores;
 - verify time: one target forward of B rows feeding 1 + K tokens; where the target packs
   positions (its linear layers skip each row's padding), between a forward of B x 1 (c = 0)
   and one of B x (1 + K) (c = B), concave in c: the first drafting rows cost most (the whole
@@ -288,6 +291,11 @@ class ServiceCost:
         self._seen_at[size] = self.observed
 
 
+# The widest catch-up a row that drafted the step before feeds: its bonus token, and the last
+# draft when all were accepted (which the draft proposed but never fed).
+STEADY_WIDTH = 2
+
+
 def draft_calls(rows: int, width: int, k: int) -> list[tuple[int, int]]:
     """The forwards of one proposal: the appended tokens, then one per further draft."""
     return [(rows, width)] + [(rows, 1)] * (k - 1) if rows and k else []
@@ -530,7 +538,7 @@ class GoodputPolicy:
                 rows_cold, longest = cold.get(d, (0, 0))
                 cold[d] = (rows_cold + 1, max(longest, prefill))
             draft_s[d] = 0.0 if paid else \
-                self.drafts[d].predict(draft_calls(counts[d], widths[d], k)) \
+                self._draft_s(d, counts[d], widths[d], k) \
                 + (self.drafts[d].predict([cold[d]]) / self.config.cold_horizon
                    if d in cold else 0.0)
             verify_s = self.target.predict(self.target.verify_calls(batch, len(chosen), k))
@@ -542,6 +550,17 @@ class GoodputPolicy:
         picked = dict(chosen[:best[0]])
         return Plan([row.drafts(k) if i in picked else 0 for i, row in enumerate(rows)],
                     best[1], [picked.get(i) for i in range(batch)])
+
+    def _draft_s(self, kind: int, rows: int, width: int, k: int) -> float:
+        """Predicted seconds of a proposal of k drafts for `rows` rows, the widest feeding
+        `width` tokens first: a steady step's, plus what a wider catch-up costs more, spread
+        over cold_horizon steps (see the module docstring)."""
+        cost = self.drafts[kind]
+        steady = cost.predict(draft_calls(rows, min(width, STEADY_WIDTH), k))
+        if width <= STEADY_WIDTH:
+            return steady
+        extra = cost.predict(draft_calls(rows, width, k)) - steady
+        return steady + max(0.0, extra) / self.config.cold_horizon
 
     def _fixed(self, rows: list[Row]) -> Plan:
         """Every row drafts max_k, with the kind it must explore, else the one it accepts

@@ -22,7 +22,7 @@ def hosting(config: service.ServiceConfig):
         return (translating.TranslatingServicer, translating.build_runner,
                 translating.warm_up)
     from draft_service.servicer import DraftServicer
-    return service.model_hosting(DraftServicer)(config)
+    return service.model_hosting(DraftServicer, proposes=True)(config)
 
 
 def main(argv=None):

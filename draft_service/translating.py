@@ -293,7 +293,7 @@ def warm_up(runner: TranslatingRunner) -> None:
     coordinator measures the proposals themselves as they run)."""
     from batchspec.runtime import service
 
-    service.warm_up(runner.inner)
+    service.warm_up(runner.inner, proposes=True)
     runner.step_costs = runner.inner.step_costs
 
 

@@ -22,7 +22,7 @@ def host_draft(config: service.ServiceConfig, runner, servicer: TargetServicer, 
     from draft_service.servicer import DraftServicer
 
     draft_runner = compute.run(service.build_runner, config.draft)
-    compute.run(service.warm_up, draft_runner)
+    compute.run(service.warm_up, draft_runner, proposes=True)
     draft_runner.lock = runner.lock
     servicer.hosted_draft = DraftServicer(draft_runner, dtype=config.draft.dtype, gate=gate)
     return [(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer.hosted_draft,

@@ -232,6 +232,35 @@ def test_no_collapse_at_the_switching_threshold():
     assert ks[0] == 0 and ks[-1] > 0  # it does switch, in this range
 
 
+def test_a_long_catch_up_is_charged_spread_over_the_steps_it_serves():
+    """A row idle for a while owes its draft the tokens it missed. That catch-up is paid
+    once: charged whole to one step, a row that pays at a steady step's cost would stay plain
+    the longer it idled, until it explores. Spread over cold_horizon steps, it resumes, unless
+    the catch-up is so long that even its share loses."""
+    p = policy(verify_per_token=0.002, verify_per_row_token=0.004)
+    state = goodput.RowState()
+    for _ in range(20):  # enough evidence over all rows: no row is forced to explore
+        p.observe(goodput.RowState(), 2, 1)
+
+    def row(catch_up):
+        return goodput.Row(choices=(p.choice(state, catch_up, kind=0),))
+
+    assert not row(1).choices[0].explore
+    assert p.plan([row(1)]).k[0] > 0  # a steady row drafts
+    assert p.plan([row(12)]).k[0] > 0  # and so does one twelve tokens behind
+    steady = p._draft_s(0, 1, goodput.STEADY_WIDTH, 2)
+    whole = p.drafts[0].predict(goodput.draft_calls(1, 12, 2))
+    assert p._draft_s(0, 1, 12, 2) == pytest.approx(
+        steady + (whole - steady) / p.config.cold_horizon)
+    assert p._draft_s(0, 1, 1, 2) == pytest.approx(
+        p.drafts[0].predict(goodput.draft_calls(1, 1, 2)))  # a steady step pays its own
+    old = goodput.GoodputPolicy(goodput.GoodputConfig(cold_horizon=1), p.drafts, p.target)
+    for _ in range(20):
+        old.observe(goodput.RowState(), 2, 1)
+    assert old.plan([goodput.Row(choices=(old.choice(state, 12, kind=0),))]).k[0] == 0  # whole
+    assert p.plan([row(400)]).k[0] == 0  # too far behind even spread out
+
+
 def test_a_kind_short_of_evidence_must_draft():
     p = policy(verify_per_token=0.002, verify_per_row_token=0.004)
     new_kind = p.choice(goodput.RowState(), catch_up=1, kind=0)
@@ -249,7 +278,7 @@ def test_a_kind_short_of_evidence_is_tried_by_a_few_rows_of_a_large_batch():
     assert new_kind.explore
     unforced = dataclasses.replace(new_kind, explore=False)
     assert p.plan([goodput.Row(choices=(unforced,))] * 32).k == [0] * 32  # it would not pay
-    behind = dataclasses.replace(new_kind, catch_up=6)
+    behind = dataclasses.replace(new_kind, catch_up=64)  # dear even spread over steps
     rows = [goodput.Row(choices=(behind,))] * 30 + [goodput.Row(choices=(new_kind,))] * 2
     plan = p.plan(rows)
     assert [i for i, k in enumerate(plan.k) if k] == [30, 31]

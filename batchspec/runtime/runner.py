@@ -614,12 +614,15 @@ def zero_features(runner: ModelRunner, rows: int, tokens: int) -> torch.Tensor |
 
 def measure_step_costs(runner: ModelRunner, rows=CALIBRATION_ROWS, tokens=CALIBRATION_TOKENS,
                        context: int = 128, repeats: int = 2,
-                       budget_s: float = CALIBRATION_BUDGET_S) -> list[StepCost]:
+                       budget_s: float = CALIBRATION_BUDGET_S,
+                       proposes: bool = False) -> list[StepCost]:
     """Time group forwards of `rows` sequences feeding `tokens` tokens each over `context`
-    cached positions, the way verify and propose run them. Batch sizes grow until the grid
-    would take more than budget_s (a slow device measures fewer of them). Past the grid costs
-    are extrapolated, and on a CPU a wide verify at 32 rows costs far more than 8 rows
-    suggest (compute-bound): a planner must have measured it to keep large batches plain."""
+    cached positions, the way verify and propose run them (`proposes`: a draft's, which needs
+    the logits of each row's last position only; a verify needs every position's). Batch
+    sizes grow until the grid would take more than budget_s (a slow device measures fewer of
+    them). Past the grid costs are extrapolated, and on a CPU a wide verify at 32 rows costs
+    far more than 8 rows suggest (compute-bound): a planner must have measured it to keep
+    large batches plain."""
     costs, began = [], time.perf_counter()
     context = min(context, runner.max_context_len - max(tokens) - 1)
     for num_rows in rows:
@@ -637,7 +640,7 @@ def measure_step_costs(runner: ModelRunner, rows=CALIBRATION_ROWS, tokens=CALIBR
                     group = runner.open_group(specs, realign=False)
                     started = time.perf_counter()
                     group.step(torch.zeros(num_rows, num_tokens, dtype=torch.long),
-                               num_logits=num_tokens,
+                               num_logits=1 if proposes else num_tokens,
                                features=zero_features(runner, num_rows, num_tokens))
                     if attempt:
                         times.append(time.perf_counter() - started)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -387,11 +388,12 @@ def set_threads(count: int) -> None:
     torch.set_num_threads(count)
 
 
-def warm_up(runner: runner_lib.ModelRunner) -> None:
+def warm_up(runner: runner_lib.ModelRunner, proposes: bool = False) -> None:
     """Plan the CPU linear kernels (timing them takes a few seconds for SmolLM2, the first
     time on a machine), run one forward, and measure what forwards cost (for the
     coordinator's choice of draft lengths; up to 30 seconds on a CPU). On a CPU the C++
-    kernels are loaded first (built where they are not yet): sampled choices run there."""
+    kernels are loaded first (built where they are not yet): sampled choices run there.
+    `proposes`: the runner drafts (its forwards are timed as proposals run them)."""
     from batchspec.runtime import fastlinear, gguf_blocks
     from batchspec.runtime import runner as runner_lib
 
@@ -408,7 +410,7 @@ def warm_up(runner: runner_lib.ModelRunner) -> None:
     started = time.perf_counter()
     log.info("measuring what forwards of %s cost (up to %.0f s)", runner.name,
              runner_lib.CALIBRATION_BUDGET_S)
-    runner.step_costs = runner_lib.measure_step_costs(runner)
+    runner.step_costs = runner_lib.measure_step_costs(runner, proposes=proposes)
     largest = runner.step_costs[-1] if runner.step_costs else None
     log.info("measured %d forward costs in %.1f s (up to %d rows: %.1f ms for 1 token each)",
              len(runner.step_costs), time.perf_counter() - started,
@@ -417,9 +419,10 @@ def warm_up(runner: runner_lib.ModelRunner) -> None:
                           if largest and c.rows == largest.rows and c.tokens == 1), 0.0))
 
 
-def model_hosting(make_servicer):
-    """A `hosting` for main: serve a model runner with make_servicer."""
-    return lambda config: (make_servicer, build_runner, warm_up)
+def model_hosting(make_servicer, proposes: bool = False):
+    """A `hosting` for main: serve a model runner with make_servicer (`proposes`: a draft)."""
+    return lambda config: (make_servicer, build_runner,
+                           functools.partial(warm_up, proposes=True) if proposes else warm_up)
 
 
 def main(role: str, default_port: int, hosting, add_to_server, service_name, argv=None):

@@ -776,8 +776,9 @@ def run(config: BenchConfig) -> dict:
         plan = [("hf_batch1", 1, 0)] + [s for s in settings(config) if s[0] != "hf_batch1"]
         warm_up(hf, runners, workload)
         if config.draft_policy == "goodput" and "engine_grouped" in config.methods:
-            for runner in runners.values():  # what a service measures at its start-up
-                runner.step_costs = runner_lib.measure_step_costs(runner)
+            for name, runner in runners.items():  # what a service measures at its start-up
+                runner.step_costs = runner_lib.measure_step_costs(runner,
+                                                                  proposes=name == "draft")
         wants_grpc = (set(GRPC_DRAFTS) & set(config.methods) or config.arrival_rates
                       or config.concurrency)
         stack = GrpcStack(workload, together=config.quick) if wants_grpc else None
