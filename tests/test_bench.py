@@ -111,6 +111,8 @@ def test_bench_refuses_bad_load_settings_and_missing_prompts():
                 {"head_check": True, "concurrency": (1,)}):
         with pytest.raises(ValueError):
             BenchConfig(**bad)
+    # a head check decodes sampled where asked: it takes --temperature without --concurrency
+    assert BenchConfig(head_check=True, temperature=0.8, top_p=0.95).temperature == 0.8
 
 
 def test_repeated_runs_report_the_median_run_and_exact_only_if_every_run_was():

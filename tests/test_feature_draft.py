@@ -401,18 +401,36 @@ def with_character_tokenizer(target_dir: str, out) -> str:
 def test_bench_head_check_reports_what_a_head_that_computes_the_targets_features_gets(
         heads, tmp_path):
     """`batchspec bench --head-check`: every draft of the exact head is accepted, at every
-    position; an untrained head's are not all."""
+    position, greedy and sampled; an untrained head's are not all."""
     from batchspec_tools.bench import head_check
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"category": "c", "prompt": p}) + "\n"
                                for p in ("the cat sat", "a dog ran far away")))
-    reports = {}
+    reports, targets = {}, {}
     for arch in ("exact", "llama"):
         target, head = heads[arch]
+        targets[arch] = with_character_tokenizer(target, tmp_path / arch)
         reports[arch] = head_check.run(
-            with_character_tokenizer(target, tmp_path / arch), head, prompts=str(prompts),
-            num_prompts=2, max_new_tokens=9, k=3, head_dtype="float32", min_confidence=0.0)
+            targets[arch], head, prompts=str(prompts), num_prompts=2, max_new_tokens=9, k=3,
+            head_dtype="float32", min_confidence=0.0)
     assert reports["exact"]["acceptance_by_position"] == [1.0, 1.0, 1.0]
     assert reports["exact"]["tokens_per_target_pass"] > 3.0  # K + 1 a pass, but at the end
     assert reports["llama"]["acceptance_rate"] < 1.0
+    # sampled: the exact head samples with the noise the target's choice uses, so it still
+    # proposes the target's choices; the untrained head agrees less often
+    for arch in ("exact", "llama"):
+        reports[arch] = head_check.run(
+            targets[arch], heads[arch][1], prompts=str(prompts), num_prompts=2, max_new_tokens=9,
+            k=3, head_dtype="float32", min_confidence=0.0, temperature=1.0, top_p=0.9)
+    assert reports["exact"]["temperature"] == 1.0
+    assert reports["exact"]["acceptance_by_position"] == [1.0, 1.0, 1.0]
+    assert reports["llama"]["acceptance_rate"] < 1.0
+    # ... and its sampled answers are not the greedy ones, whatever it drafts
+    target, head = runner(heads["exact"][0]), runner(heads["exact"][1])
+    answers = []
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=3)):
+        for k in (1, 3):
+            answers.append(head_check.decode(target, head, [1, 2, 3], k, 12,
+                                             head_check.new_stats(k), params=params)[:12])
+    assert answers[0] == answers[1] and answers[2] == answers[3] and answers[0] != answers[2]

@@ -1,11 +1,13 @@
 """`batchspec bench --head-check`: what a feature-level draft head delivers for its target, in
-one process at batch 1: greedy acceptance per draft position at K, what a drafted token costs
-against a target step, and what the features cost on the wire.
+one process at batch 1: acceptance per draft position at K, greedy or sampled, what a drafted
+token costs against a target step, and what the features cost on the wire.
 
     batchspec bench --head-check --draft smollm2-eagle --ks 4 --num-prompts 16 \
-        --prompts docs/bench/heldout_prompts.jsonl
+        --prompts docs/bench/heldout_prompts.jsonl [--temperature 0.8 --top-p 0.95]
 
-Each prompt is decoded greedily the way the services do it: the target verifies K drafts and
+Each prompt is decoded the way the services do it (greedy, or with --temperature prompt i
+sampled with seed i: the head samples with the noise the target's choice uses, so a draft is
+accepted where the two choices agree): the target verifies K drafts and
 returns the features of the positions it caches; the head keeps the positions it computed
 from the target's features, drops those of its own drafts, and is fed the new tokens with
 their features. Acceptance at position k is the share of steps whose k-th draft was accepted
@@ -33,8 +35,17 @@ def runner_of(model, name):
                                   max_context_len=models.max_context_len(model))
 
 
-def decode(target, head, prompt, k, max_new_tokens, stats, min_confidence=0.0):
-    """Greedy decoding of one prompt with drafts from the head; fills stats."""
+def new_stats(k: int) -> dict:
+    """What `decode` counts, before any prompt."""
+    return {"head_s": [], "verify_s": [], "tried": [0] * k, "accepted": [0] * k, "drafted": 0,
+            "accepted_total": 0, "spent_s": 0.0, "wire_bytes": 0, "wire_rows": 0,
+            "committed": 0, "steps": 0}
+
+
+def decode(target, head, prompt, k, max_new_tokens, stats, min_confidence=0.0,
+           params: SamplingParams = SamplingParams()):
+    """Decoding of one prompt under `params` with drafts from the head; fills stats and
+    returns the answer's tokens (the target's choices, whatever the head drafted)."""
     _, kept = target.prefill_features([(1, prompt[:-1])], keep=True)
     features = kept[1]  # positions [0, len(tokens) - 1)
     tokens = list(prompt)
@@ -47,7 +58,7 @@ def decode(target, head, prompt, k, max_new_tokens, stats, min_confidence=0.0):
             [torch.zeros(1, features.shape[1]), features[:len(tokens) - 1]])
         started = time.perf_counter()
         proposals, _ = proposer.propose(head, [ProposeRow(
-            1, head_len, valid, append, SamplingParams(), rows)], k, realign=False,
+            1, head_len, valid, append, params, rows)], k, realign=False,
             min_confidence=min_confidence)
         forwards, spent = proposals[0].cache_len - len(tokens) + 1, time.perf_counter() - started
         stats["head_s"].append(spent / forwards)
@@ -56,7 +67,7 @@ def decode(target, head, prompt, k, max_new_tokens, stats, min_confidence=0.0):
         stats["drafted"] += len(drafts)
         started = time.perf_counter()
         outcomes, _ = verifier.verify(target, [VerifyRow(
-            1, len(tokens) - 1, [tokens[-1]], drafts, SamplingParams())],
+            1, len(tokens) - 1, [tokens[-1]], drafts, params)],
             realign=False, keep_features=True)
         stats["verify_s"].append(time.perf_counter() - started)
         stats["spent_s"] += stats["verify_s"][-1]
@@ -75,6 +86,7 @@ def decode(target, head, prompt, k, max_new_tokens, stats, min_confidence=0.0):
         stats["steps"] += 1
     target.release([1])
     head.release([1])
+    return tokens[len(prompt):]
 
 
 def plain_step_seconds(target, prompt, repeats=8):
@@ -93,7 +105,8 @@ def plain_step_seconds(target, prompt, repeats=8):
 
 @torch.no_grad()
 def run(target_spec: str, head_spec: str, *, prompts: str | None, num_prompts: int,
-        max_new_tokens: int, k: int, head_dtype: str, min_confidence: float) -> dict:
+        max_new_tokens: int, k: int, head_dtype: str, min_confidence: float,
+        temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """The report of decoding `num_prompts` of `prompts` with the head's drafts."""
     tokenizer = models.load_tokenizer(target_spec)
     target_model = models.load_causal_lm(target_spec)
@@ -102,19 +115,19 @@ def run(target_spec: str, head_spec: str, *, prompts: str | None, num_prompts: i
         fastlinear.tune(model, cache_dir.kernel_plans_file())
     target, head = runner_of(target_model, "target"), runner_of(head_model, "head")
     rows = bench_prompts(num_prompts, prompts)
-    stats = {"head_s": [], "verify_s": [], "tried": [0] * k, "accepted": [0] * k,
-             "drafted": 0, "accepted_total": 0, "spent_s": 0.0, "wire_bytes": 0, "wire_rows": 0,
-             "committed": 0, "steps": 0}
+    stats = new_stats(k)
     plain = []
-    for row in rows:
+    for seed, row in enumerate(rows):
         prompt = models.chat_ids(tokenizer, row["prompt"])
         plain.append(plain_step_seconds(target, prompt))
-        decode(target, head, prompt, k, max_new_tokens, stats, min_confidence)
+        decode(target, head, prompt, k, max_new_tokens, stats, min_confidence,
+               SamplingParams(temperature=temperature, top_p=top_p, seed=seed))
     step = statistics.median(plain)
     per_draft = statistics.median(stats["head_s"])
     reached = sum(stats["tried"])
     return {
         "prompts": prompts, "num_prompts": len(rows), "k": k, "head_dtype": head_dtype,
+        "temperature": temperature, "top_p": top_p,
         "acceptance_by_position": [round(a / max(1, t), 3)
                                    for a, t in zip(stats["accepted"], stats["tried"])],
         "min_confidence": min_confidence,

@@ -126,7 +126,8 @@ class BenchConfig:
                              "them without --by-category")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("--temperature must be >= 0 and --top-p in (0, 1]")
-        if self.temperature > 0 and (not self.concurrency or self.arrival_rates or set(
+        if self.temperature > 0 and not self.head_check and (
+                not self.concurrency or self.arrival_rates or set(
                 self.methods) - set(GRPC_DRAFTS) - set(LLAMACPP)):
             raise ValueError("--temperature samples in the closed-loop runs: give --concurrency "
                              "and only gRPC methods (--methods grpc_router,grpc_target_only, "
@@ -138,9 +139,10 @@ class BenchConfig:
             raise ValueError("--overhead serves its own free model and prompts: give it only "
                              "--max-new-tokens, --repeat, --draft-host and --out")
         if self.head_check and (self.overhead or self.concurrency or self.arrival_rates
-                                or self.temperature > 0 or len(self.ks) != 1):
-            raise ValueError("--head-check decodes greedily at batch 1 with one --ks: give it "
-                             "--draft, --ks, --prompts, --num-prompts, --max-new-tokens")
+                                or len(self.ks) != 1):
+            raise ValueError("--head-check decodes at batch 1 with one --ks: give it --draft, "
+                             "--ks, --prompts, --num-prompts, --max-new-tokens and, to sample, "
+                             "--temperature and --top-p")
         if self.head_check:
             from batchspec.runtime import models
 
@@ -321,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sample the closed-loop runs' requests at this temperature "
                              "(request i seeded i; exactness then against the plain server's "
-                             "answers); default: greedy")
+                             "answers; with --head-check, prompt i seeded i); default: greedy")
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="the sampled requests' top_p")
     parser.add_argument("--overhead", action="store_true",
@@ -331,8 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "service work, forwards); with --max-new-tokens")
     parser.add_argument("--head-check", action="store_true",
                         help="instead of the sweep: a feature head (--draft, default "
-                             "smollm2-eagle) drafting --ks tokens for its target greedily in one "
-                             "process at batch 1, as the services do: acceptance by draft "
+                             "smollm2-eagle) drafting --ks tokens for its target in one process "
+                             "at batch 1, as the services do (greedy, or at --temperature): acceptance by draft "
                              "position, tokens per target pass, the head's cost per drafted "
                              "token, features on the wire (--draft-dtype: the head's, default "
                              "float32)")
@@ -970,7 +972,8 @@ def write_head_check(config: BenchConfig) -> list[pathlib.Path]:
         config.target, config.draft or models.SMOLLM2_EAGLE, prompts=config.prompts,
         num_prompts=config.num_prompts, max_new_tokens=config.max_new_tokens, k=config.ks[0],
         head_dtype=config.draft_dtype or "float32",
-        min_confidence=config.min_draft_confidence or 0.0)
+        min_confidence=config.min_draft_confidence or 0.0, temperature=config.temperature,
+        top_p=config.top_p)
     out = pathlib.Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "head_check.json"
