@@ -501,3 +501,72 @@ def test_a_gguf_step_computes_each_position_as_a_step_of_it_alone(tmp_path, monk
         steps += sum(kept)
     # every step of the two lean runners took the one-call step (their prefills did not)
     assert sum(t is not None for t in taken) == steps
+
+
+def test_a_gguf_step_is_widened_only_as_far_as_it_measured_faster():
+    """StepWidening: past the blocks' own limit the step in one call takes each batch size it
+    was faster for than the lean forward, up to the first it was not; a failed timing leaves
+    the limit where it was."""
+    import types
+
+    decoder = types.SimpleNamespace(max_rows=8, shapes=())
+    widening = runner_lib.StepWidening(decoder)
+    timings = {16: (1.0, 2.0), 32: (3.0, 2.0), 64: (1.0, 9.0)}  # (in one call, lean)
+
+    def seconds_of(positions):
+        calls = iter(timings[positions])
+        return lambda: next(calls)
+
+    for positions in (1, 8, 16, 32, 64):
+        widening.weigh(positions, seconds_of(positions) if positions in timings else None)
+    assert decoder.max_rows == 16  # 32 was slower in one call: 64 is never tried
+    decoder.max_rows, widening = 16, runner_lib.StepWidening(decoder)
+
+    def fails():
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError):
+        widening.weigh(32, fails)
+    assert decoder.max_rows == 16
+
+
+def test_a_widened_gguf_step_computes_each_row_as_a_step_of_it_alone(tmp_path, monkeypatch):
+    """Past the positions its blocks are timed for (16 for a model that fits the CPU's cache),
+    a widened step in one call still gives each row's hidden states bit for bit as a step of
+    that row alone; the calibration that widens it leaves no sequence cached."""
+    from batchspec.runtime import decode_step, gguf_blocks, tiny
+
+    if not gguf_blocks.load() and not os.environ.get("CI"):
+        pytest.skip("no C++ compiler to build the GGUF kernels")  # in CI they must build
+    model = models.load_causal_lm(tiny.save_gguf(tmp_path), dtype="auto")
+    runner = runner_lib.ModelRunner(model, name="gguf", device=torch.device("cpu"),
+                                    eos_token_ids=[], max_context_len=256)
+    decoder = runner.lean_forward.decoder
+    floor = decoder.max_rows
+    costs = runner_lib.measure_step_costs(runner, rows=(1, 2 * floor), tokens=(1,), context=8)
+    assert floor <= decoder.max_rows <= 2 * floor and not runner.caches
+    assert {c.rows for c in costs} == {1, 2 * floor}
+    decoder.max_rows = 4 * floor
+    taken = []
+    call = decode_step.Decoder.__call__
+    monkeypatch.setattr(decode_step.Decoder, "__call__",
+                        lambda self, *args: taken.append(call(self, *args)) or taken[-1])
+    rng = random.Random(7)
+    rows = 2 * floor + 3
+    prompts = {i: [rng.randrange(4, 90) for _ in range(5 + i % 4)] for i in range(rows)}
+    alone = runner_lib.ModelRunner(model, name="gguf", device=torch.device("cpu"),
+                                   eos_token_ids=[], max_context_len=256)
+    for each in (runner, alone):  # the same prefill: the same cached positions
+        each.prefill(list(prompts.items()))
+    tokens = torch.tensor([[rng.randrange(4, 90)] for _ in prompts])
+    group = runner.open_group([runner_lib.RowSpec(i, len(p), len(p), [0])
+                               for i, p in prompts.items()], realign=True)
+    logits = group.step(tokens, num_logits=1, keep_hidden=True)
+    assert taken and taken[-1] is not None  # the whole batch in one call
+    for row, (i, prompt) in enumerate(prompts.items()):
+        one = alone.open_group([runner_lib.RowSpec(i, len(prompt), len(prompt), [0])],
+                               realign=False)
+        one_logits = one.step(tokens[row:row + 1], num_logits=1, keep_hidden=True)
+        assert torch.equal(one.hidden[0], group.hidden[row])
+        # (the output head multiplies by float32 weights past its blocks' rows: rounding)
+        torch.testing.assert_close(one_logits[0], logits[row], rtol=1e-4, atol=1e-4)

@@ -18,12 +18,13 @@ gate/up products, SiLU and the down product.
 
 It takes a step only where that holds: transformers' RMS norm and SiLU feed-forward; a model
 whose every layer multiplies by GGUF blocks (`forward._joined`), no more positions than every
-layer's blocks take; or one whose every linear layer is float32, bias-free, planned by
-fastlinear (patched) and not multiplied by the oneDNN-packed copy for this many rows, whose
-attention grouped_sdpa runs in one SDPA call; every position computed (no
-`fastlinear.only_positions` packing); a mask wherever more than one position a row is fed;
-and a cache of the runtime's buffers (kvcache.AppendLayer) already holding the rows, on the
-CPU. Every other step takes the lean forward.
+layer's blocks take or than it measured faster for at start-up (runner.StepWidening); or one
+whose every linear layer is float32, bias-free, planned by fastlinear (patched) and not
+multiplied by the oneDNN-packed copy for this many rows, whose attention grouped_sdpa runs in
+one SDPA call; every position computed (no `fastlinear.only_positions` packing); a mask
+wherever more than one position a row is fed; and a cache of the runtime's buffers
+(kvcache.AppendLayer) already holding the rows, on the CPU. Every other step takes the lean
+forward.
 """
 import dataclasses
 import logging
@@ -39,7 +40,7 @@ KINDS = {"q4_1": 1, "q8_0": 0}  # Blocks.kind -> llama_step's kind code
 DIRECT, PACKED, FOLDED = 0, 1, 2  # llama_step's ways to attend (csrc: Attend)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Decoder:
     # per layer, over blocks: input norm, q/k/v, o, post norm, gate/up, down; over float32
     # weights: input norm, q, k, v, o, post norm, gate, up, down
@@ -56,7 +57,9 @@ class Decoder:
     # enable_gqa (True), without it over ungrouped heads (False), or packing the heads (None)
     gqa: bool
     gqa_masked: bool | None
-    max_rows: int  # the most positions a step may feed (over all rows)
+    # the most positions a step may feed (over all rows): over blocks, at first the fewest any
+    # layer's blocks multiply faster than its float32 weight (runner.StepWidening widens it)
+    max_rows: int
     # over float32 weights: (out, in) of a layer's seven products, the same in every layer
     shapes: tuple[tuple[int, int], ...] = ()
 

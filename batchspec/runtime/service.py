@@ -417,6 +417,10 @@ def warm_up(runner: runner_lib.ModelRunner, proposes: bool = False) -> None:
              largest.rows if largest else 0,
              1000 * next((c.seconds for c in runner.step_costs
                           if largest and c.rows == largest.rows and c.tokens == 1), 0.0))
+    widened = runner_lib.StepWidening.of(runner)
+    if widened is not None:
+        log.info("GGUF steps of %s run in one C++ call up to %d positions (measured)",
+                 runner.name, widened.decoder.max_rows)
 
 
 def model_hosting(make_servicer, proposes: bool = False):
