@@ -21,8 +21,15 @@ import torch
 
 from batchspec import errors, packing
 from batchspec.cachebook import CacheBook, StepCost
-from batchspec.runtime import decode_step, draft_loop, fastlinear, forward, kvcache, logprobs
-from batchspec.runtime import sampling
+from batchspec.runtime import (
+    decode_step,
+    draft_loop,
+    fastlinear,
+    forward,
+    kvcache,
+    logprobs,
+    sampling,
+)
 
 
 @dataclasses.dataclass

@@ -334,10 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head-check", action="store_true",
                         help="instead of the sweep: a feature head (--draft, default "
                              "smollm2-eagle) drafting --ks tokens for its target in one process "
-                             "at batch 1, as the services do (greedy, or at --temperature): acceptance by draft "
-                             "position, tokens per target pass, the head's cost per drafted "
-                             "token, features on the wire (--draft-dtype: the head's, default "
-                             "float32)")
+                             "at batch 1, as the services do (greedy, or at --temperature): "
+                             "acceptance by draft position, tokens per target pass, the head's "
+                             "cost per drafted token, features on the wire (--draft-dtype: the "
+                             "head's, default float32)")
     parser.add_argument("--min-draft-confidence", type=float,
                         default=EngineConfig.min_draft_confidence,
                         help="cut greedy drafts where the draft's confidence falls below "
