@@ -454,7 +454,8 @@ class Scores:
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.codec.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": logprob,
+                "bytes": list(self.codec.token_bytes(token_id))}
 
     def chat(self, scored) -> dict | None:
         """choices[].logprobs of a chat completion (or chunk)."""

@@ -6,6 +6,7 @@ import pathlib
 from tokenizers import Tokenizer
 
 from batchspec import errors
+from batchspec.tokenbytes import TokenBytes
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -27,6 +28,7 @@ class TextCodec:
         self.tokenizer = Tokenizer.from_file(str(file))
         self.chat_template, self.special = read_chat_template(file.parent)
         self._template = None
+        self._token_bytes = TokenBytes(self.tokenizer)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -38,6 +40,13 @@ class TextCodec:
         """One token's own text, special tokens included (part of a character decodes to
         U+FFFD, as other servers give it)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (a part of a character is its bytes, not U+FFFD: a client
+        joins a split character from them); its text's where the tokenizer does not say
+        (batchspec.tokenbytes)."""
+        spelled = self._token_bytes(token_id)
+        return self.token_text(token_id).encode() if spelled is None else spelled
 
     def render_chat(self, messages: list[tuple[str, str]]) -> str:
         """The conversation (role, content) as the model's chat template writes it, ending

@@ -10,35 +10,12 @@ the draft did not write.
 """
 from __future__ import annotations
 
-import functools
 import itertools
-import json
 import pathlib
 
 from tokenizers import Tokenizer
 
-
-@functools.cache
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's printable stand-in for each byte (ByteLevel pre-tokenizer and decoder)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[chr(byte)] = byte
-        else:
-            chars[chr(256 + extra)] = byte
-            extra += 1
-    return chars
-
-
-def _decoder_types(decoder: dict | None) -> set[str]:
-    if not decoder:
-        return set()
-    if decoder.get("type") == "Sequence":
-        return {t for d in decoder.get("decoders", []) for t in _decoder_types(d)}
-    return {decoder.get("type", "")}
+from batchspec.tokenbytes import TokenBytes
 
 
 class TokenTable:
@@ -48,27 +25,9 @@ class TokenTable:
     def __init__(self, tokenizer: Tokenizer, name: str = ""):
         self.tokenizer = tokenizer
         self.name = name
-        spec = json.loads(tokenizer.to_str())
-        decoders = _decoder_types(spec.get("decoder"))
-        alphabet = _byte_level_alphabet()
-        added = {t["id"]: t["content"] for t in spec.get("added_tokens", [])}
-        unknown = spec.get("model", {}).get("unk_token")
-        self.bytes_of: list[bytes | None] = []
-        for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
-            token = tokenizer.id_to_token(i)
-            if i in added:
-                self.bytes_of.append(added[i].encode())
-            elif token is None or token == unknown:
-                self.bytes_of.append(None)
-            elif "ByteLevel" in decoders:
-                self.bytes_of.append(bytes(alphabet[c] for c in token)
-                                     if all(c in alphabet for c in token) else None)
-            elif "Metaspace" in decoders or "ByteFallback" in decoders:
-                self.bytes_of.append(_metaspace_bytes(token))
-            elif decoders - {"Fuse", "Strip"}:
-                self.bytes_of.append(None)  # WordPiece, BPE suffixes...: spaces it inserts
-            else:
-                self.bytes_of.append(token.encode())
+        token_bytes = TokenBytes(tokenizer)
+        self.bytes_of: list[bytes | None] = [
+            token_bytes(i) for i in range(tokenizer.get_vocab_size(with_added_tokens=True))]
 
     @classmethod
     def from_file(cls, path: str) -> "TokenTable":
@@ -102,16 +61,6 @@ class TokenTable:
             raise ValueError(f"the tokenizer at {self.name or '(given)'} does not spell its "
                              "tokens as the text they stand for, so its tokens cannot be "
                              "mapped to another tokenizer's exactly")
-
-
-def _metaspace_bytes(token: str) -> bytes:
-    """A SentencePiece-style token: "▁" is a space, <0xNN> a raw byte."""
-    if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
-        try:
-            return bytes([int(token[3:5], 16)])
-        except ValueError:
-            pass
-    return token.replace("▁", " ").encode()
 
 
 def mapped(table: TokenTable, token_ids) -> tuple[int, list[bytes]]:

@@ -80,6 +80,28 @@ def test_no_part_of_a_stop_string_is_ever_streamed(codec, chunk):
     assert text.feed(codec.encode(" more")) == "" and text.flush() == ""
 
 
+def test_each_tokens_bytes_join_into_the_text_where_its_own_text_is_half_a_character(
+        codec, tmp_path):
+    """Log-probabilities' `bytes`: a token holding part of a character gives its own bytes
+    (its text alone is U+FFFD), so a client joins them into the character."""
+    text = "Hello 🦜 wörld 𝄞"  # the parrot and the clef are not in the corpus: byte tokens
+    ids = codec.encode(text)
+    assert any(codec.token_text(i) == "\ufffd" for i in ids)
+    assert b"".join(codec.token_bytes(i) for i in ids) == text.encode()
+    end = codec.tokenizer.token_to_id("<|end|>")
+    assert codec.token_bytes(end) == b"<|end|>"
+    # SentencePiece style (Llama, Mistral): "▁" for a space, <0xNN> for a byte it falls back to
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁Hello": 257, "▁w": 258}
+    piece = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    piece.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                       decoders.Fuse()])
+    piece.save(str(tmp_path / "tokenizer.json"))
+    spm = TextCodec(str(tmp_path))
+    ids = [257, 258, 1 + 0xC3, 1 + 0xB6]  # " Hello w" then ö in two bytes
+    assert [spm.token_bytes(i) for i in ids] == [b" Hello", b" w", b"\xc3", b"\xb6"]
+    assert spm.decode(ids) == " Hello wö"
+
+
 def test_detokenising_costs_the_new_tokens_only(codec):
     """Each step decodes a bounded window, however long the text already is."""
     decoded = []
