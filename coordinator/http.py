@@ -38,6 +38,8 @@ PAGE = pathlib.Path(__file__).parent / "web" / "index.html"
 # (OpenAI's own default for completions is 16).
 DEFAULT_MAX_TOKENS = 256
 MAX_N = 16  # most choices one request may ask for (each is a sequence of its own)
+# most choices a completion's prompts together may ask for (prompts x n)
+MAX_CHOICES = 64
 _FINISH = {Finish.STOP: "stop", Finish.STOP_STRING: "stop", Finish.LENGTH: "length"}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 429: "rate_limit_error"}
@@ -160,26 +162,19 @@ class HttpEdge:
             raise HttpError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         given = dataclasses.replace(given, messages=chat_messages(body.get("messages")),
                                     logprobs=(top or 0) if wanted else None)
-        return await self._answer(request, body, given, chat=True)
+        return await self._answer(request, body, [given], chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         given = self._request(request.path, body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one prompt
-        if isinstance(prompt, str):
-            given = dataclasses.replace(given, prompt=prompt)
-        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            given = dataclasses.replace(given, prompt_token_ids=tuple(prompt))
-        else:
-            raise HttpError(400, "prompt must be a string or a list of token ids (one prompt "
-                                 "per request)", "prompt")
         # legacy logprobs: the number of alternatives per token (0: only the token's own)
         top = optional_number(body, "logprobs", int)
         given = dataclasses.replace(given, logprobs=top,
                                     prompt_logprobs=top if flag(body, "echo") else None)
-        return await self._answer(request, body, given, chat=False)
+        prompts = [dataclasses.replace(given, prompt=p) if isinstance(p, str)
+                   else dataclasses.replace(given, prompt_token_ids=tuple(p))
+                   for p in completion_prompts(body.get("prompt"))]
+        return await self._answer(request, body, prompts, chat=False)
 
     def _request(self, path: str, body: dict) -> RequestInput:
         """The sampling and length fields of an OpenAI request (other fields refused)."""
@@ -206,12 +201,13 @@ class HttpEdge:
             ignore_eos=flag(body, "ignore_eos"),  # an extension, as in vLLM
             response_format=response_format(body.get("response_format")))
 
-    async def _answer(self, request: web.Request, body: dict, given: RequestInput,
+    async def _answer(self, request: web.Request, body: dict, prompts: list[RequestInput],
                       chat: bool):
-        """Answer whole or streamed; one log line per request, as the gRPC edge writes."""
+        """Answer whole or streamed, n choices for each of the prompts (a completion may
+        send several; chat one); one log line per request, as the gRPC edge writes."""
         ending = Ending("http", request.headers.get("X-Request-Id", ""), time.monotonic())
         try:
-            return await self._respond(request, body, given, chat, ending)
+            return await self._respond(request, body, prompts, chat, ending)
         except errors.BatchspecError as error:
             ending.fail(error, admitted=ending.seq is not None)
             raise
@@ -221,28 +217,36 @@ class HttpEdge:
         finally:
             ending.log()
 
-    async def _respond(self, request: web.Request, body: dict, given: RequestInput, chat: bool,
-                       ending: Ending):
-        valid = validate(given, self.limits, self.codec,
-                         default_max_new_tokens=DEFAULT_MAX_TOKENS, grammars=self.grammars)
-        echoing = flag(body, "echo")
-        if (valid.logprobs is not None or echoing) and self.codec is None:
-            raise HttpError(400, "logprobs and echo need a tokenizer; this coordinator has none",
-                            "logprobs")
-        echo = None
-        if echoing:
-            echo = given.prompt or self.codec.decode(valid.prompt_token_ids,
-                                                     skip_special_tokens=False)
+    async def _respond(self, request: web.Request, body: dict, prompts: list[RequestInput],
+                       chat: bool, ending: Ending):
         n = number(body.get("n", 1), "n", int, 1)
         if n > MAX_N:
             raise HttpError(400, f"n must be <= {MAX_N}, not {n}", "n")
-        reply = Reply(self.models.model_id, chat, len(valid.prompt_token_ids), ending, [
-            Scores(self.codec, valid.logprobs is not None, valid.prompt_token_ids, echo)
-            for _ in range(n)])
-        # the n choices go to one target, which caches their prompt once
-        streams = [stream_events(self.router, choice_request(valid, i), self.codec,
-                                 on_admitted=ending.admitted, together=id(reply) if n > 1 else None)
-                   for i in range(n)]
+        if n * len(prompts) > MAX_CHOICES:
+            raise HttpError(400, f"{len(prompts)} prompts x n = {n} asks for "
+                                 f"{n * len(prompts)} choices; at most {MAX_CHOICES}", "prompt")
+        valid = [validate(given, self.limits, self.codec,
+                          default_max_new_tokens=DEFAULT_MAX_TOKENS, grammars=self.grammars)
+                 for given in prompts]
+        echoing = flag(body, "echo")
+        if (valid[0].logprobs is not None or echoing) and self.codec is None:
+            raise HttpError(400, "logprobs and echo need a tokenizer; this coordinator has none",
+                            "logprobs")
+        scores = []  # choice p * n + j: prompt p's j-th
+        for given, checked in zip(prompts, valid):
+            echo = None
+            if echoing:
+                echo = given.prompt or self.codec.decode(checked.prompt_token_ids,
+                                                         skip_special_tokens=False)
+            scores += [Scores(self.codec, checked.logprobs is not None,
+                              checked.prompt_token_ids, echo) for _ in range(n)]
+        reply = Reply(self.models.model_id, chat,
+                      sum(len(v.prompt_token_ids) for v in valid), ending, scores)
+        # a prompt's n choices go to one target, which caches their prompt once
+        streams = [stream_events(self.router, choice_request(checked, j), self.codec,
+                                 on_admitted=ending.admitted,
+                                 together=(id(reply), p) if n > 1 else None)
+                   for p, checked in enumerate(valid) for j in range(n)]
         try:
             if not body.get("stream"):
                 await all_or_none(reply.consume(i, s) for i, s in enumerate(streams))
@@ -554,8 +558,25 @@ def response_format(value) -> ResponseFormat | None:
     return ResponseFormat("json_schema", json.dumps(spec["schema"]))
 
 
+def completion_prompts(prompt) -> list:
+    """A completion's prompts as OpenAI takes them: a string, a list of token ids, or a
+    non-empty list of either (a batch, each answered as a request of its own)."""
+    def one(p) -> bool:
+        return isinstance(p, str) or (isinstance(p, list) and bool(p)
+                                      and all(type(t) is int for t in p))
+
+    if one(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(one(p) for p in prompt):
+        return prompt
+    raise HttpError(400, "prompt must be a string, a list of token ids, or a list of either",
+                    "prompt")
+
+
 def chat_messages(messages) -> tuple[tuple[str, str], ...]:
-    """OpenAI chat messages (content a string, or a list of text parts) as (role, content)."""
+    """OpenAI chat messages (content a string, or a list of text parts) as (role, content);
+    a `developer` message (OpenAI's name for system instructions to newer models) is the
+    template's `system` one."""
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, "messages must be a non-empty list", "messages")
     out = []
@@ -569,7 +590,8 @@ def chat_messages(messages) -> tuple[tuple[str, str], ...]:
             content = "".join(p.get("text", "") for p in content)
         if not isinstance(content, str):
             raise HttpError(400, "each message needs a role and a content", "messages")
-        out.append((message["role"], content))
+        role = "system" if message["role"] == "developer" else message["role"]
+        out.append((role, content))
     return tuple(out)
 
 

@@ -110,6 +110,15 @@ def test_greedy_chat_is_the_targets_own_answer(stack, tokenizer_dir, model_dirs)
     assert answer.usage.prompt_tokens == len(prompt)
 
 
+def test_a_developer_message_is_a_system_message(stack):
+    ask = dict(model="batchspec", max_tokens=8, temperature=0)
+    developer = [{**CHAT[0], "role": "developer"}, CHAT[1]]
+    answer = client(stack).chat.completions.create(messages=developer, **ask)
+    system = client(stack).chat.completions.create(messages=CHAT, **ask)
+    assert answer.choices[0].message.content == system.choices[0].message.content
+    assert answer.usage.prompt_tokens == system.usage.prompt_tokens
+
+
 def test_completions_streamed_and_whole(stack):
     c = client(stack)
     whole = c.completions.create(model="batchspec", prompt="hello robot", max_tokens=12,
@@ -121,6 +130,34 @@ def test_completions_streamed_and_whole(stack):
     tokens = c.completions.create(model="batchspec", prompt=[5, 6, 7], max_tokens=4,
                                   temperature=0)
     assert tokens.usage.prompt_tokens == 3
+
+
+def test_a_completion_of_several_prompts_answers_each_as_alone(stack):
+    """A batch of prompts (texts, or lists of token ids) with n choices each: choice
+    p * n + j is prompt p's j-th, what that prompt alone answers with seed + j, streamed or
+    not; prompt tokens counted once a prompt; a batch past the limit, or with something
+    that is not a prompt, is refused."""
+    c = client(stack)
+    ask = dict(model="batchspec", max_tokens=8, temperature=0.9, seed=3)
+    prompts = ["hello robot", "the old robot"]
+    whole = c.completions.create(prompt=prompts, n=2, **ask)
+    alone = [c.completions.create(prompt=p, n=2, **ask) for p in prompts]
+    assert [ch.index for ch in whole.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in whole.choices] == [ch.text for a in alone for ch in a.choices]
+    assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    streamed = list(c.completions.create(prompt=prompts, n=2, stream=True, **ask))
+    assert ["".join(ch.choices[0].text for ch in streamed if ch.choices
+                    and ch.choices[0].index == i) for i in range(4)] == \
+        [ch.text for ch in whole.choices]
+    ids = c.completions.create(prompt=[[5, 6, 7], [8, 9]], **ask)
+    assert [ch.text for ch in ids.choices] == [
+        c.completions.create(prompt=p, **ask).choices[0].text for p in ([5, 6, 7], [8, 9])]
+    assert ids.usage.prompt_tokens == 5
+    with pytest.raises(openai.BadRequestError, match="at most 64"):
+        c.completions.create(prompt=["hello"] * 33, n=2, **ask)
+    with pytest.raises(openai.BadRequestError, match="list of either"):
+        c.completions.create(prompt=["hello", 5], **ask)
 
 
 def test_models_lists_the_served_model_and_its_drafts(stack):
