@@ -217,8 +217,9 @@ class HttpEdge:
         finally:
             ending.log()
 
-    async def _respond(self, request: web.Request, body: dict, prompts: list[RequestInput],
-                       chat: bool, ending: Ending):
+    def _reply(self, body: dict, prompts: list[RequestInput], chat: bool, ending: Ending):
+        """(the Reply of n choices for each prompt, choice p * n + j prompt p's j-th; the
+        prompts validated; n), or HttpError for a request that cannot be answered."""
         n = number(body.get("n", 1), "n", int, 1)
         if n > MAX_N:
             raise HttpError(400, f"n must be <= {MAX_N}, not {n}", "n")
@@ -232,7 +233,7 @@ class HttpEdge:
         if (valid[0].logprobs is not None or echoing) and self.codec is None:
             raise HttpError(400, "logprobs and echo need a tokenizer; this coordinator has none",
                             "logprobs")
-        scores = []  # choice p * n + j: prompt p's j-th
+        scores = []
         for given, checked in zip(prompts, valid):
             echo = None
             if echoing:
@@ -242,6 +243,11 @@ class HttpEdge:
                               checked.prompt_token_ids, echo) for _ in range(n)]
         reply = Reply(self.models.model_id, chat,
                       sum(len(v.prompt_token_ids) for v in valid), ending, scores)
+        return reply, valid, n
+
+    async def _respond(self, request: web.Request, body: dict, prompts: list[RequestInput],
+                       chat: bool, ending: Ending):
+        reply, valid, n = self._reply(body, prompts, chat, ending)
         # a prompt's n choices go to one target, which caches their prompt once
         streams = [stream_events(self.router, choice_request(checked, j), self.codec,
                                  on_admitted=ending.admitted,
