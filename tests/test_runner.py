@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from batchspec import packing
-from batchspec.runtime import attention, fastlinear, models
+from batchspec.runtime import attention, calibration, fastlinear, models
 from batchspec.runtime import runner as runner_lib
 from batchspec.runtime.rows import VerifyRow
 
@@ -248,14 +248,14 @@ def test_forwards_pass_the_cache_by_the_keyword_the_installed_transformers_takes
     runner = runner_lib.ModelRunner(model, name=arch, device=torch.device("cpu"),
                                     eos_token_ids=[], max_context_len=256)
     assert runner.cache_keyword == kvcache.cache_keyword(model)
-    features = runner_lib.zero_features(runner, 1, 5)
+    features = calibration.zero_features(runner, 1, 5)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*past_key_values.*")
         runner.prefill([(1, [5, 6, 7, 8, 9])], {1: features[0]} if arch == "head" else None)
         if arch == "head":
             group = runner.open_group([runner_lib.RowSpec(1, 5, 5, [10])], realign=False)
             group.step(torch.tensor([[10]]), num_logits=1,
-                       features=runner_lib.zero_features(runner, 1, 1))
+                       features=calibration.zero_features(runner, 1, 1))
         else:
             verifier.verify(runner, [VerifyRow(1, 5, [10], [11, 12],
                                                         SamplingParams())], realign=False)
@@ -510,7 +510,7 @@ def test_a_gguf_step_is_widened_only_as_far_as_it_measured_faster():
     import types
 
     decoder = types.SimpleNamespace(max_rows=8, shapes=())
-    widening = runner_lib.StepWidening(decoder)
+    widening = calibration.StepWidening(decoder)
     timings = {16: (1.0, 2.0), 32: (3.0, 2.0), 64: (1.0, 9.0)}  # (in one call, lean)
 
     def seconds_of(positions):
@@ -520,7 +520,7 @@ def test_a_gguf_step_is_widened_only_as_far_as_it_measured_faster():
     for positions in (1, 8, 16, 32, 64):
         widening.weigh(positions, seconds_of(positions) if positions in timings else None)
     assert decoder.max_rows == 16  # 32 was slower in one call: 64 is never tried
-    decoder.max_rows, widening = 16, runner_lib.StepWidening(decoder)
+    decoder.max_rows, widening = 16, calibration.StepWidening(decoder)
 
     def fails():
         raise RuntimeError("out of memory")
@@ -543,7 +543,7 @@ def test_a_widened_gguf_step_computes_each_row_as_a_step_of_it_alone(tmp_path, m
                                     eos_token_ids=[], max_context_len=256)
     decoder = runner.lean_forward.decoder
     floor = decoder.max_rows
-    costs = runner_lib.measure_step_costs(runner, rows=(1, 2 * floor), tokens=(1,), context=8)
+    costs = calibration.measure_step_costs(runner, rows=(1, 2 * floor), tokens=(1,), context=8)
     assert floor <= decoder.max_rows <= 2 * floor and not runner.caches
     assert {c.rows for c in costs} == {1, 2 * floor}
     decoder.max_rows = 4 * floor

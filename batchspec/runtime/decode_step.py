@@ -18,7 +18,7 @@ gate/up products, SiLU and the down product.
 
 It takes a step only where that holds: transformers' RMS norm and SiLU feed-forward; a model
 whose every layer multiplies by GGUF blocks (`forward._joined`), no more positions than every
-layer's blocks take or than it measured faster for at start-up (runner.StepWidening); or one
+layer's blocks take or than it measured faster for at start-up (calibration.StepWidening); or one
 whose every linear layer is float32, bias-free, planned by fastlinear (patched) and not
 multiplied by the oneDNN-packed copy for this many rows, whose attention grouped_sdpa runs in
 one SDPA call; every position computed (no `fastlinear.only_positions` packing); a mask
@@ -58,7 +58,7 @@ class Decoder:
     gqa: bool
     gqa_masked: bool | None
     # the most positions a step may feed (over all rows): over blocks, at first the fewest any
-    # layer's blocks multiply faster than its float32 weight (runner.StepWidening widens it)
+    # layer's blocks multiply faster than its float32 weight (calibration.StepWidening widens it)
     max_rows: int
     # over float32 weights: (out, in) of a layer's seven products, the same in every layer
     shapes: tuple[tuple[int, int], ...] = ()

@@ -20,9 +20,8 @@ import numpy as np
 import torch
 
 from batchspec import errors, packing
-from batchspec.cachebook import CacheBook, StepCost
+from batchspec.cachebook import CacheBook
 from batchspec.runtime import (
-    decode_step,
     draft_loop,
     fastlinear,
     forward,
@@ -599,117 +598,3 @@ def resident_batch(caches: list[SeqCache]) -> list[kvcache.LayerKV] | None:
             any(c.home is not home or c.row != i for i, c in enumerate(caches)):
         return caches[0].layers if len(caches) == 1 else None
     return home
-
-
-# The grid measured at start-up: batch sizes a step may take and tokens a verify feeds
-# (1 + K for K = 0..7); a draft step feeds 1 (or a few to catch up).
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
-CALIBRATION_TOKENS = (1, 2, 3, 5, 8)
-
-
-# A forward feeding more tokens than this in all runs long enough to be timed once.
-LONG_FORWARD_TOKENS = 64
-# Seconds the grid may take: enough for a small CPU to reach the default batch size (32).
-CALIBRATION_BUDGET_S = 30.0
-
-
-def zero_features(runner: ModelRunner, rows: int, tokens: int) -> torch.Tensor | None:
-    """Features of zeros for timing a model that reads them (None for other models)."""
-    if not runner.reads_features:
-        return None
-    return torch.zeros(rows, tokens, runner.reads_features)
-
-
-def measure_step_costs(runner: ModelRunner, rows=CALIBRATION_ROWS, tokens=CALIBRATION_TOKENS,
-                       context: int = 128, repeats: int = 2,
-                       budget_s: float = CALIBRATION_BUDGET_S,
-                       proposes: bool = False) -> list[StepCost]:
-    """Time group forwards of `rows` sequences feeding `tokens` tokens each over `context`
-    cached positions, the way verify and propose run them (`proposes`: a draft's, which needs
-    the logits of each row's last position only; a verify needs every position's). Batch
-    sizes grow until the grid would take more than budget_s (a slow device measures fewer of
-    them). Past the grid costs are extrapolated, and on a CPU a wide verify at 32 rows costs
-    far more than 8 rows suggest (compute-bound): a planner must have measured it to keep
-    large batches plain.
-
-    A GGUF model's step in one C++ call (decode_step) is widened on the way: at each batch
-    size past its limit, one token a row in one call against the lean forward, until the lean
-    forward is as fast (StepWidening)."""
-    costs, began = [], time.perf_counter()
-    context = min(context, runner.max_context_len - max(tokens) - 1)
-    widening = StepWidening.of(runner)
-    for num_rows in rows:
-        size_began = time.perf_counter()
-        ids = [-(i + 2) for i in range(num_rows)]  # never a coordinator's (positive) seq id
-        runner.prefill([(seq_id, [0] * context) for seq_id in ids],
-                       {s: zero_features(runner, 1, context)[0] for s in ids}
-                       if runner.reads_features else None)
-        try:
-            if widening is not None:
-                widening.weigh(num_rows, lambda: _step_seconds(runner, ids, context, 1,
-                                                               proposes, repeats))
-            for num_tokens in tokens:
-                timed = repeats if num_rows * num_tokens <= LONG_FORWARD_TOKENS else 1
-                costs.append(StepCost(num_rows, num_tokens, context, _step_seconds(
-                    runner, ids, context, num_tokens, proposes, timed)))
-        finally:
-            runner.release(ids)
-        now = time.perf_counter()
-        if now - began + 2 * (now - size_began) > budget_s:  # the next size costs ~twice
-            break
-    return costs
-
-
-def _step_seconds(runner: ModelRunner, ids: list[int], context: int, num_tokens: int,
-                  proposes: bool, timed: int) -> float:
-    """The least time of `timed` group forwards feeding `num_tokens` tokens to each of the
-    cached sequences `ids` after their `context` positions (a first one warms up, untimed)."""
-    times = []
-    for attempt in range(timed + 1):
-        specs = [RowSpec(s, context, context, [0] * num_tokens) for s in ids]
-        group = runner.open_group(specs, realign=False)
-        started = time.perf_counter()
-        group.step(torch.zeros(len(ids), num_tokens, dtype=torch.long),
-                   num_logits=1 if proposes else num_tokens,
-                   features=zero_features(runner, len(ids), num_tokens))
-        if attempt:
-            times.append(time.perf_counter() - started)
-    return min(times)
-
-
-class StepWidening:
-    """How many positions a GGUF model's step in one C++ call takes (decode_step.Decoder
-    max_rows): at first the fewest any layer's blocks multiply faster than its float32
-    weight; then, size by size, as many as it measured faster for than the lean forward
-    (which multiplies by float32 weights past that: its Python calls cost a small model's
-    step more than the blocks' slower products do at a few dozen rows), up to the first size
-    where it was not. A step in one call gives each position what a step of its row alone
-    gives, bit for bit, at any number of positions (the lean forward past the limit: the same
-    up to rounding)."""
-
-    def __init__(self, decoder: "decode_step.Decoder"):
-        self.decoder = decoder
-        self.open = True
-
-    @classmethod
-    def of(cls, runner: ModelRunner) -> "StepWidening | None":
-        """The widening of the runner's GGUF step; None where it has none (or a float32
-        step, which takes any number)."""
-        decoder = getattr(runner.lean_forward, "decoder", None)
-        return None if decoder is None or decoder.shapes else cls(decoder)
-
-    def weigh(self, positions: int, seconds) -> None:
-        """Widen the step to `positions` where `seconds()` (the time of a step of that many)
-        is less in one call than through the lean forward; else widen no further."""
-        limit = self.decoder.max_rows
-        if not self.open or positions <= limit:
-            return
-        widened = False
-        try:
-            self.decoder.max_rows = positions
-            in_one_call = seconds()
-            self.decoder.max_rows = limit
-            widened = in_one_call < seconds()
-        finally:
-            self.open = widened
-            self.decoder.max_rows = positions if widened else limit

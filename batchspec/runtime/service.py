@@ -394,8 +394,7 @@ def warm_up(runner: runner_lib.ModelRunner, proposes: bool = False) -> None:
     coordinator's choice of draft lengths; up to 30 seconds on a CPU). On a CPU the C++
     kernels are loaded first (built where they are not yet): sampled choices run there.
     `proposes`: the runner drafts (its forwards are timed as proposals run them)."""
-    from batchspec.runtime import fastlinear, gguf_blocks
-    from batchspec.runtime import runner as runner_lib
+    from batchspec.runtime import calibration, fastlinear, gguf_blocks
 
     if runner.device.type == "cpu":
         gguf_blocks.load()
@@ -404,20 +403,20 @@ def warm_up(runner: runner_lib.ModelRunner, proposes: bool = False) -> None:
     if fastlinear.tune(runner.model, store):
         log.info("timed the CPU linear kernels of %s in %.1f s (kept in %s)", runner.name,
                  time.perf_counter() - started, store)
-    runner.prefill([(-1, [0, 0])], {-1: runner_lib.zero_features(runner, 2, 1)[:, 0]}
+    runner.prefill([(-1, [0, 0])], {-1: calibration.zero_features(runner, 2, 1)[:, 0]}
                    if runner.reads_features else None)
     runner.release([-1])
     started = time.perf_counter()
     log.info("measuring what forwards of %s cost (up to %.0f s)", runner.name,
-             runner_lib.CALIBRATION_BUDGET_S)
-    runner.step_costs = runner_lib.measure_step_costs(runner, proposes=proposes)
+             calibration.CALIBRATION_BUDGET_S)
+    runner.step_costs = calibration.measure_step_costs(runner, proposes=proposes)
     largest = runner.step_costs[-1] if runner.step_costs else None
     log.info("measured %d forward costs in %.1f s (up to %d rows: %.1f ms for 1 token each)",
              len(runner.step_costs), time.perf_counter() - started,
              largest.rows if largest else 0,
              1000 * next((c.seconds for c in runner.step_costs
                           if largest and c.rows == largest.rows and c.tokens == 1), 0.0))
-    widened = runner_lib.StepWidening.of(runner)
+    widened = calibration.StepWidening.of(runner)
     if widened is not None:
         log.info("GGUF steps of %s run in one C++ call up to %d positions (measured)",
                  runner.name, widened.decoder.max_rows)

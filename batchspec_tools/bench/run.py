@@ -757,7 +757,7 @@ def run(config: BenchConfig) -> dict:
     import torch
     from tqdm import tqdm
 
-    from batchspec.runtime import models
+    from batchspec.runtime import calibration, models
     from batchspec.runtime import runner as runner_lib
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -779,7 +779,7 @@ def run(config: BenchConfig) -> dict:
         warm_up(hf, runners, workload)
         if config.draft_policy == "goodput" and "engine_grouped" in config.methods:
             for name, runner in runners.items():  # what a service measures at its start-up
-                runner.step_costs = runner_lib.measure_step_costs(runner,
+                runner.step_costs = calibration.measure_step_costs(runner,
                                                                   proposes=name == "draft")
         wants_grpc = (set(GRPC_DRAFTS) & set(config.methods) or config.arrival_rates
                       or config.concurrency)
