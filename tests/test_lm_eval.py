@@ -79,7 +79,8 @@ def test_lm_eval_harness_scores_equal_transformers_own(model_dirs, tmp_path):
              f"base_url=http://127.0.0.1:{stack.http_port}/v1/completions,model=batchspec,"
              f"tokenizer={tokenizer_dir},tokenizer_backend=huggingface,num_concurrent=1,"
              "max_retries=1,max_length=256", "--tasks", "batchspec_tiny_mc", "--include_path",
-             str(tasks), "--output_path", str(tmp_path / "out"), "--log_samples"],
+             str(tasks), "--output_path", str(tmp_path / "out"), "--log_samples",
+             "--batch_size", "4"],  # four prompts a request
             capture_output=True, text=True, timeout=600,
             env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
                  "TOKENIZERS_PARALLELISM": "false"})
