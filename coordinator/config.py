@@ -43,6 +43,10 @@ class EngineConfig:
     # command runs, so a slow prefill is not taken for a hung service, and lets decoding steps
     # interleave with a large admission.
     max_prefill_tokens: int = 16384
+    # A longer prompt is fed to the target this many tokens a step, each chunk between the
+    # other sequences' steps: a running stream waits at most about one chunk's prefill for its
+    # next token, however long the prompts that arrive (0: a prompt in one command).
+    prefill_chunk_tokens: int = 256
 
     def __post_init__(self):
         if not 1 <= self.num_draft_tokens <= 32:
@@ -57,6 +61,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1 and max_queue >= 0")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError("prefill_chunk_tokens must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +173,10 @@ ENGINE_FLAGS = (
          EngineConfig.max_queue, int),
     Flag(("--max-prefill-tokens",), "prompt tokens per prefill command (a longer prompt goes "
          "alone)", EngineConfig.max_prefill_tokens, int),
+    Flag(("--prefill-chunk-tokens",), "feed a longer prompt to the target this many tokens a "
+         "step, between the other sequences' steps, and admit no more than this many prompt "
+         "tokens a step while others decode (0: whole prompts)",
+         EngineConfig.prefill_chunk_tokens, int),
     Flag(("--max-new-tokens",), "largest max_new_tokens a request may ask for",
          CoordinatorConfig.max_new_tokens, int),
     Flag(("--stall-timeout",), "seconds a service may leave a command unanswered before it is "
@@ -215,7 +225,8 @@ def engine_config_from_args(args) -> EngineConfig:
                         min_draft_confidence=args.min_draft_confidence,
                         cohort_policy=CohortPolicy(batch_size=args.batch_size),
                         max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
-                        max_prefill_tokens=args.max_prefill_tokens)
+                        max_prefill_tokens=args.max_prefill_tokens,
+                        prefill_chunk_tokens=args.prefill_chunk_tokens)
 
 
 def peer_tls_from_args(args) -> security.ClientTls | None:

@@ -171,7 +171,9 @@ class Engine:
         if self.peers.target_draining and self.turnover.target_leaving():
             self._prepared = None
             return
-        if self.turnover.may_admit():
+        # between two steps of the sequences decoding: one chunk of a prompt, or an admission
+        extended = self._extend_prefill()
+        if self.turnover.may_admit() and not (extended and self.pool.decoding()):
             self._admit()
         started = time.perf_counter()
         current = self._prepared.still_open(self.pool.active) if self._prepared else None
@@ -211,14 +213,36 @@ class Engine:
                 self._end(handle, errors.DeadlineExceeded(
                     f"deadline passed after {handle.seq.num_generated} tokens"))
 
+    def _extend_prefill(self) -> bool:
+        """Feed the target the next chunk of the oldest prompt it holds in part; False where
+        none is."""
+        seq = self.pool.prefilling()
+        if seq is None:
+            return False
+        handles = self.pool.handles_of([seq])
+        with self._isolated("prefill", handles):
+            try:
+                self.peers.extend_target(seq, self.config.prefill_chunk_tokens,
+                                         cohort_timeout(handles))
+            except errors.Unavailable as error:
+                self._target_lost(error)
+            except errors.DeadlineExceeded:
+                pass  # its deadline passed: _reap ends it next step
+        return True
+
     def _admit(self) -> None:
-        """Move the next run of waiting requests that fits the pool into it (prefilled)."""
-        new = self.pool.next_admission(self.config.max_prefill_tokens, self.turnover.admit_cap)
+        """Move the next run of waiting requests that fits the pool into it (prefilled); while
+        other sequences decode, no more prompt tokens than a chunk (a longer prompt alone, its
+        first chunk only)."""
+        chunk, budget = self.config.prefill_chunk_tokens, self.config.max_prefill_tokens
+        if chunk and self.pool.decoding():
+            budget = min(budget, chunk)
+        new = self.pool.next_admission(budget, self.turnover.admit_cap)
         if not new:
             return
         with self._isolated("admission", new):
             try:
-                self.peers.prefill_target([h.seq for h in new])
+                self.peers.prefill_target([h.seq for h in new], chunk)
             except errors.Draining:  # found before a draining check did
                 self.pool.requeue(new)
                 self.peers.target_draining = True
@@ -243,7 +267,8 @@ class Engine:
 
     def _prepare(self, exclude: set[int]) -> DraftedCohort | None:
         """Pick the next cohort (of rows not in `exclude`) and draft for it."""
-        active = [s for s in self.pool.active_sequences() if s.seq_id not in exclude]
+        active = [s for s in self.pool.active_sequences()
+                  if s.seq_id not in exclude and not s.prefilling]
         cohort = scheduler.pick_cohort(active, self.config.cohort_policy, self.stats.num_steps)
         if cohort is None:
             return None

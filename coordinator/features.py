@@ -78,17 +78,21 @@ def note_readers(client, target, kinds, infos) -> None:
             kind.up = False
 
 
-def prefill_target(target, seqs, copies: dict[int, int], active=()) -> None:
+def prefill_target(target, seqs, copies: dict[int, int], active=(),
+                   parts: dict[int, int] | None = None) -> None:
     """Prefill the sequences in the target, keeping the features of their positions. Those
     in `copies` (seq_id: source, one of `seqs` or `active`) start from their source's
     cache and take the features of its first positions: a causal model's features of a
     prefix depend on that prefix alone. A prefill that returns features copies nothing, so
     the copies go in a second command, after the sources are computed; all or nothing, as
-    one command is: where it fails, the sequences computed are released again."""
+    one command is: where it fails, the sequences computed are released again. `parts`
+    (seq_id: tokens): those cached up to their first tokens only (a prompt fed in chunks)."""
     computed = [s for s in seqs if s.seq_id not in copies]
     copied = [s for s in seqs if s.seq_id in copies]
     if computed:
-        _, answers = target.prefill([s.prefill_entry() for s in computed], return_features=True)
+        parts = parts or {}
+        _, answers = target.prefill([s.prefill_entry(parts.get(s.seq_id)) for s in computed],
+                                    return_features=True)
         for seq, answer in zip(computed, answers):
             seq.features = from_message(answer)
     if not copied:

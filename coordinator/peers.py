@@ -18,7 +18,8 @@ import time
 from batchspec import errors
 from coordinator import features as features_lib
 from coordinator import scheduler
-from coordinator.clients import ModelInfo
+from coordinator.clients import ModelInfo, VerifySpec
+from coordinator.commit import keep_features
 from coordinator.drafts import DraftKind
 from coordinator.pool import RequestPool
 from coordinator.reconnect import Reconnect
@@ -80,14 +81,33 @@ class Peers:
         return target, infos
 
     # ---- caches ---------------------------------------------------------------------------------
-    def prefill_target(self, seqs: list[Sequence]) -> None:
+    def prefill_target(self, seqs: list[Sequence], chunk: int = 0) -> None:
         """Prefill newly admitted rows in the target (one command) and give each a fresh
-        record of every draft: drafts are prefilled only when a step first uses them."""
+        record of every draft: drafts are prefilled only when a step first uses them. A
+        prompt longer than `chunk` tokens (0: none is) gets its first `chunk` only; the engine
+        feeds the rest (extend_target)."""
         with self.recorder.prefill("target"):
-            prefill_fresh(self.target, seqs, self.pool.active_sequences())
+            cached = prefill_fresh(self.target, seqs, self.pool.active_sequences(), chunk)
         for s in seqs:
-            s.target.cache_len = s.committed_len - 1
+            s.target.cache_len = cached.get(s.seq_id, s.committed_len - 1)
             s.drafts = [DraftState() for _ in self.kinds]
+
+    def extend_target(self, seq: Sequence, chunk: int, timeout: float | None) -> None:
+        """Feed the target the next `chunk` tokens (at most) of a prompt it holds in part
+        (seq.prefilling): a verify of those tokens with no drafts, whose output, a token
+        after a part of the prompt, is dropped (a seeded sample is a function of its position:
+        dropping one changes no other)."""
+        start = seq.target.cache_len
+        end = min(start + chunk, seq.committed_len - 1)
+        spec = VerifySpec(seq.seq_id, start, seq.token_ids[start:end], [], seq.sampling)
+        with self.recorder.prefill("target"):
+            [outcome], _ = self.target.verify(False, [spec], timeout=timeout)
+        if outcome.seq_id != seq.seq_id or outcome.cache_len != end:
+            raise errors.FailedPrecondition(
+                f"target answered seq {outcome.seq_id} with cache {outcome.cache_len}; "
+                f"expected seq {seq.seq_id} with {end}")
+        keep_features(seq, outcome)
+        seq.target.cache_len = end
 
     def warm(self, kind: DraftKind, seqs: list[Sequence]) -> bool:
         """Prefill, from the committed record, the rows draft `kind` holds nothing of;
@@ -332,11 +352,14 @@ def forget_stale(client, seq_ids: set[int]) -> None:
             pass
 
 
-def prefill_fresh(target, seqs: list[Sequence], active: list[Sequence]) -> None:
+def prefill_fresh(target, seqs: list[Sequence], active: list[Sequence],
+                  chunk: int = 0) -> dict[int, int]:
     """Prefill fresh sequences in the target; those whose prompt another sequence caches or
     computes start from its cache (`shared_prompts`), and where a draft reads features every
     sequence keeps those of its positions. Prompts to score are scored as they are cached,
-    once: before the sequence's first step (one command, copying nothing)."""
+    once: before the sequence's first step (one command, copying nothing). A prompt longer
+    than `chunk` (0: none) is cached up to its first `chunk` tokens, from no other's cache.
+    Returns {seq_id: positions cached} of those."""
     scoring = {s.seq_id: (s.prompt_logprobs_top, s.token_ids[-1]) for s in seqs
                if s.prompt_logprobs_top is not None and s.prompt_logprobs is None
                and s.stats.num_target_forward_passes == 0}
@@ -344,12 +367,14 @@ def prefill_fresh(target, seqs: list[Sequence], active: list[Sequence]) -> None:
         scored = target.prefill_scored([s.prefill_entry() for s in seqs], scoring)
         for s in seqs:
             s.prompt_logprobs = scored.get(s.seq_id, s.prompt_logprobs)
-        return
-    copies = shared_prompts(seqs, active)
+        return {}
+    parts = {s.seq_id: chunk for s in seqs if chunk and s.committed_len - 1 > chunk}
+    copies = shared_prompts([s for s in seqs if s.seq_id not in parts], active)
     if target.features_for_drafts:
-        features_lib.prefill_target(target, seqs, copies, active)
+        features_lib.prefill_target(target, seqs, copies, active, parts)
     else:
-        target.prefill([s.prefill_entry() for s in seqs], copies)
+        target.prefill([s.prefill_entry(parts.get(s.seq_id)) for s in seqs], copies)
+    return parts
 
 
 def shared_prompts(new: list[Sequence], active: list[Sequence]) -> dict[int, int]:
@@ -360,7 +385,7 @@ def shared_prompts(new: list[Sequence], active: list[Sequence]) -> dict[int, int
     are computed; only fresh sequences with more than a token to cache are copied."""
     sources: dict[int, list[Sequence]] = {}  # by prompt hash; a hit is compared in full
     for s in active:
-        if s.target.cache_len is not None:
+        if s.target.cache_len is not None and not s.prefilling:
             sources.setdefault(s.prompt_hash, []).append(s)
     copies = {}
     for s in new:

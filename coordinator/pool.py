@@ -119,6 +119,14 @@ class RequestPool:
     def active_sequences(self) -> list[Sequence]:
         return [h.seq for h in self.active.values()]
 
+    def decoding(self) -> bool:
+        """Whether an active sequence is stepped (not one whose prompt is still being fed)."""
+        return any(not h.seq.prefilling for h in self.active.values())
+
+    def prefilling(self) -> Sequence | None:
+        """The oldest active sequence whose prompt the target holds in part."""
+        return next((h.seq for h in self.active.values() if h.seq.prefilling), None)
+
     def num_running(self) -> int:
         return len(self.active)
 

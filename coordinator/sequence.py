@@ -3,7 +3,8 @@
 Invariants between steps, for an active sequence with committed length L
 (prompt + generated tokens):
 - target.cache_len == L - 1: the target holds every committed token but the last, which is
-  fed first in the next verification.
+  fed first in the next verification. While a long prompt is fed to it in chunks
+  (`prefilling`), it holds fewer, and the sequence joins no step until it holds L - 1.
 - for each draft kind d, with D = drafts[d]: D.valid_len <= D.cache_len and
   D.valid_len <= L - 1: the first valid_len positions of that draft's cache are committed
   tokens; what follows them (rejected proposals) is rolled back before its next proposal. A
@@ -102,10 +103,18 @@ class Sequence:
     def committed_len(self) -> int:
         return len(self.token_ids)
 
-    def prefill_entry(self) -> tuple[int, list[int]]:
+    def prefill_entry(self, limit: int | None = None) -> tuple[int, list[int]]:
         """(seq_id, tokens) for a fresh cache: every committed token but the last, which the
-        next step feeds (the cache invariant)."""
-        return self.seq_id, self.token_ids[:-1]
+        next step feeds (the cache invariant); with `limit`, only the first `limit` of them (a
+        long prompt, fed the rest in chunks: Peers.extend_target)."""
+        tokens = self.token_ids[:-1]
+        return self.seq_id, tokens if limit is None else tokens[:limit]
+
+    @property
+    def prefilling(self) -> bool:
+        """The target holds part of the prompt only: chunks of it are still to be fed."""
+        return self.target.cache_len is not None and \
+            self.target.cache_len < self.committed_len - 1
 
     @property
     def num_generated(self) -> int:
