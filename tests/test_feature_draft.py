@@ -210,6 +210,29 @@ def test_greedy_output_through_a_feature_draft_is_the_targets_and_it_is_fed_the_
             (prompt, tokens) for prompt, (tokens, _) in zip(PROMPTS, results)], fed)
 
 
+def test_a_prompt_fed_in_chunks_feeds_its_feature_draft_the_targets_rows(heads, monkeypatch):
+    """Prompts longer than the prefill chunk (4 here) are fed to the target a chunk a step,
+    their features kept from each chunk's verify: the answers are the target's and every
+    proposal is fed the target's own features of the positions before its tokens."""
+    target_dir, head_dir = heads["llama"]
+    fed = spy_on_proposals(monkeypatch)
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    prompts = [PROMPTS[1] + PROMPTS[3], PROMPTS[0], PROMPTS[3] + PROMPTS[0] + PROMPTS[1]]
+    from test_chunked_prefill import fed as record_fed
+
+    appended = []
+    with running_stack(target_dir, head_dir, batch_size=4, num_draft_tokens=3,
+                       prefill_chunk_tokens=4) as stack:
+        record_fed(stack.target_runner, appended)
+        results = generate_together(stack, prompts, 16)
+        for prompt, (tokens, _) in zip(prompts, results):
+            assert tokens == tiny.greedy_ignoring_eos(model, prompt, 16)
+        assert sum(stats.num_drafted_tokens for _, stats in results) > 0
+        assert_fed_the_targets_features(stack.target_runner, [
+            (prompt, tokens) for prompt, (tokens, _) in zip(prompts, results)], fed)
+    assert sum(n == 4 for _, n in appended) >= 2 + 3  # chunks fed after the first ones
+
+
 def test_a_repeated_prompt_is_copied_in_the_target_with_its_features(heads, monkeypatch):
     """A prompt asked again while the first asking runs starts from the first one's cache,
     with a feature draft in use as without one, and its drafts are fed the features of the
