@@ -41,6 +41,12 @@ def default_evidence(config: EngineConfig, planner) -> Evidence | None:
     return None
 
 
+def prompt_chunk(config: EngineConfig, pool: RequestPool) -> int:
+    """The most prompt tokens the target is fed between two steps: a chunk while other
+    sequences decode (they wait for it), else no limit (0: a prompt is fed whole)."""
+    return config.prefill_chunk_tokens if pool.decoding() else 0
+
+
 class Engine:
     def __init__(self, target, drafts: list[list], config: EngineConfig,
                  eos_token_ids: list[int], *, telemetry=None, handover=None, seq_ids=None,
@@ -214,16 +220,16 @@ class Engine:
                     f"deadline passed after {handle.seq.num_generated} tokens"))
 
     def _extend_prefill(self) -> bool:
-        """Feed the target the next chunk of the oldest prompt it holds in part; False where
-        none is."""
+        """Feed the target the next chunk of the oldest prompt it holds in part (the rest of
+        it where no other sequence decodes); False where none is."""
         seq = self.pool.prefilling()
         if seq is None:
             return False
         handles = self.pool.handles_of([seq])
+        chunk = prompt_chunk(self.config, self.pool) or seq.committed_len
         with self._isolated("prefill", handles):
             try:
-                self.peers.extend_target(seq, self.config.prefill_chunk_tokens,
-                                         cohort_timeout(handles))
+                self.peers.extend_target(seq, chunk, cohort_timeout(handles))
             except errors.Unavailable as error:
                 self._target_lost(error)
             except errors.DeadlineExceeded:
@@ -234,8 +240,8 @@ class Engine:
         """Move the next run of waiting requests that fits the pool into it (prefilled); while
         other sequences decode, no more prompt tokens than a chunk (a longer prompt alone, its
         first chunk only)."""
-        chunk, budget = self.config.prefill_chunk_tokens, self.config.max_prefill_tokens
-        if chunk and self.pool.decoding():
+        chunk, budget = prompt_chunk(self.config, self.pool), self.config.max_prefill_tokens
+        if chunk:
             budget = min(budget, chunk)
         new = self.pool.next_admission(budget, self.turnover.admit_cap)
         if not new:

@@ -4,7 +4,8 @@
 Streams STREAMS greedy completions of MAX_TOKENS each from a server's OpenAI edge
 (`batchspec serve --http-port PORT`), sends one prompt of about PROMPT_WORDS words while they
 run, and reports that prompt's time to first token and, for the running streams, the median
-and the longest gap between two tokens (the longest is the stall), over ROUNDS rounds:
+and the longest gap between two tokens (the longest is the stall), over ROUNDS rounds
+(`--streams 0`: the prompt alone, its time to first token):
 
     python3 scripts/prompt_stall.py --port 8000 [--prompt-words 2400] [--rounds 3]
 """
@@ -43,13 +44,15 @@ def one_round(port: int, streams: int, max_tokens: int, words: int) -> dict:
     threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
     for thread in threads:
         thread.start()
-    time.sleep(2.0)  # the streams decode
+    time.sleep(2.0 if streams else 0.0)  # the streams decode
     sent, arrived = stream(port, {"prompt": " ".join(WORDS[i % len(WORDS)]
                                                      for i in range(words)),
                                   "max_tokens": 4, "temperature": 0})
     for thread in threads:
         thread.join()
     gaps = [b - a for _, times in running for a, b in zip(times, times[1:])]
+    if not gaps:  # the prompt alone
+        return {"ttft_s": arrived[0] - sent}
     return {"ttft_s": arrived[0] - sent, "median_gap_ms": 1000 * statistics.median(gaps),
             "longest_gap_s": max(gaps)}
 
@@ -65,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     rounds = [one_round(args.port, args.streams, args.max_tokens, args.prompt_words)
               for _ in range(args.rounds)]
-    for key in ("ttft_s", "median_gap_ms", "longest_gap_s"):
+    for key in rounds[0]:
         values = sorted(r[key] for r in rounds)
         print(f"{key}: median {statistics.median(values):.2f} "
               f"(rounds: {', '.join(f'{v:.2f}' for v in values)})")

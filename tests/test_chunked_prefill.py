@@ -62,3 +62,20 @@ def test_a_long_prompt_fed_in_chunks_is_answered_as_whole_while_others_step(mode
     assert len(chunks) >= 2 * 4  # each long prompt: a chunk at admission, then four fed
     # the short request stepped (one token appended) while the first prompt was fed
     assert any(n == 1 for _, n in log[chunks[0]:chunks[3]])
+
+
+def test_a_long_prompt_alone_is_fed_whole(model_dirs):
+    """Chunks are for the streams a prompt would stall: with none decoding, a long prompt is
+    prefilled in one forward (chunks would only delay its first token)."""
+    target_dir, draft_dir = model_dirs["llama"]
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    long_prompt = [random.Random(5).randrange(4, tiny_models.VOCAB) for _ in range(6 * CHUNK)]
+    log = []
+    with running_stack(target_dir, draft_dir, drafts=("model",), num_draft_tokens=3,
+                       prefill_chunk_tokens=CHUNK) as stack:
+        fed(stack.target_runner, log)
+        answer = [t for r in stack.stub().Generate(generate_pb2.GenerateRequest(
+            prompt_token_ids=long_prompt, max_new_tokens=10, ignore_eos=True), timeout=120)
+            for t in r.token_ids]
+    assert answer == tiny_models.reference_greedy(model, long_prompt, 10, ignore_eos=True)
+    assert log and all(n <= 4 for _, n in log)  # verifies of K + 1 tokens, never a chunk

@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -211,22 +212,31 @@ def test_greedy_output_through_a_feature_draft_is_the_targets_and_it_is_fed_the_
 
 
 def test_a_prompt_fed_in_chunks_feeds_its_feature_draft_the_targets_rows(heads, monkeypatch):
-    """Prompts longer than the prefill chunk (4 here) are fed to the target a chunk a step,
-    their features kept from each chunk's verify: the answers are the target's and every
-    proposal is fed the target's own features of the positions before its tokens."""
+    """Prompts longer than the prefill chunk (4 here), arriving while a stream decodes, are
+    fed to the target a chunk a step, their features kept from each chunk's verify: the
+    answers are the target's and every proposal is fed the target's own features of the
+    positions before its tokens."""
+    import concurrent.futures
+
+    from test_chunked_prefill import fed as record_fed
+
     target_dir, head_dir = heads["llama"]
     fed = spy_on_proposals(monkeypatch)
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     prompts = [PROMPTS[1] + PROMPTS[3], PROMPTS[0], PROMPTS[3] + PROMPTS[0] + PROMPTS[1]]
-    from test_chunked_prefill import fed as record_fed
-
     appended = []
     with running_stack(target_dir, head_dir, batch_size=4, num_draft_tokens=3,
-                       prefill_chunk_tokens=4) as stack:
+                       prefill_chunk_tokens=4) as stack, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
         record_fed(stack.target_runner, appended)
+        running = pool.submit(generate, stack, PROMPTS[2], 120)
+        while not appended:  # the stream decodes
+            threading.Event().wait(0.01)
         results = generate_together(stack, prompts, 16)
+        results.append(running.result())
+        prompts.append(PROMPTS[2])
         for prompt, (tokens, _) in zip(prompts, results):
-            assert tokens == tiny.greedy_ignoring_eos(model, prompt, 16)
+            assert tokens == tiny.greedy_ignoring_eos(model, prompt, len(tokens))
         assert sum(stats.num_drafted_tokens for _, stats in results) > 0
         assert_fed_the_targets_features(stack.target_runner, [
             (prompt, tokens) for prompt, (tokens, _) in zip(prompts, results)], fed)
