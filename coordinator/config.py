@@ -173,9 +173,9 @@ ENGINE_FLAGS = (
          EngineConfig.max_queue, int),
     Flag(("--max-prefill-tokens",), "prompt tokens per prefill command (a longer prompt goes "
          "alone)", EngineConfig.max_prefill_tokens, int),
-    Flag(("--prefill-chunk-tokens",), "feed a longer prompt to the target this many tokens a "
-         "step, between the other sequences' steps, and admit no more than this many prompt "
-         "tokens a step while others decode (0: whole prompts)",
+    Flag(("--prefill-chunk-tokens",), "while other sequences decode, feed a longer prompt to "
+         "the target this many tokens a step, between their steps, and admit no more than "
+         "this many prompt tokens a step (0: whole prompts)",
          EngineConfig.prefill_chunk_tokens, int),
     Flag(("--max-new-tokens",), "largest max_new_tokens a request may ask for",
          CoordinatorConfig.max_new_tokens, int),
