@@ -362,13 +362,14 @@ class TargetClient(ServiceClient):
 
     def verify(self, realign: bool, specs: list[VerifySpec], timeout: float | None = None,
                return_features: bool | None = None,
-               propose: draft_pb2.ProposeCommand | None = None):
+               propose: draft_pb2.ProposeCommand | None = None, plain_steps: int = 1):
         """(outcomes, Timing) of a verify; with `propose` (propose_command's, for the draft
-        the target hosts, run first), (outcomes, Timing, Hosted)."""
+        the target hosts, run first), (outcomes, Timing, Hosted). plain_steps > 1: specs
+        without drafts, each decoding that many tokens (VerifyCommand.plain_steps)."""
         if return_features is None:
             return_features = self.features_for_drafts
         command = target_pb2.VerifyCommand(realign=realign, return_features=return_features,
-                                           propose=propose, entries=[
+                                           propose=propose, plain_steps=plain_steps, entries=[
             target_pb2.VerifyEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
                                    append_token_ids=s.append_token_ids,
                                    draft_token_ids=s.draft_token_ids,

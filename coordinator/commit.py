@@ -12,9 +12,11 @@ from coordinator.telemetry import Telemetry
 
 def check(seq: Sequence, outcome: VerifyOutcome) -> None:
     """The target answered this row, and holds what it should: committed_len - 1 positions
-    before the step, plus the drafts it accepted."""
-    expected = seq.committed_len + outcome.num_accepted
-    if outcome.seq_id != seq.seq_id or outcome.cache_len != expected:
+    before the step, plus every output but the last (the drafts it accepted, or all but the
+    last token of several plain steps)."""
+    expected = seq.committed_len + len(outcome.output_token_ids) - 1
+    if outcome.seq_id != seq.seq_id or outcome.cache_len != expected or \
+            len(outcome.output_token_ids) <= outcome.num_accepted:
         raise errors.FailedPrecondition(
             f"target answered seq {outcome.seq_id} with cache {outcome.cache_len}; expected "
             f"seq {seq.seq_id} with {expected}")
@@ -29,7 +31,8 @@ def commit(handle: RequestHandle, outcome: VerifyOutcome, num_drafts: int, step:
     seq.target.cache_len = outcome.cache_len
     seq.stats.num_drafted_tokens += num_drafts
     seq.stats.num_accepted_tokens += outcome.num_accepted
-    seq.stats.num_target_forward_passes += 1
+    # one pass a step: a verify is one, plain steps one a token
+    seq.stats.num_target_forward_passes += len(outcome.output_token_ids) - outcome.num_accepted
     seq.last_step = step
     committed = seq.commit(outcome.output_token_ids)
     accepted = min(outcome.num_accepted, len(committed))

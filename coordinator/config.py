@@ -47,6 +47,10 @@ class EngineConfig:
     # other sequences' steps: a running stream waits at most about one chunk's prefill for its
     # next token, however long the prompts that arrive (0: a prompt in one command).
     prefill_chunk_tokens: int = 256
+    # A cohort that decodes plainly (no drafts this step, no grammar) with no request waiting
+    # decodes up to this many tokens a row in one verify command (VerifyCommand.plain_steps),
+    # never more than a row has left: a command's fixed cost is paid once for them (1: one).
+    plain_steps: int = 4
 
     def __post_init__(self):
         if not 1 <= self.num_draft_tokens <= 32:
@@ -63,6 +67,8 @@ class EngineConfig:
             raise ValueError("max_prefill_tokens must be >= 1")
         if self.prefill_chunk_tokens < 0:
             raise ValueError("prefill_chunk_tokens must be >= 0")
+        if not 1 <= self.plain_steps <= 64:
+            raise ValueError("plain_steps must be in [1, 64]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +183,8 @@ ENGINE_FLAGS = (
          "the target this many tokens a step, between their steps, and admit no more than "
          "this many prompt tokens a step (0: whole prompts)",
          EngineConfig.prefill_chunk_tokens, int),
+    Flag(("--plain-steps",), "tokens a row a cohort decoding without drafts decodes in one "
+         "command while no request waits (1: one a command)", EngineConfig.plain_steps, int),
     Flag(("--max-new-tokens",), "largest max_new_tokens a request may ask for",
          CoordinatorConfig.max_new_tokens, int),
     Flag(("--stall-timeout",), "seconds a service may leave a command unanswered before it is "
@@ -226,7 +234,8 @@ def engine_config_from_args(args) -> EngineConfig:
                         cohort_policy=CohortPolicy(batch_size=args.batch_size),
                         max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
                         max_prefill_tokens=args.max_prefill_tokens,
-                        prefill_chunk_tokens=args.prefill_chunk_tokens)
+                        prefill_chunk_tokens=args.prefill_chunk_tokens,
+                        plain_steps=args.plain_steps)
 
 
 def peer_tls_from_args(args) -> security.ClientTls | None:

@@ -434,8 +434,12 @@ class Drafter:
                                  round_trip)
 
     # ---- after the verify -----------------------------------------------------------------------
-    def observe_verify(self, cohort: DraftedCohort, timing: Timing, seconds: float) -> None:
-        """The target's measured cost of verifying the cohort."""
+    def observe_verify(self, cohort: DraftedCohort, timing: Timing, seconds: float,
+                       plain_steps: int = 1) -> None:
+        """The target's measured cost of verifying the cohort (not of several plain steps in
+        one command: the cost model prices one forward a command)."""
+        if plain_steps > 1:
+            return
         self.policy.observe_verify([len(row.draft_token_ids) for row in cohort.rows],
                                    timing.forward_seconds, seconds)
 

@@ -47,6 +47,12 @@ def prompt_chunk(config: EngineConfig, pool: RequestPool) -> int:
     return config.prefill_chunk_tokens if pool.decoding() else 0
 
 
+def step_record(cohort: DraftedCohort, verified: Verified, fallback: bool) -> StepRecord:
+    """The stats' and step log's record of a verified cohort (fallback: no draft was up)."""
+    return StepRecord(cohort.mixed, fallback, cohort.plain, cohort.timing, verified.timing,
+                      cohort.round_trip_s, verified.seconds, verified.plain_steps)
+
+
 class Engine:
     def __init__(self, target, drafts: list[list], config: EngineConfig,
                  eos_token_ids: list[int], *, telemetry=None, handover=None, seq_ids=None,
@@ -72,7 +78,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._thread_exit = False
         self.turnover = Turnover(self.peers, self.pool, config.max_num_seqs)
-        self.verifier = Verifier(self.peers, self.pool, config.overlap)
+        self.verifier = Verifier(self.peers, self.pool, config.overlap, config.plain_steps)
         self._prepared: DraftedCohort | None = None  # drafted while the last cohort verified
 
     # ---- request side (any thread) --------------------------------------------------------------
@@ -286,9 +292,8 @@ class Engine:
     def _finish(self, cohort: DraftedCohort, verified: Verified, started: float) -> None:
         """Commit a verified cohort (on the engine thread); `started`: when its step began."""
         cohort = self.drafter.resolve(cohort, verified.hosted)
-        self.drafter.observe_verify(cohort, verified.timing, verified.seconds)
-        record = StepRecord(cohort.mixed, not self.peers.draft_up, cohort.plain, cohort.timing,
-                            verified.timing, cohort.round_trip_s, verified.seconds)
+        self.drafter.observe_verify(cohort, verified.timing, verified.seconds, verified.plain_steps)
+        record = step_record(cohort, verified, fallback=not self.peers.draft_up)
         self.recorder.step(record)
         finished, trace = [], []
         for row, outcome in zip(cohort.rows, verified.outcomes):

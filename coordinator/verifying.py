@@ -1,6 +1,7 @@
 """Running a cohort's verify: one command to the target, on a worker thread where the step
 overlaps it with drafting the next cohort (`--overlap`; "auto": only where no service runs on
-the CPU, since services that share the host's cores slow each other down)."""
+the CPU, since services that share the host's cores slow each other down). A cohort that
+decodes plainly by choice decodes several tokens a row in that one command (`plain_steps`)."""
 import concurrent.futures
 import dataclasses
 import logging
@@ -23,6 +24,7 @@ class Verified:
     timing: Timing
     seconds: float  # coordinator-side round trip
     hosted: Hosted | None = None  # the hosted draft's answer to a deferred propose
+    plain_steps: int = 1  # the plain steps the command decoded (VerifyCommand.plain_steps)
 
 
 def cohort_timeout(handles: list[RequestHandle]) -> float | None:
@@ -36,11 +38,13 @@ def cohort_timeout(handles: list[RequestHandle]) -> float | None:
 
 
 class Verifier:
-    def __init__(self, peers: Peers, pool: RequestPool, overlap: str):
-        """overlap: "on", "off" or "auto" (decided by `configure`)."""
+    def __init__(self, peers: Peers, pool: RequestPool, overlap: str, plain_steps: int = 1):
+        """overlap: "on", "off" or "auto" (decided by `configure`); plain_steps: the most
+        tokens a row a plain cohort decodes in one command (see `plain_steps`)."""
         self.peers = peers
         self.pool = pool
         self.overlap = overlap
+        self.max_plain_steps = plain_steps
         self._overlapping: bool | None = None  # `overlap`, resolved by configure()
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify")
 
@@ -78,8 +82,10 @@ class Verifier:
         timeout = cohort_timeout(self.pool.handles_of(cohort.seqs))
         started = time.perf_counter()
         if cohort.deferred is None:
-            outcomes, timing = self.peers.target.verify(cohort.mixed, specs, timeout=timeout)
-            return Verified(outcomes, timing, time.perf_counter() - started)
+            steps = self.plain_steps(cohort)
+            outcomes, timing = self.peers.target.verify(cohort.mixed, specs, timeout=timeout,
+                                                        plain_steps=steps)
+            return Verified(outcomes, timing, time.perf_counter() - started, plain_steps=steps)
         outcomes, timing, hosted = self.peers.target.verify(
             cohort.mixed, specs, timeout=timeout, propose=cohort.deferred.command())
         # the draft's part of the command is booked as drafting (Drafter.resolve)
@@ -87,6 +93,19 @@ class Verifier:
         timing = dataclasses.replace(timing, compute_seconds=max(0.0, timing.compute_seconds
                                                                  - inside))
         return Verified(outcomes, timing, time.perf_counter() - started - inside, hosted)
+
+    def plain_steps(self, cohort: DraftedCohort) -> int:
+        """How many tokens a row the cohort's verify decodes: up to --plain-steps where it
+        decodes plainly by choice (stepped aside, or no draft is up), no row is under a grammar
+        and no request waits or is part-fed (none waits on these steps to be admitted or fed),
+        never more than a row has left; else one."""
+        if self.max_plain_steps <= 1 or not cohort.plain or cohort.timing is not None \
+                or (self.peers.draft_up and not all(row.aside for row in cohort.rows)) \
+                or any(row.seq.constraint is not None for row in cohort.rows) \
+                or self.pool.num_waiting() or self.pool.prefilling() is not None:
+            return 1
+        return max(1, min(self.max_plain_steps,
+                          min(row.seq.draft_room + 1 for row in cohort.rows)))
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=False)

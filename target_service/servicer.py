@@ -10,6 +10,7 @@ from batchspec.v1 import draft_pb2, target_pb2, target_pb2_grpc
 from target_service import verifier
 
 SERVICE_NAME = "batchspec.v1.TargetService"
+MAX_PLAIN_STEPS = 64  # VerifyCommand.plain_steps
 
 
 class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceServicer):
@@ -34,6 +35,8 @@ class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceService
         started = time.perf_counter()
         if not command.entries:
             raise errors.InvalidArgument("verify names no sequence")
+        if command.plain_steps > 1:
+            return "verify", self.decode(command, started)
         proposed, hosted = self.propose_first(command)
         rows = wire.verify_rows(command, self.runner.vocab_size, proposed)
         outcomes, group = verifier.verify(self.runner, rows, realign=command.realign,
@@ -44,6 +47,23 @@ class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceService
         elif hosted is not None:
             result.propose_error.CopyFrom(hosted)
         return "verify", result
+
+    def decode(self, command, started: float):
+        """A verify of plain_steps plain steps (VerifyCommand.plain_steps)."""
+        if command.plain_steps > MAX_PLAIN_STEPS:
+            raise errors.InvalidArgument(f"plain_steps {command.plain_steps}: at most "
+                                         f"{MAX_PLAIN_STEPS}")
+        if command.HasField("propose") or any(
+                e.draft_token_ids or e.num_proposed or e.token_masks for e in command.entries):
+            raise errors.InvalidArgument("a verify of plain_steps carries no drafts, "
+                                         "num_proposed, token masks or propose")
+        rows = wire.verify_rows(command, self.runner.vocab_size)
+        outcomes, groups = verifier.decode(self.runner, rows, command.plain_steps,
+                                           realign=command.realign,
+                                           keep_features=command.return_features)
+        return wire.verify_result(outcomes, wire.timing(
+            time.perf_counter() - started, sum(g.realign_seconds for g in groups),
+            sum(g.forward_seconds for g in groups)))
 
     def propose_first(self, command):
         """(proposed tokens by sequence, the ProposeResult or the CommandError) of a verify's

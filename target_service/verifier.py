@@ -1,4 +1,6 @@
-"""Verification of a group's drafts in one target forward pass."""
+"""Verification of a group's drafts in one target forward pass; plain decoding of several
+steps in one command."""
+import dataclasses
 
 import torch
 
@@ -50,6 +52,36 @@ def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bo
                 else None for i, (r, c) in enumerate(zip(rows, cache_lens))]
     return [VerifiedRow(r.seq_id, n, out, c, lp, f) for r, n, out, c, lp, f
             in zip(rows, num_accepted, outputs, cache_lens, scored, features)], group
+
+
+def decode(runner: runner_lib.ModelRunner, rows: list[VerifyRow], steps: int, *,
+           realign: bool, keep_features: bool = False):
+    """`steps` plain steps of rows that carry no drafts, each row fed its own output of the
+    step before: (one VerifiedRow a row, its outputs, log-probabilities and features those of
+    every step in order; the group forwards run). Each step is `verify` of no drafts, so
+    every output is the target's choice at its position, as one step a command gives it."""
+    if steps > 1 and any(r.draft_token_ids for r in rows):
+        raise ValueError("plain steps carry no drafts")
+    steps_run, groups = [], []
+    for _ in range(steps):
+        verified, group = verify(runner, rows, realign=realign, keep_features=keep_features)
+        steps_run.append(verified)
+        groups.append(group)
+        rows = [dataclasses.replace(r, expected_cache_len=v.cache_len,
+                                    append_token_ids=v.output_token_ids)
+                for r, v in zip(rows, verified)]
+    return [_joined(row_steps) for row_steps in zip(*steps_run)], groups
+
+
+def _joined(steps: tuple[VerifiedRow, ...]) -> VerifiedRow:
+    """One row's plain steps as one VerifiedRow (no drafts accepted; one step: as it is)."""
+    last = steps[-1]
+    if len(steps) == 1:
+        return last
+    logprobs = None if last.logprobs is None else [lp for s in steps for lp in s.logprobs]
+    features = None if last.features is None else torch.cat([s.features for s in steps])
+    return VerifiedRow(last.seq_id, 0, [t for s in steps for t in s.output_token_ids],
+                       last.cache_len, logprobs, features)
 
 
 def masked(logits: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:

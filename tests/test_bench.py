@@ -413,12 +413,13 @@ def test_overhead_times_each_stage_of_plain_and_drafted_steps_of_a_free_model(tm
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "results.json").read_text())
-    # two rounds in turns: plain first, then drafted first
+    # two rounds in turns: plain first, then plain steps first
     order = [(r["round"], r["kind"]) for r in report["rows"]]
-    assert order == [(0, "plain")] * 2 + [(0, "drafted")] * 2 + [(1, "drafted")] * 2 \
-        + [(1, "plain")] * 2
+    kinds = ["plain", "drafted", "plain steps"]
+    assert order == [(0, k) for k in kinds for _ in (1, 16)] \
+        + [(1, k) for k in kinds[::-1] for _ in (1, 16)]
     rows = {(r["kind"], r["clients"]): r for r in report["rows"]}
-    assert set(rows) == {(k, c) for k in ("plain", "drafted") for c in (1, 16)}
+    assert set(rows) == {(k, c) for k in kinds for c in (1, 16)}
     k = report["num_draft_tokens"]
     for (kind, clients), row in rows.items():
         assert row["rows"] == clients and row["steps"] > 0
@@ -427,6 +428,9 @@ def test_overhead_times_each_stage_of_plain_and_drafted_steps_of_a_free_model(tm
         assert stages["verify forward"] > 0 and row["step_ms"] >= stages["verify forward"]
         if kind == "plain":
             assert row["committed"] == clients  # a token a row
+            assert stages["draft forwards"] == stages["draft RPC"] == 0
+        elif kind == "plain steps":  # up to four tokens a row a command
+            assert clients < row["committed"] <= 4 * clients
             assert stages["draft forwards"] == stages["draft RPC"] == 0
         else:  # the model is its own draft: every draft accepted, K + 1 tokens a row (but
             # where a row has fewer left to commit)

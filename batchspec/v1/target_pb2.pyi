@@ -29,16 +29,18 @@ class VerifyEntry(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[_cache_pb2.LogprobsSpec, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ..., num_proposed: _Optional[int] = ...) -> None: ...
 
 class VerifyCommand(_message.Message):
-    __slots__ = ("realign", "entries", "return_features", "propose")
+    __slots__ = ("realign", "entries", "return_features", "propose", "plain_steps")
     REALIGN_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     realign: bool
     entries: _containers.RepeatedCompositeFieldContainer[VerifyEntry]
     return_features: bool
     propose: _draft_pb2.ProposeCommand
-    def __init__(self, realign: _Optional[bool] = ..., entries: _Optional[_Iterable[_Union[VerifyEntry, _Mapping]]] = ..., return_features: _Optional[bool] = ..., propose: _Optional[_Union[_draft_pb2.ProposeCommand, _Mapping]] = ...) -> None: ...
+    plain_steps: int
+    def __init__(self, realign: _Optional[bool] = ..., entries: _Optional[_Iterable[_Union[VerifyEntry, _Mapping]]] = ..., return_features: _Optional[bool] = ..., propose: _Optional[_Union[_draft_pb2.ProposeCommand, _Mapping]] = ..., plain_steps: _Optional[int] = ...) -> None: ...
 
 class VerifyResultEntry(_message.Message):
     __slots__ = ("seq_id", "num_accepted", "output_token_ids", "cache_len", "logprobs", "features")

@@ -11,7 +11,10 @@ from target_service import verifier
 
 
 def _timing(group, started: float) -> Timing:
-    return Timing(time.perf_counter() - started, group.realign_seconds, group.forward_seconds)
+    """A command's Timing from its group forward, or a list of them (plain steps)."""
+    groups = group if isinstance(group, list) else [group]
+    return Timing(time.perf_counter() - started, sum(g.realign_seconds for g in groups),
+                  sum(g.forward_seconds for g in groups))
 
 
 class _InProcess:
@@ -88,15 +91,15 @@ class InProcessTarget(_InProcess):
         return [wire.features_message(f)
                 for f in self.runner.features([t for _, t in prefixes])]
 
-    def verify(self, realign, specs, timeout=None, return_features=None):
+    def verify(self, realign, specs, timeout=None, return_features=None, plain_steps=1):
         if return_features is None:
             return_features = self.features_for_drafts
         started = time.perf_counter()
         rows = [VerifyRow(s.seq_id, s.expected_cache_len, list(s.append_token_ids),
                                    list(s.draft_token_ids), s.sampling) for s in specs]
-        outcomes, group = verifier.verify(self.runner, rows, realign=realign,
-                                          keep_features=return_features)
+        outcomes, groups = verifier.decode(self.runner, rows, plain_steps, realign=realign,
+                                           keep_features=return_features)
         return [VerifyOutcome(o.seq_id, o.num_accepted, o.output_token_ids, o.cache_len,
                               features=None if o.features is None
                               else wire.features_message(o.features))
-                for o in outcomes], _timing(group, started)
+                for o in outcomes], _timing(groups, started)

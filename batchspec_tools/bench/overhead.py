@@ -2,8 +2,9 @@
 
 The served stack (target and model draft services, a coordinator per setting)
 over a model that costs almost nothing: a 2-layer, 64-wide random Llama, the target and its
-own draft, so every draft is accepted. Plain (no draft) and drafted (K drafts for every row,
-`--draft-policy fixed --step-aside off --min-draft-confidence 0`) steps at each client count,
+own draft, so every draft is accepted. Plain (no draft, a token a command), drafted (K drafts
+for every row, `--draft-policy fixed --step-aside off --min-draft-confidence 0`) and plain
+steps (no draft, `--plain-steps 4`: four tokens a row a command) steps at each client count,
 closed-loop clients asking for `max_new_tokens` each past any end-of-sequence, `--repeat`
 rounds in turns. From the coordinator's step log, the median of each stage of a step
 (prefills left out; the stages are `batchspec steps`', bench/steps.py STAGES).
@@ -21,6 +22,7 @@ from batchspec_tools.bench.steps import STAGES
 
 CLIENTS = (1, 16)
 NUM_DRAFT_TOKENS = 4
+PLAIN_STEPS = 4
 
 
 def free_model(root: pathlib.Path) -> str:
@@ -47,7 +49,8 @@ def run(start, max_new_tokens: int = 96, clients=CLIENTS, requests_per_client: i
 
     rng = random.Random(0)
     rows = []
-    kinds = (("plain", ()), ("drafted", ("model",)))
+    # plain: one token a command; plain steps: PLAIN_STEPS tokens a row a command
+    kinds = (("plain", (), 1), ("drafted", ("model",), 1), ("plain steps", (), PLAIN_STEPS))
     with tempfile.TemporaryDirectory() as scratch:
         root = pathlib.Path(scratch)
         model = free_model(root)
@@ -56,10 +59,11 @@ def run(start, max_new_tokens: int = 96, clients=CLIENTS, requests_per_client: i
         stack, workload = start(model, prompts)
         try:
             for round_ in range(rounds):
-                for kind, drafts in kinds if round_ % 2 == 0 else kinds[::-1]:
+                for kind, drafts, steps in kinds if round_ % 2 == 0 else kinds[::-1]:
                     for count in clients:
-                        log = root / f"{kind}-c{count}-r{round_}.jsonl"
-                        extra = ("--step-aside", "off", "--step-log", str(log))
+                        log = root / f"{kind}-c{count}-r{round_}.jsonl".replace(" ", "-")
+                        extra = ("--step-aside", "off", "--plain-steps", str(steps),
+                                 "--step-log", str(log))
                         with stack.coordinator(workload, max(clients), NUM_DRAFT_TOKENS,
                                                drafts, extra) as (port, _), \
                                 grpc.insecure_channel(f"127.0.0.1:{port}") as channel:

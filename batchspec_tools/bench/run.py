@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the whole sweep N times in turn and report each setting's "
                              "median run (its tok/s of every run kept in results.json); with "
-                             "--overhead, N rounds of plain and drafted steps in turns")
+                             "--overhead, N rounds of its kinds of steps in turns")
     parser.add_argument("--by-category", action="store_true",
                         help="run every method once per prompt category and report each "
                              "category's speed and acceptance apart")
@@ -328,9 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the sampled requests' top_p")
     parser.add_argument("--overhead", action="store_true",
                         help="instead of the sweep: the served stack over a model that costs "
-                             "almost nothing, plain and drafted (K = 4, all accepted) at 1 and "
-                             "16 clients, each stage of a step in ms (coordinator, each RPC, "
-                             "service work, forwards); with --max-new-tokens")
+                             "almost nothing, plain, drafted (K = 4, all accepted) and four "
+                             "plain steps a command at 1 and 16 clients, each stage of a step "
+                             "in ms (coordinator, each RPC, service work, forwards); with "
+                             "--max-new-tokens")
     parser.add_argument("--head-check", action="store_true",
                         help="instead of the sweep: a feature head (--draft, default "
                              "smollm2-eagle) drafting --ks tokens for its target in one process "

@@ -1,0 +1,111 @@
+"""A cohort that decodes plainly decodes several tokens a row in one verify command
+(--plain-steps): its answers are the target alone's, greedy and sampled, with log-probabilities,
+stop tokens and lengths that end inside a command's steps; the service refuses plain steps
+that carry drafts."""
+import concurrent.futures
+import json
+
+import grpc
+import pytest
+from test_logprobs import check, reference_logprobs
+from transformers import AutoModelForCausalLM
+
+from batchspec.params import SamplingParams
+from batchspec.v1 import cache_pb2, generate_pb2, target_pb2, target_pb2_grpc
+
+import tiny_models
+from conftest import running_stack
+
+PROMPTS = [[5, 6, 7, 8], [11, 12], [20, 21, 22, 23, 24, 25], [9], [30, 31], [40, 41, 42]]
+
+
+def generate(stub, prompt, max_new_tokens, **fields):
+    return [t for r in stub.Generate(generate_pb2.GenerateRequest(
+        prompt_token_ids=prompt, max_new_tokens=max_new_tokens, **fields), timeout=120)
+        for t in r.token_ids]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_plain_steps_answer_as_the_target_alone(model_dirs, arch, tmp_path):
+    target_dir, _ = model_dirs[arch]
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    step_log = tmp_path / "steps.jsonl"
+    with running_stack(target_dir, None, drafts=(), batch_size=4, plain_steps=4,
+                       step_log=str(step_log)) as stack:
+        stub = stack.stub()
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            # lengths that are not multiples of the steps; one stops at its end-of-sequence
+            greedy = list(pool.map(lambda p: generate(stub, p, 23), PROMPTS))
+            long = pool.submit(generate, stub, PROMPTS[0], 30, ignore_eos=True)
+            drawn = pool.submit(generate, stub, PROMPTS[1], 21, ignore_eos=True,
+                                temperature=0.9, top_p=0.95, seed=7)
+            long, drawn = long.result(), drawn.result()
+    for prompt, tokens in zip(PROMPTS, greedy):
+        assert tokens == tiny_models.reference_greedy(model, prompt, 23)
+    eos = model.generation_config.eos_token_id
+    assert any(len(t) < 23 and t[-1] == eos for t in greedy)  # stopped inside a command
+    assert long == tiny_models.reference_greedy(model, PROMPTS[0], 30, ignore_eos=True)
+    assert drawn == tiny_models.reference_sampled(model, PROMPTS[1], 21, sampled)
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    several = [s for s in steps if s["plain_steps"] > 1]
+    assert several and all(s["plain_steps"] <= 4 for s in steps)
+    assert all(s["committed"] <= s["rows"] * s["plain_steps"] for s in steps)
+    assert max(s["committed"] / s["rows"] for s in several) > 1
+
+
+def test_plain_steps_carry_every_tokens_logprobs(model_dirs):
+    target_dir, _ = model_dirs["llama"]
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    prompt = [5, 6, 7]
+    with running_stack(target_dir, None, drafts=(), batch_size=2, plain_steps=5) as stack:
+        responses = list(stack.stub().Generate(generate_pb2.GenerateRequest(
+            prompt_token_ids=prompt, max_new_tokens=17, ignore_eos=True,
+            logprobs=generate_pb2.LogprobsOptions(num_top=2)), timeout=120))
+    tokens = [t for r in responses for t in r.token_ids]
+    assert tokens == tiny_models.reference_greedy(model, prompt, 17, ignore_eos=True)
+    assert max(len(r.token_ids) for r in responses) > 1  # several tokens in one command
+    check([lp for r in responses for lp in r.logprobs], tokens,
+          reference_logprobs(model, prompt + tokens)[len(prompt) - 1:], 2)
+
+
+def test_a_cohort_that_drafts_verifies_one_step_a_command(model_dirs, tmp_path):
+    """Plain steps are for cohorts that decode plainly by choice: a drafting cohort's
+    commands verify one step, and its answers are still the target alone's."""
+    target_dir, draft_dir = model_dirs["llama"]
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    step_log = tmp_path / "steps.jsonl"
+    with running_stack(target_dir, draft_dir, batch_size=2, num_draft_tokens=3,
+                       plain_steps=4, step_log=str(step_log)) as stack:
+        tokens = generate(stack.stub(), PROMPTS[2], 24, ignore_eos=True)
+    assert tokens == tiny_models.reference_greedy(model, PROMPTS[2], 24, ignore_eos=True)
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    assert steps and all(s["plain_steps"] == 1 for s in steps)
+
+
+def test_the_target_refuses_plain_steps_with_drafts(model_dirs):
+    target_dir, draft_dir = model_dirs["llama"]
+    with running_stack(target_dir, draft_dir, batch_size=1) as stack:
+        channel = grpc.insecure_channel(f"127.0.0.1:{stack.target_port}")
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        commands = [
+            target_pb2.TargetCommand(command_id=1, prefill=cache_pb2.PrefillCommand(entries=[
+                cache_pb2.PrefillEntry(seq_id=901, token_ids=[5, 6, 7])])),
+            target_pb2.TargetCommand(command_id=2, verify=target_pb2.VerifyCommand(
+                plain_steps=3, entries=[target_pb2.VerifyEntry(
+                    seq_id=901, expected_cache_len=3, append_token_ids=[8],
+                    draft_token_ids=[9, 10])])),
+            target_pb2.TargetCommand(command_id=3, verify=target_pb2.VerifyCommand(
+                plain_steps=65, entries=[target_pb2.VerifyEntry(
+                    seq_id=901, expected_cache_len=3, append_token_ids=[8])])),
+            target_pb2.TargetCommand(command_id=4, verify=target_pb2.VerifyCommand(
+                plain_steps=3, entries=[target_pb2.VerifyEntry(
+                    seq_id=901, expected_cache_len=3, append_token_ids=[8])]))]
+        results = list(stub.RunCommands(iter(commands), timeout=60))
+        channel.close()
+    assert results[0].WhichOneof("result") == "prefill"
+    for refused in results[1:3]:
+        assert refused.WhichOneof("result") == "error"
+        assert refused.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    entry = results[3].verify.entries[0]
+    assert entry.num_accepted == 0 and len(entry.output_token_ids) == 3 and entry.cache_len == 6
