@@ -1,16 +1,19 @@
 """A cohort that decodes plainly decodes several tokens a row in one verify command
 (--plain-steps): its answers are the target alone's, greedy and sampled, with log-probabilities,
-stop tokens and lengths that end inside a command's steps; the service refuses plain steps
-that carry drafts."""
+stop tokens and lengths that end inside a command's steps, and the features of every step; the
+service refuses plain steps that carry drafts."""
 import concurrent.futures
 import json
+import queue
 
 import grpc
+import numpy as np
 import pytest
 from test_logprobs import check, reference_logprobs
 from transformers import AutoModelForCausalLM
 
 from batchspec.params import SamplingParams
+from batchspec.runtime import wire
 from batchspec.v1 import cache_pb2, generate_pb2, target_pb2, target_pb2_grpc
 
 import tiny_models
@@ -109,3 +112,39 @@ def test_the_target_refuses_plain_steps_with_drafts(model_dirs):
         assert refused.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     entry = results[3].verify.entries[0]
     assert entry.num_accepted == 0 and len(entry.output_token_ids) == 3 and entry.cache_len == 6
+
+
+def test_plain_steps_return_the_features_one_step_a_command_returns(model_dirs):
+    """A feature head reads the target's features of every position it caches: plain steps
+    return those of each step, as three commands of one step would."""
+    target_dir, draft_dir = model_dirs["llama"]
+    prompt = [5, 6, 7, 8]
+    with running_stack(target_dir, draft_dir, batch_size=1) as stack:
+        channel = grpc.insecure_channel(f"127.0.0.1:{stack.target_port}")
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+
+        def verify(command_id, seq_id, cache_len, token, steps):
+            return target_pb2.TargetCommand(command_id=command_id, verify=target_pb2.VerifyCommand(
+                plain_steps=steps, return_features=True, entries=[target_pb2.VerifyEntry(
+                    seq_id=seq_id, expected_cache_len=cache_len, append_token_ids=[token])]))
+
+        commands = queue.SimpleQueue()
+        commands.put(target_pb2.TargetCommand(command_id=1, prefill=cache_pb2.PrefillCommand(
+            entries=[cache_pb2.PrefillEntry(seq_id=s, token_ids=prompt[:-1]) for s in (1, 2)])))
+        commands.put(verify(2, 1, 3, prompt[-1], 3))
+        commands.put(verify(3, 2, 3, prompt[-1], 1))
+        results = stub.RunCommands(iter(commands.get, None), timeout=60)  # one stream: the
+        assert next(results).WhichOneof("result") == "prefill"  # sequences are its own
+        together = next(results).verify.entries[0]
+        singles = []
+        for i in range(3):
+            singles.append(next(results).verify.entries[0])
+            last = singles[-1]
+            commands.put(verify(4 + i, 2, last.cache_len, last.output_token_ids[-1], 1)
+                         if i < 2 else None)
+        channel.close()
+    assert list(together.output_token_ids) == [s.output_token_ids[0] for s in singles]
+    assert together.features.num_positions == 3
+    joined = np.concatenate([wire.features_tensor(s.features, "verify").numpy() for s in singles])
+    assert np.allclose(wire.features_tensor(together.features, "verify").numpy(), joined,
+                       atol=1e-3)
