@@ -1,7 +1,5 @@
 """Verification of a group's drafts in one target forward pass; plain decoding of several
 steps in one command."""
-import dataclasses
-
 import torch
 
 from batchspec.runtime import logprobs as logprobs_lib
@@ -57,31 +55,39 @@ def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bo
 def decode(runner: runner_lib.ModelRunner, rows: list[VerifyRow], steps: int, *,
            realign: bool, keep_features: bool = False):
     """`steps` plain steps of rows that carry no drafts, each row fed its own output of the
-    step before: (one VerifiedRow a row, its outputs, log-probabilities and features those of
-    every step in order; the group forwards run). Each step is `verify` of no drafts, so
-    every output is the target's choice at its position, as one step a command gives it."""
-    if steps > 1 and any(r.draft_token_ids for r in rows):
-        raise ValueError("plain steps carry no drafts")
-    steps_run, groups = [], []
-    for _ in range(steps):
+    step before, over one group: (one VerifiedRow a row, its outputs, log-probabilities and
+    features those of every step in order; the group forwards run). Each output is the
+    target's choice at its position (sampling.choose, as `accept` takes it for a row of no
+    drafts), so it is what one step a command gives. Cache on return: each row's appended
+    tokens and every output but the last."""
+    if steps == 1:
         verified, group = verify(runner, rows, realign=realign, keep_features=keep_features)
-        steps_run.append(verified)
-        groups.append(group)
-        rows = [dataclasses.replace(r, expected_cache_len=v.cache_len,
-                                    append_token_ids=v.output_token_ids)
-                for r, v in zip(rows, verified)]
-    return [_joined(row_steps) for row_steps in zip(*steps_run)], groups
-
-
-def _joined(steps: tuple[VerifiedRow, ...]) -> VerifiedRow:
-    """One row's plain steps as one VerifiedRow (no drafts accepted; one step: as it is)."""
-    last = steps[-1]
-    if len(steps) == 1:
-        return last
-    logprobs = None if last.logprobs is None else [lp for s in steps for lp in s.logprobs]
-    features = None if last.features is None else torch.cat([s.features for s in steps])
-    return VerifiedRow(last.seq_id, 0, [t for s in steps for t in s.output_token_ids],
-                       last.cache_len, logprobs, features)
+        return verified, [group]
+    if any(r.draft_token_ids or r.token_masks is not None for r in rows):
+        raise ValueError("plain steps carry no drafts or token masks")
+    specs = [runner_lib.RowSpec(r.seq_id, r.expected_cache_len, r.expected_cache_len,
+                                r.append_token_ids) for r in rows]
+    group = runner.open_group(specs, realign=realign, extra_positions=steps - 1)
+    params, first = [r.sampling for r in rows], [first_draft_position(r) for r in rows]
+    fed = torch.tensor([r.append_token_ids for r in rows])
+    choices, logits_run, hidden_run = [], [], []
+    for j in range(steps):
+        logits = group.step(fed, num_logits=1, keep_hidden=keep_features)  # [batch, 1, vocab]
+        fed = sampling.choose(logits, params, [p + j for p in first])  # [batch, 1]
+        choices.append(fed[:, 0])
+        logits_run.append(logits[:, 0])
+        if keep_features:
+            hidden_run.append(group.hidden.float().cpu())
+    outputs = torch.stack(choices, dim=1).tolist()  # [batch, steps]
+    cache_lens = [r.expected_cache_len + len(r.append_token_ids) + steps - 1 for r in rows]
+    runner.store([r.seq_id for r in rows], group.rows_after(cache_lens))
+    scored = [None if r.num_top is None else logprobs_lib.score(
+        torch.stack([step[i] for step in logits_run]), out, r.num_top)
+        for i, (r, out) in enumerate(zip(rows, outputs))]
+    features = [torch.cat([h[i] for h in hidden_run]) if keep_features else None
+                for i in range(len(rows))]
+    return [VerifiedRow(r.seq_id, 0, out, c, lp, f) for r, out, c, lp, f
+            in zip(rows, outputs, cache_lens, scored, features)], [group]
 
 
 def masked(logits: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:
