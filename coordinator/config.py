@@ -47,9 +47,10 @@ class EngineConfig:
     # other sequences' steps: a running stream waits at most about one chunk's prefill for its
     # next token, however long the prompts that arrive (0: a prompt in one command).
     prefill_chunk_tokens: int = 256
-    # A cohort that decodes plainly (no drafts this step, no grammar) with no request waiting
-    # decodes up to this many tokens a row in one verify command (VerifyCommand.plain_steps),
-    # never more than a row has left: a command's fixed cost is paid once for them (1: one).
+    # Where no draft is up (--draft-model none, or every draft down), a cohort with no row
+    # under a grammar and no request waiting decodes up to this many tokens a row in one verify
+    # command (VerifyCommand.plain_steps), never more than a row has left: a command's fixed
+    # cost is paid once for them (1: one).
     plain_steps: int = 4
 
     def __post_init__(self):
@@ -183,7 +184,7 @@ ENGINE_FLAGS = (
          "the target this many tokens a step, between their steps, and admit no more than "
          "this many prompt tokens a step (0: whole prompts)",
          EngineConfig.prefill_chunk_tokens, int),
-    Flag(("--plain-steps",), "tokens a row a cohort decoding without drafts decodes in one "
+    Flag(("--plain-steps",), "where no draft is up, tokens a row a cohort decodes in one "
          "command while no request waits (1: one a command)", EngineConfig.plain_steps, int),
     Flag(("--max-new-tokens",), "largest max_new_tokens a request may ask for",
          CoordinatorConfig.max_new_tokens, int),

@@ -1,7 +1,7 @@
 """Running a cohort's verify: one command to the target, on a worker thread where the step
 overlaps it with drafting the next cohort (`--overlap`; "auto": only where no service runs on
-the CPU, since services that share the host's cores slow each other down). A cohort that
-decodes plainly by choice decodes several tokens a row in that one command (`plain_steps`)."""
+the CPU, since services that share the host's cores slow each other down). Where no draft is
+up, a cohort decodes several tokens a row in that one command (`plain_steps`)."""
 import concurrent.futures
 import dataclasses
 import logging
@@ -95,12 +95,13 @@ class Verifier:
         return Verified(outcomes, timing, time.perf_counter() - started - inside, hosted)
 
     def plain_steps(self, cohort: DraftedCohort) -> int:
-        """How many tokens a row the cohort's verify decodes: up to --plain-steps where it
-        decodes plainly by choice (stepped aside, or no draft is up), no row is under a grammar
-        and no request waits or is part-fed (none waits on these steps to be admitted or fed),
-        never more than a row has left; else one."""
+        """How many tokens a row the cohort's verify decodes: up to --plain-steps where no
+        draft is up (none configured, or all down), no row is under a grammar and no request
+        waits or is part-fed (none waits on these steps to be admitted or fed), never more than
+        a row has left; else one. (Cohorts stepped aside decode one token a command: the
+        evidence's probes and the drafts' catch-up are paced in steps.)"""
         if self.max_plain_steps <= 1 or not cohort.plain or cohort.timing is not None \
-                or (self.peers.draft_up and not all(row.aside for row in cohort.rows)) \
+                or self.peers.draft_up \
                 or any(row.seq.constraint is not None for row in cohort.rows) \
                 or self.pool.num_waiting() or self.pool.prefilling() is not None:
             return 1
