@@ -61,9 +61,7 @@ class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceService
         outcomes, groups = verifier.decode(self.runner, rows, command.plain_steps,
                                            realign=command.realign,
                                            keep_features=command.return_features)
-        return wire.verify_result(outcomes, wire.timing(
-            time.perf_counter() - started, sum(g.realign_seconds for g in groups),
-            sum(g.forward_seconds for g in groups)))
+        return wire.verify_result(outcomes, service.timing(groups, started))
 
     def propose_first(self, command):
         """(proposed tokens by sequence, the ProposeResult or the CommandError) of a verify's

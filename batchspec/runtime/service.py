@@ -106,10 +106,12 @@ def serve_commands(commands, runner: CacheBook, handle, result_type, context,
             return
 
 
-def timing(group, started: float) -> cache_pb2.CommandTiming:
-    """How a group command spent its time (started: its time.perf_counter() at receipt)."""
-    return wire.timing(time.perf_counter() - started, group.realign_seconds,
-                       group.forward_seconds)
+def timing(groups, started: float) -> cache_pb2.CommandTiming:
+    """How a command of one group forward, or a list of them, spent its time (started: its
+    time.perf_counter() at receipt)."""
+    groups = groups if isinstance(groups, list) else [groups]
+    return wire.timing(time.perf_counter() - started, sum(g.realign_seconds for g in groups),
+                       sum(g.forward_seconds for g in groups))
 
 
 class ModelServicer:
