@@ -87,6 +87,7 @@ class DraftedCohort:
     timing: Timing | None = None  # the draft services' own account, summed; None: no call
     round_trip_s: float = 0.0  # coordinator-side, every draft call of the step
     deferred: Deferred | None = None
+    room: int = 1  # stepped aside: tokens a row its command may decode (StepPlan.room)
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -218,7 +219,7 @@ class Drafter:
         plan = self.policy.plan(self.cohort_rows(seqs),
                                 lambda index: self._ask(step, index, timeout))
         if plan.aside:
-            return DraftedCohort([RowDraft(seq, aside=True) for seq in seqs])
+            return DraftedCohort([RowDraft(seq, aside=True) for seq in seqs], room=plan.room)
         for i in range(len(seqs)):
             self._take_offer(step, i, plan.kind(i), plan.k[i])
         for kind in sorted(self.kinds, key=lambda kind: self.policy.kinds[kind.index].unit_cost):
@@ -444,7 +445,7 @@ class Drafter:
                                    timing.forward_seconds, seconds)
 
     def observe_step(self, cohort: DraftedCohort, num_committed: int, seconds: float,
-                     verify_timing: Timing | None = None) -> None:
+                     verify_timing: Timing | None = None, plain_steps: int = 1) -> None:
         """A verified cohort's measured delivery, for the evidence of its class. A step that
         asked any draft counts as drafted even where nothing was verified (a lookup that found
         nothing, a plan that kept every row plain after asking): what drafting costs is
@@ -455,7 +456,7 @@ class Drafter:
             cohort.timing is not None or any(row.num_drafts for row in cohort.rows),
             any(row.draft_token_ids for row in cohort.rows), sampled(cohort.seqs),
             num_committed, seconds,
-            verify_timing.realign_seconds if verify_timing is not None else 0.0)
+            verify_timing.realign_seconds if verify_timing is not None else 0.0, plain_steps)
 
     def observe(self, row: RowDraft, outcome: VerifyOutcome) -> None:
         """Before the row's tokens are committed: how much of the draft's cache now holds

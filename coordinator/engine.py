@@ -307,7 +307,8 @@ class Engine:
             trace.append(row.traced(outcome.num_accepted, row.seq.committed_len - before))
         self._release(finished)
         seconds = time.perf_counter() - started
-        self.drafter.observe_step(cohort, sum(t[3] for t in trace), seconds, verified.timing)
+        self.drafter.observe_step(cohort, sum(t[3] for t in trace), seconds, verified.timing,
+                                  verified.plain_steps)
         self.recorder.log_step(record, trace, seconds)
 
     # ---- endings --------------------------------------------------------------------------------

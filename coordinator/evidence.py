@@ -33,6 +33,11 @@ that pays look like it loses (a lone row aside probed every 12 steps has its dra
 tokens at each probe, and stays aside). So the step after a warm-up drafts too, and it is the
 one paired with the plain step that follows.
 
+Probes are paced in tokens a row, not in commands: a plain command may decode several tokens a
+row (`observe`'s `steps`), and `room` says how many the next one may decode before a probe falls
+due, so a bucket aside is probed, and its draft catches up, as often in tokens as when every
+command decoded one. A drafted step counts one.
+
 Invariants: a decision changes only when the paired ratio differs from 1 by more than
 `margin` (hysteresis), and only once the bucket has `min_pairs` pairs (`min_clear_pairs`
 where the two sides differ by more than `clear_share`), so timing noise does not flip it step
@@ -138,7 +143,7 @@ class Bucket:
     aside: bool = False  # drafting measured slower: step aside
     since_probe: int = 0  # steps since the side not chosen was last tried
     backoff: int = 1  # the probe interval's factor (see EvidenceConfig.max_backoff)
-    plain_run: int = 0  # plain steps since its last drafted step
+    plain_run: int = 0  # tokens a row decoded plainly since its last drafted step
     warming: bool = False  # its last step was a warm-up: the next one drafts too
 
 
@@ -182,16 +187,29 @@ class Evidence:
             return Decision.PLAN if bucket.aside else Decision.PLAIN
         return Decision.PLAIN if bucket.aside else Decision.PLAN
 
+    def room(self, rows: int, sampled: bool = False) -> int:
+        """Tokens a row the command of a step just chosen plain may decode before the side not
+        chosen is next tried (a bucket not yet decided: no bound; its next step drafts)."""
+        bucket = self._bucket(rows, sampled)
+        if not bucket.decided or bucket.since_probe == 0:
+            return 1 << 30
+        return max(1, self._probe_interval(rows, bucket, sampled) - bucket.since_probe)
+
     def observe(self, rows: int, drafted: bool, tokens: int, seconds: float,
-                carried: float = 0.0, sampled: bool = False) -> None:
+                carried: float = 0.0, sampled: bool = False, steps: int = 1) -> None:
         """A verified step: whether any row verified drafts, the tokens it committed and the
         seconds it took; `carried` of them it paid for the bucket's step before (compacting
-        the holes that step's rejected drafts left), which are charged to that step."""
+        the holes that step's rejected drafts left), which are charged to that step; `steps`:
+        the tokens a row a plain command decoded (counted as that many steps toward the
+        next probe)."""
         bucket = self._bucket(rows, sampled)
         bucket.plain_steps += not drafted
+        steps = 1 if drafted else max(1, steps)
+        if bucket.decided and bucket.since_probe:
+            bucket.since_probe += steps - 1  # `choose` counted the command's first
         # plain steps the evidence chose: all of them aside, the yardstick before deciding
         warm_up = drafted and bucket.plain_run >= 2 and (bucket.aside or not bucket.decided)
-        bucket.plain_run = 0 if drafted else bucket.plain_run + 1
+        bucket.plain_run = 0 if drafted else bucket.plain_run + steps
         bucket.warming = warm_up
         if seconds <= 0 or tokens <= 0:
             return

@@ -91,6 +91,7 @@ class StepPlan:
     kinds: tuple[int | None, ...]
     asked_first: tuple[int, ...] = ()  # kinds asked for every row before planning
     aside: bool = False  # the evidence stepped the cohort aside: no draft is asked
+    room: int = 1  # aside: tokens a row its command may decode before the evidence's next probe
     # per row, the kind that drafts its k where its own proposes nothing (None: it decodes
     # plainly): with measured costs, a kind asked first that offered it something (paid
     # for already); without, the row's next best kind
@@ -152,9 +153,11 @@ class DraftingPolicy:
         row, each row's kind and K by the planner. Greedy and sampled rows alike: a seeded
         request's tokens do not depend on the plan."""
         none = (None,) * len(rows)
-        if self.evidence is not None and self.evidence.choose(
-                len(rows), any(r.band for r in rows)) is Decision.PLAIN:
-            return StepPlan((0,) * len(rows), none, aside=True)
+        sampled = any(r.band for r in rows)
+        if self.evidence is not None and self.evidence.choose(len(rows), sampled) \
+                is Decision.PLAIN:
+            return StepPlan((0,) * len(rows), none, aside=True,
+                            room=self.evidence.room(len(rows), sampled))
         # a lookup not due this step sits it out, as if asked and offering nothing
         first = self.asked_first(rows)
         due = tuple(i for i in first if self.kinds[i].ask_due())
@@ -248,15 +251,16 @@ class DraftingPolicy:
 
     def observe_step(self, seq_ids: tuple[int, ...], drafted: bool, verified: bool,
                      sampled: bool, num_committed: int, seconds: float,
-                     realign_s: float) -> None:
+                     realign_s: float, steps: int = 1) -> None:
         """A verified cohort's measured delivery, for the evidence of its class. `drafted`: the
         step asked a draft or verified drafts (what drafting costs is weighed on its side even
-        where nothing was verified); `verified`: it verified drafts. Turnover is left out of
-        both sides, and compaction after a drafted step charged to it (see realign_shares)."""
+        where nothing was verified); `verified`: it verified drafts; `steps`: tokens a row its
+        plain command decoded. Turnover is left out of both sides, and compaction after a
+        drafted step charged to it (see realign_shares)."""
         turnover, carried = self.realign_shares(seq_ids, verified, realign_s)
         if self.evidence is not None:
             self.evidence.observe(len(seq_ids), drafted, num_committed,
-                                  max(0.0, seconds - turnover), carried, sampled)
+                                  max(0.0, seconds - turnover), carried, sampled, steps)
 
     def realign_shares(self, seq_ids: tuple[int, ...], verified: bool,
                        realign_s: float) -> tuple[float, float]:

@@ -96,16 +96,18 @@ class Verifier:
 
     def plain_steps(self, cohort: DraftedCohort) -> int:
         """How many tokens a row the cohort's verify decodes: up to --plain-steps where no
-        draft is up (none configured, or all down), no row is under a grammar and no request
-        waits or is part-fed (none waits on these steps to be admitted or fed), never more than
-        a row has left; else one. (Cohorts stepped aside decode one token a command: the
-        evidence's probes and the drafts' catch-up are paced in steps.)"""
+        draft is up (none configured, or all down) or the evidence stepped the cohort aside
+        (then no more than it lets before its next probe: DraftedCohort.room), no row is under
+        a grammar and no request waits or is part-fed (none waits on these steps to be
+        admitted or fed), never more than a row has left; else one."""
+        aside = bool(cohort.rows) and all(row.aside for row in cohort.rows)
         if self.max_plain_steps <= 1 or not cohort.plain or cohort.timing is not None \
-                or self.peers.draft_up \
+                or (self.peers.draft_up and not aside) \
                 or any(row.seq.constraint is not None for row in cohort.rows) \
                 or self.pool.num_waiting() or self.pool.prefilling() is not None:
             return 1
-        return max(1, min(self.max_plain_steps,
+        room = cohort.room if self.peers.draft_up else self.max_plain_steps
+        return max(1, min(self.max_plain_steps, room,
                           min(row.seq.draft_room + 1 for row in cohort.rows)))
 
     def shutdown(self) -> None:

@@ -189,7 +189,7 @@ def test_a_step_that_asked_a_draft_counts_as_drafted_even_with_nothing_verified(
     seen = []
 
     class Recording:
-        def observe(self, rows, drafted, tokens, seconds, carried=0.0, sampled=False):
+        def observe(self, rows, drafted, tokens, seconds, carried=0.0, sampled=False, steps=1):
             seen.append(drafted)
 
     drafter = Drafter(None, DraftingPolicy(CONFIG, 0, evidence=Recording()), None)
@@ -239,7 +239,7 @@ def test_turnover_copies_are_left_out_and_compaction_is_charged_to_the_drafted_s
     seen = []
 
     class Recording:
-        def observe(self, rows, drafted, tokens, seconds, carried=0.0, sampled=False):
+        def observe(self, rows, drafted, tokens, seconds, carried=0.0, sampled=False, steps=1):
             seen.append((round(seconds, 3), round(carried, 3)))
 
     drafter = Drafter(None, DraftingPolicy(CONFIG, 0, evidence=Recording()), None)
@@ -350,3 +350,29 @@ def test_a_lone_row_is_not_kept_aside_by_what_its_probes_pay_to_catch_the_draft_
     assert not evidence.buckets[bucket_of(1)].aside
     assert choices[-200:].count(Decision.PLAN) > 0.85 * 200
     assert evidence.ratio(1) > 1.2
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_a_bucket_aside_is_probed_as_often_in_tokens_when_its_commands_decode_several(rows):
+    """Aside, plain commands of up to four tokens a row (as many as `room` lets) reach each
+    probe after the same tokens a row as commands of one token do: the draft catches up as
+    much at each probe, and probes come no rarer."""
+
+    def tokens_between_probes(max_steps: int) -> list[int]:
+        evidence, since, gaps = Evidence(), 0, []
+        for _ in range(400):
+            choice = evidence.choose(rows)
+            drafted = choice is Decision.PLAN
+            steps = 1 if drafted else min(max_steps, evidence.room(rows))
+            if drafted and since:
+                gaps.append(since)
+            since = 0 if drafted else since + steps
+            rate = 80.0 if drafted else 100.0  # drafting loses: it steps aside
+            evidence.observe(rows, drafted, tokens=rows * steps, seconds=rows * steps / rate,
+                             steps=steps)
+        assert evidence.buckets[bucket_of(rows)].aside
+        return gaps[-4:]
+
+    one, four = tokens_between_probes(1), tokens_between_probes(4)
+    assert len(four) == 4 and max(one) >= 10  # probes of a bucket aside, far apart
+    assert four == one

@@ -60,9 +60,13 @@ def test_a_cohort_the_evidence_steps_aside_asks_no_draft():
             assert sampled  # a row of band 2 makes the cohort a sampled one
             return evidence_lib.Decision.PLAIN
 
+        def room(self, rows, sampled=False):
+            return 5 if sampled and rows == 2 else 1
+
     ask = Asked({0: 3})
     plan = policy(Aside()).plan([row(1), row(2, band=2)], ask)
     assert plan.aside and plan.k == (0, 0) and ask.kinds == []
+    assert plan.room == 5  # its command may decode what the evidence lets before its probe
 
 
 def test_what_a_row_accepted_moves_its_plan_and_is_forgotten_with_it():

@@ -3,11 +3,14 @@ step-aside evidence): where drafts cannot pay it decodes plainly, where they cle
 drafts, and either way every output is the target alone's (greedy decoding, or for sampled
 requests its seeded samples). Counting drafted and plain
 steps keeps "exact through the services" from quietly becoming plain decoding everywhere."""
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from batchspec.params import SamplingParams
+from coordinator.evidence import EvidenceConfig
 
 import tiny_models
 from conftest import running_stack
@@ -97,3 +100,34 @@ def test_a_draft_that_is_always_wrong_is_stepped_around(model_dirs, tmp_path, fi
     assert accepted == 0 if not fields else accepted < 0.1 * 16 * 80
     assert stats.num_plain_steps > 0.7 * stats.num_steps, (stats.num_plain_steps,
                                                           stats.num_steps)
+
+
+@pytest.mark.parametrize("fields", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_a_lone_request_stepped_aside_decodes_several_tokens_a_command(model_dirs, tmp_path,
+                                                                       fields):
+    """Aside, with its draft up, a cohort decodes up to --plain-steps tokens a row in one
+    command, as the server without drafts does, and its answer is still the target alone's;
+    the evidence still probes drafting (drafted steps after the yardstick), one probe per
+    stretch of tokens, not of commands."""
+    target_dir, _ = model_dirs["llama"]
+    wrong = always_wrong_draft(target_dir, tmp_path / "wrong-draft")
+    prompt, max_new = [5, 6, 7, 8], 150
+    step_log = tmp_path / "steps.jsonl"
+    with running_stack(target_dir, wrong, batch_size=4, num_draft_tokens=4,
+                       draft_policy="goodput", overlap="off", plain_steps=4,
+                       step_log=str(step_log)) as stack:
+        results = generate_all(stack.stub(), [(prompt, max_new)], ignore_eos=True, **fields)
+    assert_exact(target_dir, [(prompt, max_new)], results, **fields)
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    drafted = [i for i, s in enumerate(steps) if any(s["drafts"])]
+    several = [s for s in steps if s["plain_steps"] > 1]
+    assert several and all(s["plain_steps"] <= 4 and not any(s["drafts"]) for s in several)
+    assert sum(s["committed"] for s in several) > max_new / 2  # most tokens came four a command
+    assert drafted  # drafting was tried before the cohort stepped aside
+    # aside, the evidence's turn (a probe: the plan's single step) comes within probe_every
+    # tokens, however many of them a command decodes
+    run, longest = 0, 0
+    for s in steps[drafted[-1] + 1:]:
+        run = run + s["plain_steps"] if s["plain_steps"] > 1 else 0
+        longest = max(longest, run)
+    assert 4 < longest <= EvidenceConfig().probe_every
