@@ -437,12 +437,14 @@ class Drafter:
     # ---- after the verify -----------------------------------------------------------------------
     def observe_verify(self, cohort: DraftedCohort, timing: Timing, seconds: float,
                        plain_steps: int = 1) -> None:
-        """The target's measured cost of verifying the cohort (not of several plain steps in
-        one command: the cost model prices one forward a command)."""
-        if plain_steps > 1:
-            return
-        self.policy.observe_verify([len(row.draft_token_ids) for row in cohort.rows],
-                                   timing.forward_seconds, seconds)
+        """The target's measured cost of verifying the cohort. The cost model prices one
+        forward a command: a command of several plain steps counts as one of its forwards
+        (the mean of them) with the whole command's overhead beside it. (Left out, its plain
+        forwards went unmeasured during a stretch of them, and the planner spent the step the
+        evidence gave drafting on measuring a plain one.)"""
+        forward = timing.forward_seconds / max(1, plain_steps)
+        self.policy.observe_verify([len(row.draft_token_ids) for row in cohort.rows], forward,
+                                   seconds - timing.forward_seconds + forward)
 
     def observe_step(self, cohort: DraftedCohort, num_committed: int, seconds: float,
                      verify_timing: Timing | None = None, plain_steps: int = 1) -> None:

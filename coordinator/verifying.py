@@ -1,7 +1,8 @@
 """Running a cohort's verify: one command to the target, on a worker thread where the step
 overlaps it with drafting the next cohort (`--overlap`; "auto": only where no service runs on
-the CPU, since services that share the host's cores slow each other down). Where no draft is
-up, a cohort decodes several tokens a row in that one command (`plain_steps`)."""
+the CPU, since services that share the host's cores slow each other down). A cohort that
+decodes plainly (no draft up, none planned, or stepped aside) decodes several tokens a row in
+that one command (`plain_steps`)."""
 import concurrent.futures
 import dataclasses
 import logging
@@ -95,18 +96,18 @@ class Verifier:
         return Verified(outcomes, timing, time.perf_counter() - started - inside, hosted)
 
     def plain_steps(self, cohort: DraftedCohort) -> int:
-        """How many tokens a row the cohort's verify decodes: up to --plain-steps where no
-        draft is up (none configured, or all down) or the evidence stepped the cohort aside
-        (then no more than it lets before its next probe: DraftedCohort.room), no row is under
-        a grammar and no request waits or is part-fed (none waits on these steps to be
-        admitted or fed), never more than a row has left; else one."""
-        aside = bool(cohort.rows) and all(row.aside for row in cohort.rows)
+        """How many tokens a row the cohort's verify decodes: up to --plain-steps where the
+        step called no draft and verifies none (no draft is up, the plan drafts for no row,
+        or the evidence stepped the cohort aside: then no more than it lets before its next
+        probe, DraftedCohort.room), no row is under a grammar and no request waits or is
+        part-fed (none waits on these steps to be admitted or fed), never more than a row has
+        left; else one."""
         if self.max_plain_steps <= 1 or not cohort.plain or cohort.timing is not None \
-                or (self.peers.draft_up and not aside) \
                 or any(row.seq.constraint is not None for row in cohort.rows) \
                 or self.pool.num_waiting() or self.pool.prefilling() is not None:
             return 1
-        room = cohort.room if self.peers.draft_up else self.max_plain_steps
+        aside = all(row.aside for row in cohort.rows)
+        room = cohort.room if self.peers.draft_up and aside else self.max_plain_steps
         return max(1, min(self.max_plain_steps, room,
                           min(row.seq.draft_room + 1 for row in cohort.rows)))
 
