@@ -47,11 +47,11 @@ class EngineConfig:
     # other sequences' steps: a running stream waits at most about one chunk's prefill for its
     # next token, however long the prompts that arrive (0: a prompt in one command).
     prefill_chunk_tokens: int = 256
-    # Where no draft is up (--draft-model none, or every draft down) or the evidence stepped
-    # it aside, a cohort with no row under a grammar and no request waiting decodes up to this
-    # many tokens a row in one verify command (VerifyCommand.plain_steps), never more than a row
-    # has left nor, aside, than the evidence lets before its next probe: a command's fixed
-    # cost is paid once for them (1: one).
+    # A cohort whose step calls no draft and verifies none (no draft up, none planned, or the
+    # evidence stepped it aside), with no row under a grammar and no request waiting, decodes up
+    # to this many tokens a row in one verify command (VerifyCommand.plain_steps), never more
+    # than a row has left nor, aside, than the evidence lets before its next probe: a command's
+    # fixed cost is paid once for them (1: one).
     plain_steps: int = 4
 
     def __post_init__(self):
@@ -185,8 +185,9 @@ ENGINE_FLAGS = (
          "the target this many tokens a step, between their steps, and admit no more than "
          "this many prompt tokens a step (0: whole prompts)",
          EngineConfig.prefill_chunk_tokens, int),
-    Flag(("--plain-steps",), "where no draft is up or a cohort is stepped aside, tokens a row "
-         "it decodes in one command while no request waits (1: one a command)",
+    Flag(("--plain-steps",), "tokens a row a cohort that drafts nothing (no draft up, none "
+         "planned, or stepped aside) decodes in one command while no request waits (1: one a "
+         "command)",
          EngineConfig.plain_steps, int),
     Flag(("--max-new-tokens",), "largest max_new_tokens a request may ask for",
          CoordinatorConfig.max_new_tokens, int),

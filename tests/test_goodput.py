@@ -499,11 +499,12 @@ def test_a_draft_is_prefilled_only_when_a_step_first_gives_it_the_row(model_dirs
 
     def late(step, batch):
         held.append(len(runners[1].caches))
-        return [0] * batch if step < 10 else [3 if i % 2 else 0 for i in range(batch)]
+        return [0] * batch if step < 4 else [3 if i % 2 else 0 for i in range(batch)]
 
+    # (its plain steps decode up to four tokens a row a command: the draft catches up on all)
     engine, runners = engine_for(target_dir, target_dir, late, batch_size=4)
     assert run_self_drafted(engine, target_dir, seed=9, count=4, max_new=40) > 0
-    assert held[:11] == [0] * 11 and held[11] == 2  # then only the two rows that drafted
+    assert held[:5] == [0] * 5 and held[5] == 2  # then only the two rows that drafted
     assert not runners[1].caches  # released when they finished
 
 

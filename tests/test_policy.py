@@ -1,6 +1,8 @@
 """The drafting policy alone: one plan per step from a cohort's rows, no service involved."""
 import types
 
+import pytest
+
 from coordinator import evidence as evidence_lib
 from coordinator.policy import CohortRow, DraftingConfig, DraftingPolicy
 
@@ -104,3 +106,23 @@ def test_a_row_falls_back_to_its_next_kind_only_where_that_costs_nothing_more():
     assert offered.kind(0) == 0 and offered.fallback == (1,)
     nothing = measured.plan([row(1)], Asked({}))
     assert nothing.kind(0) == 0 and nothing.fallback == (None,)
+
+
+def test_a_command_of_plain_steps_is_priced_as_one_of_its_forwards_beside_its_overhead():
+    """Four plain steps in one command of 50 ms, 40 ms of it forwards: the target's model
+    learns a plain forward of 10 ms and a command's overhead of 10 ms, and a plain forward
+    is measured (not stale), so the planner does not spend its next step measuring one."""
+    from coordinator.clients import Timing
+    from coordinator.drafting import DraftedCohort, Drafter, RowDraft
+    from coordinator.sequence import Sequence
+
+    p = policy()
+    target = p.planner.target
+    target.observe([(2, 5)], 0.05, 0.06)  # live timings flow: a plain forward is now stale
+    assert target.stale(1, 1)
+    rows = [RowDraft(Sequence(i, [1, 2, 3], 8, frozenset())) for i in range(2)]
+    Drafter(None, p, None).observe_verify(DraftedCohort(rows), Timing(0.045, 0.0, 0.04), 0.05,
+                                          plain_steps=4)
+    assert not target.stale(1, 1)
+    assert target.shapes[((2, 1),)] * target._forward_s([(2, 1)]) == pytest.approx(0.01)
+    assert target.overhead_s == pytest.approx(0.01)  # the whole command's, once
