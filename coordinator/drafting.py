@@ -87,7 +87,9 @@ class DraftedCohort:
     timing: Timing | None = None  # the draft services' own account, summed; None: no call
     round_trip_s: float = 0.0  # coordinator-side, every draft call of the step
     deferred: Deferred | None = None
-    room: int = 1  # stepped aside: tokens a row its command may decode (StepPlan.room)
+    # stepped aside: tokens a row its command may decode before the evidence's next probe
+    # (StepPlan.room); None: no such bound
+    room: int | None = None
 
     @property
     def seqs(self) -> list[Sequence]:

@@ -91,7 +91,7 @@ class StepPlan:
     kinds: tuple[int | None, ...]
     asked_first: tuple[int, ...] = ()  # kinds asked for every row before planning
     aside: bool = False  # the evidence stepped the cohort aside: no draft is asked
-    room: int = 1  # aside: tokens a row its command may decode before the evidence's next probe
+    room: int | None = None  # aside: tokens a row its command may decode before the next probe
     # per row, the kind that drafts its k where its own proposes nothing (None: it decodes
     # plainly): with measured costs, a kind asked first that offered it something (paid
     # for already); without, the row's next best kind

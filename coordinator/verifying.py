@@ -106,8 +106,8 @@ class Verifier:
                 or any(row.seq.constraint is not None for row in cohort.rows) \
                 or self.pool.num_waiting() or self.pool.prefilling() is not None:
             return 1
-        aside = all(row.aside for row in cohort.rows)
-        room = cohort.room if self.peers.draft_up and aside else self.max_plain_steps
+        room = cohort.room if cohort.room is not None and self.peers.draft_up \
+            else self.max_plain_steps
         return max(1, min(self.max_plain_steps, room,
                           min(row.seq.draft_room + 1 for row in cohort.rows)))
 
