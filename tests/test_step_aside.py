@@ -115,10 +115,12 @@ def test_a_lone_request_stepped_aside_decodes_several_tokens_a_command(model_dir
                        draft_policy="goodput", overlap="off", plain_steps=4,
                        step_log=str(step_log)) as stack:
         results = generate_all(stack.stub(), [(prompt, max_new)], ignore_eos=True, **fields)
+        fallback_steps = stack.router.stats.num_draft_fallback_steps
     assert_exact(target_dir, [(prompt, max_new)], results, **fields)
     steps = [json.loads(line) for line in step_log.read_text().splitlines()]
-    drafted = [i for i, s in enumerate(steps) if any(s["drafts"])]
     several = [s for s in steps if s["plain_steps"] > 1]
     assert several and all(s["plain_steps"] <= 4 and not any(s["drafts"]) for s in several)
     assert sum(s["committed"] for s in several) > max_new / 2  # most tokens came four a command
-    assert drafted  # drafting was tried before the cohort stepped aside
+    # its draft was up throughout (the planner may find the rolled draft hopeless from the
+    # start and never ask it: a drafted step is not guaranteed)
+    assert fallback_steps == 0
