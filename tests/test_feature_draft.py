@@ -23,6 +23,7 @@ from draft_service.servicer import DraftServicer
 from target_service import verifier
 from target_service.servicer import TargetServicer
 
+import tiny_models
 from conftest import running_stack, start_draft
 
 
@@ -31,10 +32,10 @@ def heads(model_dirs, tmp_path_factory):
     """{arch: (target_dir, head_dir)}: an untrained head for each tiny target, and "exact":
     a one-layer target with a head that computes what it computes."""
     root = tmp_path_factory.mktemp("heads")
-    made = {arch: (target, tiny.save_feature_head(target, root / f"{arch}-head"))
+    made = {arch: (target, tiny_models.save_feature_head(target, root / f"{arch}-head"))
             for arch, (target, _) in model_dirs.items()}
-    one_layer = tiny.save_one_layer_target(root)
-    made["exact"] = (one_layer, tiny.save_feature_head(one_layer, root / "exact-head",
+    one_layer = tiny_models.save_one_layer_target(root)
+    made["exact"] = (one_layer, tiny_models.save_feature_head(one_layer, root / "exact-head",
                                                        exact=True))
     return made
 
@@ -205,7 +206,7 @@ def test_greedy_output_through_a_feature_draft_is_the_targets_and_it_is_fed_the_
     with running_stack(target_dir, head_dir, batch_size=4, num_draft_tokens=3) as stack:
         results = generate_together(stack, PROMPTS, 16)
         for prompt, (tokens, stats) in zip(PROMPTS, results):
-            assert tokens == tiny.greedy_ignoring_eos(model, prompt, 16)
+            assert tokens == tiny_models.greedy_ignoring_eos(model, prompt, 16)
         assert sum(stats.num_drafted_tokens for _, stats in results) > 0
         assert_fed_the_targets_features(stack.target_runner, [
             (prompt, tokens) for prompt, (tokens, _) in zip(PROMPTS, results)], fed)
@@ -236,7 +237,7 @@ def test_a_prompt_fed_in_chunks_feeds_its_feature_draft_the_targets_rows(heads, 
         results.append(running.result())
         prompts.append(PROMPTS[2])
         for prompt, (tokens, _) in zip(prompts, results):
-            assert tokens == tiny.greedy_ignoring_eos(model, prompt, len(tokens))
+            assert tokens == tiny_models.greedy_ignoring_eos(model, prompt, len(tokens))
         assert sum(stats.num_drafted_tokens for _, stats in results) > 0
         assert_fed_the_targets_features(stack.target_runner, [
             (prompt, tokens) for prompt, (tokens, _) in zip(prompts, results)], fed)
@@ -258,7 +259,7 @@ def test_a_repeated_prompt_is_copied_in_the_target_with_its_features(heads, monk
             copies.append(dict(c)), real_copies(entries, c))[1])
         results = generate_together(stack, prompts, 24)
         for prompt, (tokens, _) in zip(prompts, results):
-            assert tokens == tiny.greedy_ignoring_eos(model, prompt, 24)
+            assert tokens == tiny_models.greedy_ignoring_eos(model, prompt, 24)
         assert [len(c) for c in copies if c] == [1]  # the second asking, copied
         assert_fed_the_targets_features(stack.target_runner, [
             (prompt, tokens) for prompt, (tokens, _) in zip(prompts, results)], fed)
@@ -272,7 +273,7 @@ def test_a_head_that_computes_what_the_target_computes_has_every_draft_accepted(
     with running_stack(target_dir, head_dir, batch_size=4, num_draft_tokens=3) as stack:
         for prompt in PROMPTS[:2]:
             tokens, stats = generate(stack, prompt, 13)
-            assert tokens == tiny.greedy_ignoring_eos(model, prompt, 13)
+            assert tokens == tiny_models.greedy_ignoring_eos(model, prompt, 13)
             # 3 steps of 3 accepted drafts and a bonus token, then the 13th token with no
             # draft (none past the tokens a row may still commit)
             assert stats.num_accepted_tokens == stats.num_drafted_tokens == 9
@@ -281,7 +282,7 @@ def test_a_head_that_computes_what_the_target_computes_has_every_draft_accepted(
         responses = list(stack.stub().Generate(generate_pb2.GenerateRequest(
             prompt_token_ids=PROMPTS[3], max_new_tokens=13, ignore_eos=True,
             prompt_logprobs=generate_pb2.LogprobsOptions(num_top=1)), timeout=120))
-        assert [t for r in responses for t in r.token_ids] == tiny.greedy_ignoring_eos(
+        assert [t for r in responses for t in r.token_ids] == tiny_models.greedy_ignoring_eos(
             model, PROMPTS[3], 13)
         stats = responses[-1].stats
         assert stats.num_accepted_tokens == stats.num_drafted_tokens == 9
@@ -292,7 +293,7 @@ def exact_with_drafts(stack, model) -> tuple[int, int]:
     drafted = accepted = 0
     for prompt in PROMPTS[:3]:
         tokens, stats = generate(stack, prompt, 13)
-        assert tokens == tiny.greedy_ignoring_eos(model, prompt, 13)
+        assert tokens == tiny_models.greedy_ignoring_eos(model, prompt, 13)
         drafted += stats.num_drafted_tokens
         accepted += stats.num_accepted_tokens
     return drafted, accepted
@@ -395,7 +396,7 @@ def test_a_restarted_feature_draft_is_refilled_from_the_targets_features(heads, 
         finally:
             server.stop(0)
         tokens = list(first.token_ids) + [t for r in rest for t in r.token_ids]
-        assert tokens == tiny.greedy_ignoring_eos(model, PROMPTS[1], 200)
+        assert tokens == tiny_models.greedy_ignoring_eos(model, PROMPTS[1], 200)
         stats = rest[-1].stats
         assert stats.num_accepted_tokens == stats.num_drafted_tokens > 0
 
@@ -409,7 +410,7 @@ def test_the_in_process_engine_relays_features_too(heads):
                            batch_size=4)
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     outputs, handles = run_all(engine, [(p, 12) for p in PROMPTS], ignore_eos=True)
-    assert outputs == [tiny.greedy_ignoring_eos(model, p, 12) for p in PROMPTS]
+    assert outputs == [tiny_models.greedy_ignoring_eos(model, p, 12) for p in PROMPTS]
     drafted = sum(h.seq.stats.num_drafted_tokens for h in handles)
     assert sum(h.seq.stats.num_accepted_tokens for h in handles) == drafted > 0
 

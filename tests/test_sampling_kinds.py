@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from batchspec.runtime import tiny
 from batchspec.v1 import generate_pb2
 
+import tiny_models
 from conftest import running_stack
 
 NUM_SAMPLES = 600
@@ -41,7 +42,7 @@ def lookup_prompt(target_dir) -> list[int]:
     greedy continuation of it, then the start again."""
     start = [11, 12, 13, 14]
     model = AutoModelForCausalLM.from_pretrained(target_dir)
-    return start + tiny.greedy_ignoring_eos(model, start, 6) + start
+    return start + tiny_models.greedy_ignoring_eos(model, start, 6) + start
 
 
 def sample(stack, seeds, prompt):
@@ -128,10 +129,11 @@ def feature_heads(model_dirs, tmp_path_factory):
     """{"exact": (a one-layer target, a head computing what it computes), "far": (the tiny
     Llama target, an untrained head)}."""
     root = tmp_path_factory.mktemp("feature-heads")
-    one_layer = tiny.save_one_layer_target(root)
+    one_layer = tiny_models.save_one_layer_target(root)
     target_dir = model_dirs["llama"][0]
-    return {"exact": (one_layer, tiny.save_feature_head(one_layer, root / "exact", exact=True)),
-            "far": (target_dir, tiny.save_feature_head(target_dir, root / "far"))}
+    return {"exact": (one_layer,
+                      tiny_models.save_feature_head(one_layer, root / "exact", exact=True)),
+            "far": (target_dir, tiny_models.save_feature_head(target_dir, root / "far"))}
 
 
 @pytest.mark.parametrize("head,drafts", [("exact", ("model",)), ("far", ("model",)),
@@ -168,7 +170,8 @@ def test_a_cohort_mixing_greedy_and_sampled_rows_keeps_both_exact(model_dirs):
     prompt = lookup_prompt(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     greedy_prompts = [[20 + p, 21, 22, 23, 24] for p in range(20)]
-    greedy = [tuple(tiny.greedy_ignoring_eos(model, p, NUM_POSITIONS)) for p in greedy_prompts]
+    greedy = [tuple(tiny_models.greedy_ignoring_eos(model, p, NUM_POSITIONS))
+              for p in greedy_prompts]
 
     def one(stub, i):
         fields = {} if i % 4 == 0 else {"temperature": TEMPERATURE, "top_p": TOP_P, "seed": i}

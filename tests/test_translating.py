@@ -17,6 +17,7 @@ from coordinator.clients import ModelInfo
 from draft_service import retokenize, translating
 from draft_service.retokenize import TokenTable
 
+import tiny_models
 from conftest import running_stack
 
 
@@ -30,7 +31,7 @@ class Pairs(dict):
         self.root = root
 
     def __missing__(self, arch):
-        self[arch] = tiny.save_translating_pair(arch, self.root)
+        self[arch] = tiny_models.save_translating_pair(arch, self.root)
         return self[arch]
 
 
@@ -168,7 +169,7 @@ def test_a_draft_of_another_tokenizer_is_refused_as_a_same_tokenizer_draft_and_s
         runner.propose([], 0)
     fleet.check_draft(ModelInfo("d", runner.vocab_size, [], 256, 0, 0,
                                 vocabulary=runner.vocabulary), target, "draft:1")
-    head = tiny.save_feature_head(target_dir, tmp_path / "head")  # reads target positions
+    head = tiny_models.save_feature_head(target_dir, tmp_path / "head")  # reads target positions
     with pytest.raises(ValueError, match="reads the target's features"):
         translating.build_runner(service.ServiceConfig(
             model=head, target_tokenizer=str(pathlib.Path(target_dir) / "tokenizer.json")))
@@ -216,12 +217,12 @@ def test_greedy_output_through_a_draft_of_another_tokenizer_is_the_targets(pairs
                        target_tokenizer=str(pathlib.Path(target_dir) / "tokenizer.json")) \
             as stack:
         tokens, stats = generate(stack, prompts[0], 24)
-        assert tokens == tiny.greedy_ignoring_eos(model, prompts[0], 24)
+        assert tokens == tiny_models.greedy_ignoring_eos(model, prompts[0], 24)
         drafted, accepted = stats.num_drafted_tokens, stats.num_accepted_tokens
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             results = list(pool.map(lambda a: generate(stack, *a), zip(prompts, lengths)))
         for prompt, length, (tokens, stats) in zip(prompts, lengths, results):
-            assert tokens == tiny.greedy_ignoring_eos(model, prompt, length)
+            assert tokens == tiny_models.greedy_ignoring_eos(model, prompt, length)
             drafted += stats.num_drafted_tokens
             accepted += stats.num_accepted_tokens
     assert 0 < accepted < drafted
@@ -265,9 +266,9 @@ def test_rows_of_both_kinds_and_both_samplings_in_one_cohort_stay_exact(pairs, t
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     # a prompt that repeats itself: the lookup proposes the target's own continuation
     start = table.encode("The bird")
-    prompt = start + tiny.greedy_ignoring_eos(model, start, 6) + start
+    prompt = start + tiny_models.greedy_ignoring_eos(model, start, 6) + start
     greedy_prompts = [table.encode(p) for p in PROMPTS]
-    greedy = [tuple(tiny.greedy_ignoring_eos(model, p, 8)) for p in greedy_prompts]
+    greedy = [tuple(tiny_models.greedy_ignoring_eos(model, p, 8)) for p in greedy_prompts]
 
     def one(stub, i):
         fields = {} if i % 4 == 0 else {"temperature": TEMPERATURE, "top_p": TOP_P, "seed": i}

@@ -1,17 +1,32 @@
-"""Tiny model pairs (from batchspec.runtime.tiny) and the target-alone greedy reference."""
+"""Tiny model pairs (from batchspec.runtime.tiny) and the target-alone references.
+
+Each runs on the model services' compute thread (batchspec.runtime.compute): a test process
+whose main thread also ran torch would hold two OpenMP teams, and from then on every worker
+sleeps between parallel regions, which made both the references and the services in-process
+several times slower."""
+import functools
+
 import torch
 
-from batchspec.runtime.tiny import (  # noqa: F401
-    BUILDERS,
-    EOS,
-    VOCAB,
-    greedy_ignoring_eos,
-    noisy_copy,
-    pick_eos,
-    save_pair,
-)
+from batchspec.runtime import compute, tiny
+from batchspec.runtime.tiny import BUILDERS, EOS, VOCAB, noisy_copy, pick_eos  # noqa: F401
 
 
+def on_compute_thread(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return compute.run(fn, *args, **kwargs)
+    return run
+
+
+save_pair = on_compute_thread(tiny.save_pair)
+save_feature_head = on_compute_thread(tiny.save_feature_head)
+save_one_layer_target = on_compute_thread(tiny.save_one_layer_target)
+save_translating_pair = on_compute_thread(tiny.save_translating_pair)
+greedy_ignoring_eos = on_compute_thread(torch.no_grad()(tiny.greedy_ignoring_eos))
+
+
+@on_compute_thread
 def reference_greedy(model, prompt: list[int], max_new_tokens: int,
                      ignore_eos: bool = False) -> list[int]:
     """The target alone at batch 1: Hugging Face greedy generate, up to the first EOS."""
@@ -27,16 +42,22 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int,
     return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
 
 
+@on_compute_thread
 def reference_sampled(model, prompt: list[int], max_new_tokens: int, params) -> list[int]:
     """The target alone at batch 1 sampling with `params` (a SamplingParams), end-of-sequence
-    ignored: at each position a full forward over every token so far, and the seeded choice
-    of batchspec.runtime.sampling for that (seed, position), the definition the services'
+    ignored: one token a forward over its own KV cache, and the seeded choice of
+    batchspec.runtime.sampling for that (seed, position), the definition the services'
     output must equal whatever they drafted."""
-    from batchspec.runtime import sampling
+    from batchspec.runtime import kvcache, sampling
 
     tokens = list(prompt)
     with torch.no_grad():
-        for _ in range(max_new_tokens):
-            logits = model(torch.tensor([tokens], device=model.device)).logits[:, -1:]
+        out = model(torch.tensor([tokens], device=model.device), use_cache=True)
+        for step in range(max_new_tokens):
+            logits = out.logits[:, -1:]
             tokens.append(int(sampling.choose(logits, [params], [len(tokens)])[0, 0]))
+            if step + 1 == max_new_tokens:
+                break
+            out = model(torch.tensor([tokens[-1:]], device=model.device), use_cache=True,
+                        **kvcache.with_cache(model, kvcache.returned_cache(out)))
     return tokens[len(prompt):]
