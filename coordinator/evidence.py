@@ -187,12 +187,13 @@ class Evidence:
             return Decision.PLAN if bucket.aside else Decision.PLAIN
         return Decision.PLAIN if bucket.aside else Decision.PLAN
 
-    def room(self, rows: int, sampled: bool = False) -> int:
+    def room(self, rows: int, sampled: bool = False) -> int | None:
         """Tokens a row the command of a step just chosen plain may decode before the side not
-        chosen is next tried (a bucket not yet decided: no bound; its next step drafts)."""
+        chosen is next tried; None: no bound (a bucket not yet decided, whose next step
+        drafts, or one that just probed)."""
         bucket = self._bucket(rows, sampled)
         if not bucket.decided or bucket.since_probe == 0:
-            return 1 << 30
+            return None
         return max(1, self._probe_interval(rows, bucket, sampled) - bucket.since_probe)
 
     def observe(self, rows: int, drafted: bool, tokens: int, seconds: float,

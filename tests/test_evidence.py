@@ -363,7 +363,8 @@ def test_a_bucket_aside_is_probed_as_often_in_tokens_when_its_commands_decode_se
         for _ in range(400):
             choice = evidence.choose(rows)
             drafted = choice is Decision.PLAN
-            steps = 1 if drafted else min(max_steps, evidence.room(rows))
+            room = evidence.room(rows)
+            steps = 1 if drafted else min(max_steps, max_steps if room is None else room)
             if drafted and since:
                 gaps.append(since)
             since = 0 if drafted else since + steps
