@@ -23,7 +23,7 @@ save_pair = on_compute_thread(tiny.save_pair)
 save_feature_head = on_compute_thread(tiny.save_feature_head)
 save_one_layer_target = on_compute_thread(tiny.save_one_layer_target)
 save_translating_pair = on_compute_thread(tiny.save_translating_pair)
-greedy_ignoring_eos = on_compute_thread(torch.no_grad()(tiny.greedy_ignoring_eos))
+greedy_ignoring_eos = on_compute_thread(tiny.greedy_ignoring_eos)
 
 
 @on_compute_thread
@@ -48,16 +48,7 @@ def reference_sampled(model, prompt: list[int], max_new_tokens: int, params) -> 
     ignored: one token a forward over its own KV cache, and the seeded choice of
     batchspec.runtime.sampling for that (seed, position), the definition the services'
     output must equal whatever they drafted."""
-    from batchspec.runtime import kvcache, sampling
+    from batchspec.runtime import sampling
 
-    tokens = list(prompt)
-    with torch.no_grad():
-        out = model(torch.tensor([tokens], device=model.device), use_cache=True)
-        for step in range(max_new_tokens):
-            logits = out.logits[:, -1:]
-            tokens.append(int(sampling.choose(logits, [params], [len(tokens)])[0, 0]))
-            if step + 1 == max_new_tokens:
-                break
-            out = model(torch.tensor([tokens[-1:]], device=model.device), use_cache=True,
-                        **kvcache.with_cache(model, kvcache.returned_cache(out)))
-    return tokens[len(prompt):]
+    return tiny.decode_ignoring_eos(model, prompt, max_new_tokens, lambda logits, position: int(
+        sampling.choose(logits, [params], [position])[0, 0]))

@@ -43,17 +43,23 @@ def noisy_copy(model, seed: int, scale: float):
     return draft
 
 
-@torch.no_grad()
 def greedy_ignoring_eos(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The target alone at batch 1: plain greedy decoding that treats EOS as an ordinary token
     (the reference for requests with ignore_eos)."""
-    out = model(torch.tensor([prompt], device=model.device), use_cache=True)
-    tokens = []
+    return decode_ignoring_eos(model, prompt, max_new_tokens,
+                               lambda logits, position: int(logits[0, -1].argmax()))
+
+
+@torch.no_grad()
+def decode_ignoring_eos(model, prompt: list[int], max_new_tokens: int, choose) -> list[int]:
+    """The target alone at batch 1, one token a forward over its KV cache, EOS an ordinary
+    token: choose(logits [1, 1, vocab], position of the token chosen) -> token id."""
+    tokens, out = [], model(torch.tensor([prompt], device=model.device), use_cache=True)
     for _ in range(max_new_tokens):
-        tokens.append(int(out.logits[0, -1].argmax()))
-        last = torch.tensor([tokens[-1:]], device=model.device)
-        out = model(last, use_cache=True,
-                    **kvcache.with_cache(model, kvcache.returned_cache(out)))
+        if tokens:  # the last token chosen, fed: no forward after the last one
+            out = model(torch.tensor([tokens[-1:]], device=model.device), use_cache=True,
+                        **kvcache.with_cache(model, kvcache.returned_cache(out)))
+        tokens.append(choose(out.logits[:, -1:], len(prompt) + len(tokens)))
     return tokens
 
 
