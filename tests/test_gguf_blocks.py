@@ -9,12 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchspec.runtime import fastlinear, gguf_blocks, models, tiny
+from batchspec.runtime import calibration, fastlinear, gguf_blocks, models, tiny
 from batchspec.v1 import generate_pb2
 
 import tiny_models
 from conftest import running_stack
 from test_exactness import generate_all, random_requests
+from test_fastlinear import Clock
 
 # skipped only outside CI, where a machine may lack a C++ compiler; in CI the kernels must build
 pytestmark = pytest.mark.skipif(not gguf_blocks.load() and not os.environ.get("CI"),
@@ -103,6 +104,82 @@ def test_bad_blocks_are_refused_with_a_clear_error():
         gguf_blocks.Blocks("q4_1", data, 96).product(torch.randn(2, 96))
     with pytest.raises(RuntimeError, match="float32"):
         gguf_blocks.Blocks("q4_1", data, 64).product(torch.randn(2, 64, dtype=torch.float64))
+
+
+class TimedBlocks:
+    """Blocks whose products only move the test's clock (see busy_machine)."""
+
+    kind = "q4_1"
+
+    def __init__(self, work):
+        self.work = work
+
+    def product(self, x):
+        self.work(1.0)
+
+
+def busy_machine(monkeypatch, busy_calls: int):
+    """fastlinear's clock made to move by what the timed work takes, the first `busy_calls`
+    products at a third of the speed (another process loading its model): returns work(s)."""
+    clock, calls = Clock(), []
+
+    def work(seconds):
+        calls.append(seconds)
+        clock.now += seconds * (3.0 if len(calls) <= busy_calls else 1.0)
+
+    monkeypatch.setattr(fastlinear, "time", clock)
+    return work
+
+
+def test_a_busy_stretch_while_blocks_are_timed_does_not_keep_them_unused(monkeypatch):
+    """Blocks twice as fast as the float32 weight keep every row count they are timed at,
+    though the machine is busy for as long as their warm-up and three products take: a loss
+    is timed again, in turns with the float32 products. (Judged by the first timings alone,
+    every product of the blocks fell in the busy stretch: the layers kept float32, and the
+    model's step left its one C++ call, for as long as the service ran.)"""
+    work = busy_machine(monkeypatch, busy_calls=6)
+    monkeypatch.setattr(fastlinear, "weight_major", lambda x, weight: work(2.0))
+    monkeypatch.setattr(fastlinear, "tune", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(fastlinear, "MIN_TIMED_BYTES", 0)
+    found = [(torch.nn.Linear(64, 8, bias=False), TimedBlocks(work))]
+    assert [rows for _, _, rows in gguf_blocks._timed(found)] == [gguf_blocks.TIMED_ROWS[-1]]
+
+
+def test_blocks_slower_than_the_float32_weight_are_not_used_past_that_row_count(monkeypatch):
+    work = busy_machine(monkeypatch, busy_calls=0)
+    # the float32 product gains on the blocks' with rows: 2.0 at one, 1.0 at two
+    monkeypatch.setattr(fastlinear, "weight_major", lambda x, weight: work(2.0 / x.shape[0]))
+    monkeypatch.setattr(fastlinear, "tune", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(fastlinear, "MIN_TIMED_BYTES", 0)
+    found = [(torch.nn.Linear(64, 8, bias=False), TimedBlocks(work))]  # 1.0 at any rows
+    assert [rows for _, _, rows in gguf_blocks._timed(found)] == [1]  # 2 rows: a tie
+
+
+class Widening:
+    """A decoder's step limit and the time a step takes at each (one call up to max_rows)."""
+
+    shapes = ()
+
+    def __init__(self, max_rows: int, one_call: list[float], lean: float):
+        self.max_rows, self.one_call, self.lean = max_rows, list(one_call), lean
+
+    def seconds(self) -> float:
+        return self.one_call.pop(0) if self.max_rows >= 8 else self.lean
+
+
+def test_a_busy_stretch_does_not_close_the_step_widening_for_good():
+    """The step in one call is faster at 8 positions, but its first timing fell in a busy
+    stretch: the loss is timed again and the step widens."""
+    decoder = Widening(4, one_call=[3.0, 1.0], lean=2.0)
+    widening = calibration.StepWidening(decoder)
+    widening.weigh(8, decoder.seconds)
+    assert decoder.max_rows == 8 and widening.open
+    slower = Widening(4, one_call=[3.0, 2.5], lean=2.0)  # slower in both timings
+    widening = calibration.StepWidening(slower)
+    widening.weigh(8, slower.seconds)
+    assert slower.max_rows == 4 and not widening.open
+    widening.weigh(16, slower.seconds)  # closed: no wider step is tried
+    assert slower.max_rows == 4
 
 
 @pytest.fixture(scope="module")

@@ -129,31 +129,39 @@ COLD_BYTES = 64 << 20
 TIMING_TURNS = 5
 
 
-def _pass_seconds(flat: torch.Tensor, weights: list[torch.Tensor], method: int) -> float:
-    """The mean time of one product by `method` across `weights` (one pass over all)."""
-    started = time.perf_counter()
+def least_in_turns(runs: list, turns: int = TIMING_TURNS) -> list[float]:
+    """Each of `runs` (callables, already warmed up) timed `turns` times, every turn timing
+    each once in a rotated order: the least time of each. Other work on the machine (another
+    service loading or timing, the host) only ever adds time: the least of several turns is
+    the run's own time, and taking the runs in turns never judges one on a slower stretch than
+    the others (timed one after another, a candidate timed while another process loaded its
+    model lost to a slower one, and kept it for as long as the process ran)."""
+    least = [math.inf] * len(runs)
+    order = list(range(len(runs)))
+    for turn in range(turns):
+        shift = turn % len(runs)
+        for i in order[shift:] + order[:shift]:
+            started = time.perf_counter()
+            runs[i]()
+            least[i] = min(least[i], time.perf_counter() - started)
+    return least
+
+
+def _pass(flat: torch.Tensor, weights: list[torch.Tensor], method: int) -> None:
+    """One product by `method` with each of `weights` (one pass over all)."""
     for weight in weights:
         _product(flat, weight, method)
-    return (time.perf_counter() - started) / len(weights)
 
 
 def _least_seconds(flat: torch.Tensor, weights: list[torch.Tensor],
                    methods: list[int]) -> dict[int, float]:
-    """Each method's least pass time over TIMING_TURNS turns taken in turn. Other work on the
-    machine (another service loading or timing, the host) only ever adds time: the least of
-    several turns is the kernel's own time, and taking the methods in turns never judges one
-    on a slower stretch than the others (timed one after another, a candidate timed while
-    another process loaded its model lost to a slower one: single-token decoding ran a
-    fifth slower for as long as that plan was kept)."""
+    """Each method's least time of one product (least_in_turns, over passes across all
+    `weights`, so that they come from memory as in a forward)."""
     for weight in weights[:2]:
         for method in methods:
             _product(flat, weight, method)  # warm-up
-    least = {method: math.inf for method in methods}
-    for turn in range(TIMING_TURNS):
-        shift = turn % len(methods)
-        for method in methods[shift:] + methods[:shift]:
-            least[method] = min(least[method], _pass_seconds(flat, weights, method))
-    return least
+    least = least_in_turns([functools.partial(_pass, flat, weights, m) for m in methods])
+    return {method: seconds / len(weights) for method, seconds in zip(methods, least)}
 
 
 def _cold_weights(out_features: int, in_features: int, dtype: torch.dtype) -> list[torch.Tensor]:
