@@ -54,6 +54,9 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sample every request at this temperature (default: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="the sampled requests' top_p")
+    parser.add_argument("--log-dir", default=None,
+                        help="keep each server's log (its services' start-up included) in "
+                             "DIR/NAME.log (default: discarded)")
     args = parser.parse_args()
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         parser.error("--temperature must be >= 0 and --top-p in (0, 1]")
@@ -62,6 +65,8 @@ def main() -> int:
     if len(set(names)) != len(names):
         parser.error("each --server needs its own name")
     builds = {name: os.path.abspath(tree) for name, tree in args.build}
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
     if set(builds) - set(names) or not all(os.path.isdir(t) for t in builds.values()):
         parser.error("--build takes NAME=DIR, a NAME of --server and a source tree DIR")
 
@@ -80,10 +85,12 @@ def main() -> int:
             # and PYTHONPATH (for the services it starts)
             tree = builds.get(name)
             env = dict(os.environ, PYTHONPATH=tree) if tree else None
+            log = open(os.path.join(args.log_dir, f"{name}.log"), "w") if args.log_dir \
+                else subprocess.DEVNULL
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "batchspec_tools.cli", "serve", "--port",
                  str(ports[name]), *flags],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tree)
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tree)
             wait_healthy(f"127.0.0.1:{ports[name]}", "batchspec.v1.Coordinator", 900,
                          [procs[name]])
             print(f"started {name}: batchspec serve {shlex.join(flags)}", flush=True)
