@@ -104,6 +104,12 @@ class DraftedCohort:
         """No row has a proposal or awaits one: the step decodes plainly."""
         return all(row.proposal is None and not row.deferred for row in self.rows)
 
+    @property
+    def verifies_no_draft(self) -> bool:
+        """No row verifies a draft or awaits one, though drafts may have been asked (and
+        proposed nothing, or what the plan did not take)."""
+        return all(not row.draft_token_ids and not row.deferred for row in self.rows)
+
     def constrained(self, k: int) -> "DraftedCohort":
         """The cohort with each constrained row's output masks, taken at its committed
         tokens. A row's draft is cut before the first token its grammar forbids (the target

@@ -36,7 +36,8 @@ one paired with the plain step that follows.
 Probes are paced in tokens a row, not in commands: a plain command may decode several tokens a
 row (`observe`'s `steps`), and `room` says how many the next one may decode before a probe falls
 due, so a bucket aside is probed, and its draft catches up, as often in tokens as when every
-command decoded one. A drafted step counts one.
+command decoded one. A drafted step counts one (or, where it verified no draft and decoded
+several tokens a row, that many).
 
 Invariants: a decision changes only when the paired ratio differs from 1 by more than
 `margin` (hysteresis), and only once the bucket has `min_pairs` pairs (`min_clear_pairs`
@@ -97,7 +98,9 @@ class Step:
     drafted: bool
     tokens: int
     seconds: float
-    warm_up: bool = False  # pays the draft's one-off catch-up: weighed on neither side
+    # weighed on neither side: a warm-up (it pays the draft's one-off catch-up), or a
+    # drafted step that verified no draft and decoded several tokens a row (`observe`)
+    unweighed: bool = False
 
     @property
     def rate(self) -> float:
@@ -197,15 +200,20 @@ class Evidence:
         return max(1, self._probe_interval(rows, bucket, sampled) - bucket.since_probe)
 
     def observe(self, rows: int, drafted: bool, tokens: int, seconds: float,
-                carried: float = 0.0, sampled: bool = False, steps: int = 1) -> None:
+                carried: float = 0.0, sampled: bool = False, steps: int = 1,
+                weighed: bool = True) -> None:
         """A verified step: whether any row verified drafts, the tokens it committed and the
         seconds it took; `carried` of them it paid for the bucket's step before (compacting
         the holes that step's rejected drafts left), which are charged to that step; `steps`:
-        the tokens a row a plain command decoded (counted as that many steps toward the
-        next probe)."""
+        the tokens a row a command of plain steps decoded (counted as that many steps toward
+        the next probe; a drafted step that verified no draft may have decoded several).
+        Not `weighed`: the step is paired with neither neighbour (a drafted step that
+        verified no draft and decoded several tokens a row: it says nothing of what drafted
+        steps deliver, and weighed as drafted, its plain steps made a draft that loses look
+        as fast as decoding plainly, so the bucket planned, and drafted, more)."""
         bucket = self._bucket(rows, sampled)
         bucket.plain_steps += not drafted
-        steps = 1 if drafted else max(1, steps)
+        steps = max(1, steps)
         if bucket.decided and bucket.since_probe:
             bucket.since_probe += steps - 1  # `choose` counted the command's first
         # plain steps the evidence chose: all of them aside, the yardstick before deciding
@@ -215,13 +223,13 @@ class Evidence:
         if seconds <= 0 or tokens <= 0:
             return
         last, carried = bucket.last, min(max(carried, 0.0), 0.9 * seconds)
-        bucket.last = Step(drafted, tokens, seconds - carried, warm_up)
+        bucket.last = Step(drafted, tokens, seconds - carried, warm_up or not weighed)
         if last is None:
             return
         last.seconds += carried
         prev, bucket.prev = bucket.prev, last
         if prev is not None and prev.drafted != last.drafted \
-                and not (prev.warm_up or last.warm_up):
+                and not (prev.unweighed or last.unweighed):
             self._pair(bucket, prev, last)
 
     def _pair(self, bucket: Bucket, before: Step, after: Step) -> None:

@@ -254,13 +254,15 @@ class DraftingPolicy:
                      realign_s: float, steps: int = 1) -> None:
         """A verified cohort's measured delivery, for the evidence of its class. `drafted`: the
         step asked a draft or verified drafts (what drafting costs is weighed on its side even
-        where nothing was verified); `verified`: it verified drafts; `steps`: tokens a row its
-        plain command decoded. Turnover is left out of both sides, and compaction after a
-        drafted step charged to it (see realign_shares)."""
+        where nothing was verified, unless it then decoded several plain steps: weighed on
+        neither side); `verified`: it verified drafts; `steps`: tokens a row its plain command
+        decoded. Turnover is left out of both sides, and compaction after a drafted step
+        charged to it (see realign_shares)."""
         turnover, carried = self.realign_shares(seq_ids, verified, realign_s)
         if self.evidence is not None:
             self.evidence.observe(len(seq_ids), drafted, num_committed,
-                                  max(0.0, seconds - turnover), carried, sampled, steps)
+                                  max(0.0, seconds - turnover), carried, sampled, steps,
+                                  weighed=verified or not drafted or steps <= 1)
 
     def realign_shares(self, seq_ids: tuple[int, ...], verified: bool,
                        realign_s: float) -> tuple[float, float]:

@@ -97,12 +97,14 @@ class Verifier:
 
     def plain_steps(self, cohort: DraftedCohort) -> int:
         """How many tokens a row the cohort's verify decodes: up to --plain-steps where the
-        step called no draft and verifies none (no draft is up, the plan drafts for no row,
-        or the evidence stepped the cohort aside: then no more than it lets before its next
-        probe, DraftedCohort.room), no row is under a grammar and no request waits or is
-        part-fed (none waits on these steps to be admitted or fed), never more than a row has
-        left; else one."""
-        if self.max_plain_steps <= 1 or not cohort.plain or cohort.timing is not None \
+        step verifies no draft and awaits none (no draft is up; the drafts asked proposed
+        nothing, or nothing the plan took; the plan drafts for no row; or the evidence
+        stepped the cohort aside: then no more than it lets before its next probe,
+        DraftedCohort.room), no row is under a grammar and no request waits or is part-fed
+        (none waits on these steps to be admitted or fed), never more than a row has left;
+        else one. The evidence weighs a step that asked drafts and decoded several on neither
+        side (DraftingPolicy.observe_step)."""
+        if self.max_plain_steps <= 1 or not cohort.verifies_no_draft \
                 or any(row.seq.constraint is not None for row in cohort.rows) \
                 or self.pool.num_waiting() or self.pool.prefilling() is not None:
             return 1

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from coordinator.evidence import Decision, Evidence, EvidenceConfig, bucket_of
+from coordinator.evidence import Bucket, Decision, Evidence, EvidenceConfig, bucket_of
 from coordinator.policy import DraftingConfig
 
 CONFIG = DraftingConfig(num_draft_tokens=4, draft_policy="goodput", min_draft_confidence=None)
@@ -180,7 +180,8 @@ def test_a_config_out_of_range_is_refused():
 
 def test_a_step_that_asked_a_draft_counts_as_drafted_even_with_nothing_verified():
     """The plain side is only steps that cost what decoding without drafts does: a step whose
-    drafts found nothing to verify still paid for asking them."""
+    drafts found nothing to verify still paid for asking them. One that then decoded several
+    plain steps is weighed on neither side."""
     from coordinator.clients import Timing
     from coordinator.drafting import DraftedCohort, Drafter, RowDraft
     from coordinator.policy import DraftingPolicy
@@ -189,15 +190,18 @@ def test_a_step_that_asked_a_draft_counts_as_drafted_even_with_nothing_verified(
     seen = []
 
     class Recording:
-        def observe(self, rows, drafted, tokens, seconds, carried=0.0, sampled=False, steps=1):
-            seen.append(drafted)
+        def observe(self, rows, drafted, tokens, seconds, carried=0.0, sampled=False, steps=1,
+                    weighed=True):
+            seen.append((drafted, weighed))
 
     drafter = Drafter(None, DraftingPolicy(CONFIG, 0, evidence=Recording()), None)
     rows = [RowDraft(Sequence(i, [1, 2, 3], 8, frozenset())) for i in range(2)]
     drafter.observe_step(DraftedCohort(rows, Timing(0.01)), 2, 0.05)  # asked, nothing found
     drafter.observe_step(DraftedCohort(rows), 2, 0.04)  # stepped aside: no draft asked
     drafter.observe_step(DraftedCohort([RowDraft(rows[0].seq, 2, 0)], Timing(0.01)), 3, 0.06)
-    assert seen == [True, False, True]
+    drafter.observe_step(DraftedCohort(rows, Timing(0.01)), 8, 0.1, plain_steps=4)
+    drafter.observe_step(DraftedCohort(rows), 8, 0.09, plain_steps=4)  # aside, four a row
+    assert seen == [(True, True), (False, True), (True, True), (True, False), (False, True)]
 def test_rows_of_a_cohort_aside_are_not_idle_for_the_plan():
     """Idle rows are planned at an optimistic acceptance (exploration). Rows the evidence kept
     plain were not idle in that sense: counted idle, the step that tries drafting again after
@@ -239,7 +243,8 @@ def test_turnover_copies_are_left_out_and_compaction_is_charged_to_the_drafted_s
     seen = []
 
     class Recording:
-        def observe(self, rows, drafted, tokens, seconds, carried=0.0, sampled=False, steps=1):
+        def observe(self, rows, drafted, tokens, seconds, carried=0.0, sampled=False, steps=1,
+                    weighed=True):
             seen.append((round(seconds, 3), round(carried, 3)))
 
     drafter = Drafter(None, DraftingPolicy(CONFIG, 0, evidence=Recording()), None)
@@ -377,3 +382,43 @@ def test_a_bucket_aside_is_probed_as_often_in_tokens_when_its_commands_decode_se
     one, four = tokens_between_probes(1), tokens_between_probes(4)
     assert len(four) == 4 and max(one) >= 10  # probes of a bucket aside, far apart
     assert four == one
+
+
+def test_plain_probes_come_as_often_in_tokens_when_plan_steps_decode_several():
+    """Drafting pays, so the bucket plans; every other plan step asked drafts that proposed
+    nothing and decoded four tokens a row in one command (Verifier.plain_steps). Such a step
+    counts its tokens toward the next plain probe, so probes come after about as many tokens
+    a row as where each of those steps decoded one."""
+
+    def tokens_between_plain_probes(nothing_steps: int) -> list[int]:
+        evidence, since, gaps = Evidence(), 0, []
+        for i in range(600):
+            drafted = evidence.choose(1) is Decision.PLAN
+            steps = nothing_steps if drafted and i % 2 else 1
+            if not drafted and since:
+                gaps.append(since)
+            since = since + steps if drafted else 0
+            rate = 120.0 if drafted else 100.0  # drafting pays: it plans
+            evidence.observe(1, drafted, tokens=steps, seconds=steps / rate, steps=steps)
+        assert not evidence.buckets[bucket_of(1)].aside
+        return gaps[-3:]
+
+    one, four = tokens_between_plain_probes(1), tokens_between_plain_probes(4)
+    assert len(four) == 3 and min(one) >= 12  # probes of a settled bucket, far apart
+    assert all(a <= b + 3 for a, b in zip(four, one))  # overshot by one command at most
+
+
+def test_a_plan_step_that_verified_no_draft_is_weighed_on_neither_side():
+    """A drafted step that verified no draft and decoded four tokens a row at the plain rate
+    says nothing of what drafted steps deliver: it is paired with neither neighbour, so the
+    pairs that decide are those of steps that verified drafts (here at 0.8x the plain rate)."""
+    evidence = Evidence(EvidenceConfig(min_steps=1))
+    bucket = evidence.buckets.setdefault(bucket_of(1), Bucket())
+    evidence.observe(1, False, tokens=1, seconds=0.01)  # the yardstick
+    evidence.observe(1, True, tokens=4, seconds=0.04, steps=4, weighed=False)
+    evidence.observe(1, False, tokens=1, seconds=0.01)
+    evidence.observe(1, True, tokens=1, seconds=0.0125)  # verified drafts: 0.8x
+    assert bucket.pairs.count == 0  # (a step is paired once the step after it came)
+    evidence.observe(1, False, tokens=1, seconds=0.01)
+    evidence.observe(1, False, tokens=1, seconds=0.01)
+    assert bucket.pairs.count == 2 and bucket.pairs.ratio == pytest.approx(0.8)

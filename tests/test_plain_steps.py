@@ -86,6 +86,31 @@ def test_a_cohort_that_drafts_verifies_one_step_a_command(model_dirs, tmp_path):
     assert steps and all(s["plain_steps"] == 1 for s in steps)
 
 
+@pytest.mark.parametrize("asked", ["lookup", "cut"])
+def test_a_step_whose_drafts_proposed_nothing_decodes_several_tokens_a_command(
+        model_dirs, tmp_path, asked):
+    """A step that asked drafts which proposed nothing (the n-gram lookup finding no match;
+    a draft whose confidence cut left nothing) verifies none: it decodes up to --plain-steps
+    tokens a row, and a step that verifies drafts one, with the target alone's answers."""
+    target_dir, draft_dir = model_dirs["llama"]
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    step_log = tmp_path / "steps.jsonl"
+    drafting = {"drafts": ("local:ngram",), "draft_policy": "goodput", "step_aside": False} \
+        if asked == "lookup" else {"min_draft_confidence": 0.999}  # fixed K, cut to nothing
+    with running_stack(target_dir, draft_dir if asked == "cut" else None, batch_size=2,
+                       num_draft_tokens=3, plain_steps=4, overlap="off",
+                       step_log=str(step_log), **drafting) as stack:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda p: generate(stack.stub(), p, 40, ignore_eos=True),
+                                    PROMPTS[:2]))
+    for prompt, tokens in zip(PROMPTS, answers):
+        assert tokens == tiny_models.reference_greedy(model, prompt, 40, ignore_eos=True)
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    asked_nothing = [s for s in steps if s["draft_s"] > 0 and not any(s["drafts"])]
+    assert any(s["plain_steps"] > 1 for s in asked_nothing), asked_nothing
+    assert all(s["plain_steps"] == 1 for s in steps if any(s["drafts"]))
+
+
 def test_the_target_refuses_plain_steps_with_drafts(model_dirs):
     target_dir, draft_dir = model_dirs["llama"]
     with running_stack(target_dir, draft_dir, batch_size=1) as stack:
