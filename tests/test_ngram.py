@@ -209,7 +209,8 @@ def test_the_router_uses_both_drafts_and_survives_losing_one(model_dirs):
     rng = random.Random(8)
     requests = [([rng.randrange(4, tiny_models.VOCAB) for _ in range(6)] * 4, 30)
                 for _ in range(8)] + random_requests(seed=31, count=8)
-    with running_stack(target_dir, draft_dir, batch_size=8, drafts=("model", "ngram")) as stack:
+    with running_stack(target_dir, draft_dir, batch_size=8, drafts=("model", "ngram"),
+                       plain_steps=1) as stack:  # a draft asked at every token (see above)
         engine = stack.router.engines[0]
         drafter = engine.drafter
         counts = Counter()
@@ -265,7 +266,7 @@ def test_sampled_rows_draft_with_the_lookup_alone_under_goodput_and_repeat(model
     runs = []
     for batch_size, seeds in ((1, [7, 8]), (16, [7, 8] + list(range(100, 114)))):
         with running_stack(target_dir, draft_dir, batch_size=batch_size, drafts=("ngram",),
-                           draft_policy="goodput", step_aside=False) as stack:
+                           draft_policy="goodput", step_aside=False, plain_steps=1) as stack:
             runs.append(sample_service(stack.stub(), seeds, prompt=prompt)[:2])
             assert stack.router.stats.num_sampled_rows > 0  # proposals went to sampled rows
     assert runs[0] == runs[1]
@@ -333,8 +334,9 @@ def test_the_lookup_is_asked_for_every_row_and_its_misses_are_no_rejections(mode
     requests = [([rng.randrange(4, tiny_models.VOCAB) for _ in range(6)] * 4, 30)
                 for _ in range(6)] + random_requests(seed=32, count=6)
     # the planner on every step (stepping aside asks no draft: a step it takes is plain)
+    # one token a command: the lookup asked at every token (see above)
     with running_stack(target_dir, draft_dir, batch_size=6, drafts=("model", "ngram"),
-                       draft_policy="goodput", step_aside=False) as stack:
+                       draft_policy="goodput", step_aside=False, plain_steps=1) as stack:
         drafter = stack.router.engines[0].drafter
         assert drafter.policy.asked_first() == [1]  # the lookup, not the model
         counts = Counter()
