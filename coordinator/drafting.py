@@ -101,7 +101,8 @@ class DraftedCohort:
 
     @property
     def plain(self) -> bool:
-        """No row has a proposal or awaits one: the step decodes plainly."""
+        """No row has a proposal or awaits one: no draft answered for any row (the step
+        record's `plain`). Whether the step verifies a draft: verifies_no_draft."""
         return all(row.proposal is None and not row.deferred for row in self.rows)
 
     @property

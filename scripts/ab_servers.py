@@ -66,6 +66,8 @@ def main() -> int:
         parser.error("each --server needs its own name")
     builds = {name: os.path.abspath(tree) for name, tree in args.build}
     if args.log_dir:
+        if os.path.exists(args.log_dir) and not os.path.isdir(args.log_dir):
+            parser.error(f"--log-dir {args.log_dir}: exists and is not a directory")
         os.makedirs(args.log_dir, exist_ok=True)
     if set(builds) - set(names) or not all(os.path.isdir(t) for t in builds.values()):
         parser.error("--build takes NAME=DIR, a NAME of --server and a source tree DIR")
@@ -91,6 +93,8 @@ def main() -> int:
                 [sys.executable, "-m", "batchspec_tools.cli", "serve", "--port",
                  str(ports[name]), *flags],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tree)
+            if log is not subprocess.DEVNULL:
+                log.close()  # the server holds its own copy
             wait_healthy(f"127.0.0.1:{ports[name]}", "batchspec.v1.Coordinator", 900,
                          [procs[name]])
             print(f"started {name}: batchspec serve {shlex.join(flags)}", flush=True)
