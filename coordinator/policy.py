@@ -29,8 +29,9 @@ from coordinator.evidence import Decision, Evidence
 # model) is asked for every row before the step is planned.
 ASK_FIRST_SHARE = 0.05
 # Such a draft is asked every step while at least this share of recent asks (an exponential
-# average, DECAY per ask) had a row drafting with what it offered; below, every
-# IDLE_ASK_EVERY-th step, so it keeps gathering evidence.
+# average, DECAY per ask) had a row drafting with what it offered; below, once every
+# IDLE_ASK_EVERY tokens a row (a step of several plain tokens counts them all), so it keeps
+# gathering evidence and finds a sequence that starts to repeat itself that soon.
 ASK_USE_FLOOR = 0.125
 ASK_USE_DECAY = 0.9
 IDLE_ASK_EVERY = 4
@@ -53,15 +54,21 @@ class KindModel:
     # drafts are cut where they stop paying (goodput.break_even_confidence)
     calibrated: bool = False
     ask_use: float = 1.0  # recent share of asks before planning that a plan drafted with
-    asks_skipped: int = 0  # steps since it was last asked before planning, while idle
+    # tokens a row the steps since its last ask before planning decoded (that step's own
+    # included): paced in tokens, an idle kind is asked as often in a sequence's tokens
+    # whether commands decode one token a row or several
+    since_ask: int = IDLE_ASK_EVERY
 
     def ask_due(self) -> bool:
         """Whether to ask it before planning this step (called once per step)."""
-        if self.ask_use >= ASK_USE_FLOOR or self.asks_skipped + 1 >= IDLE_ASK_EVERY:
-            self.asks_skipped = 0
+        if self.ask_use >= ASK_USE_FLOOR or self.since_ask >= IDLE_ASK_EVERY:
+            self.since_ask = 0
             return True
-        self.asks_skipped += 1
         return False
+
+    def decoded(self, tokens: int) -> None:
+        """A step was verified that decoded `tokens` tokens a row."""
+        self.since_ask += max(1, tokens)
 
     def asked(self, used: bool) -> None:
         """Record whether the plan drafted any row with what it offered."""
@@ -259,6 +266,8 @@ class DraftingPolicy:
         decoded. Turnover is left out of both sides, and compaction after a drafted step
         charged to it (see realign_shares)."""
         turnover, carried = self.realign_shares(seq_ids, verified, realign_s)
+        for model in self.kinds:
+            model.decoded(steps)
         if self.evidence is not None:
             self.evidence.observe(len(seq_ids), drafted, num_committed,
                                   max(0.0, seconds - turnover), carried, sampled, steps,

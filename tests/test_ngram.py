@@ -371,16 +371,44 @@ def test_the_lookup_is_asked_for_every_row_and_its_misses_are_no_rejections(mode
         assert tokens == tiny_models.reference_greedy(model, prompt, max_new)
 
 
-def test_a_lookup_whose_offers_go_unused_is_asked_only_every_few_steps():
+def steps_due(kind: policy_lib.KindModel, steps: int, tokens: int = 1) -> list[bool]:
+    """Whether `kind` is asked at each of `steps` steps that decode `tokens` tokens a row."""
+    due = []
+    for _ in range(steps):
+        due.append(kind.ask_due())
+        kind.decoded(tokens)
+    return due
+
+
+def idle_kind() -> policy_lib.KindModel:
     kind = policy_lib.KindModel()
-    assert all(kind.ask_due() for _ in range(5))  # a fresh kind is asked every step
+    assert all(steps_due(kind, 5))  # a fresh kind is asked every step
     asks = 0
     while kind.ask_use >= policy_lib.ASK_USE_FLOOR:
         assert kind.ask_due()
         kind.asked(False)
+        kind.decoded(1)
         asks += 1
     assert asks > 10  # a run of unused asks, not one, makes it idle
-    due = [kind.ask_due() for _ in range(4 * policy_lib.IDLE_ASK_EVERY)]
+    return kind
+
+
+def test_a_lookup_whose_offers_go_unused_is_asked_only_every_few_steps():
+    kind = idle_kind()
+    due = steps_due(kind, 4 * policy_lib.IDLE_ASK_EVERY)
     assert sum(due) == 4 and due[policy_lib.IDLE_ASK_EVERY - 1]  # evidence keeps coming
     kind.asked(True)  # one ask a plan drafted with: asked every step again
-    assert kind.ask_use >= policy_lib.ASK_USE_FLOOR and all(kind.ask_due() for _ in range(5))
+    assert kind.ask_use >= policy_lib.ASK_USE_FLOOR and all(steps_due(kind, 5))
+
+
+def test_an_idle_lookup_is_paced_in_tokens_not_commands():
+    """Where each command decodes several tokens a row (plain steps), an idle lookup is asked
+    as often in a sequence's tokens as where each decodes one: a sequence that starts to
+    repeat itself is found as soon."""
+    every = policy_lib.IDLE_ASK_EVERY
+    for tokens, due in ((every, [True] * 8), (every // 2, [i % 2 == 1 for i in range(8)])):
+        kind = idle_kind()
+        while not kind.ask_due():  # a step that asks it, of `tokens` tokens a row
+            kind.decoded(1)
+        kind.decoded(tokens)
+        assert steps_due(kind, 8, tokens) == due
