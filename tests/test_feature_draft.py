@@ -374,13 +374,18 @@ def test_a_restarted_feature_draft_is_refilled_from_the_targets_features(heads, 
 
     from conftest import wait_for
 
-    real_verify = verifier.verify
+    real_verify, real_decode = verifier.verify, verifier.decode
 
     def slow_verify(*args, **kwargs):  # steps slow enough to outlast the reconnection
         time.sleep(0.01)
         return real_verify(*args, **kwargs)
 
+    def slow_decode(runner, rows, steps, **kwargs):  # plain steps too, while the head is down
+        time.sleep(0.01 * steps)
+        return real_decode(runner, rows, steps, **kwargs)
+
     monkeypatch.setattr(verifier, "verify", slow_verify)
+    monkeypatch.setattr(verifier, "decode", slow_decode)
     target_dir, head_dir = heads["exact"]
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     with running_stack(target_dir, head_dir, batch_size=2, num_draft_tokens=3) as stack:
