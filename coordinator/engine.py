@@ -72,7 +72,8 @@ class Engine:
                            self.recorder, handover)
         self.policy = DraftingPolicy(
             DraftingConfig(config.num_draft_tokens, config.draft_policy,
-                           config.min_draft_confidence), len(drafts), planner=planner,
+                           config.min_draft_confidence, config.plain_steps), len(drafts),
+            planner=planner,
             evidence=evidence if evidence is not None else default_evidence(config, planner))
         self.drafter = Drafter(self.peers, self.policy, self.recorder)
         self._thread: threading.Thread | None = None

@@ -55,6 +55,9 @@ PARTIAL_EXPONENT = 0.35
 @dataclasses.dataclass(frozen=True)
 class GoodputConfig:
     max_k: int = 4  # the most a step may draft (the coordinator's -k)
+    # tokens a row a command decodes where no row drafts (the coordinator's --plain-steps):
+    # plain decoding's rate pays a command's overhead once for that many
+    plain_steps: int = 1
     # a row not drafting with a kind for this many of its steps is planned at `optimism` for
     # it: rows idle for long draft together once enough of them would pay at that acceptance
     # (one widened verify buys the evidence of all of them), never one at a time
@@ -94,6 +97,8 @@ class GoodputConfig:
     def __post_init__(self):
         if not 1 <= self.max_k <= 32:
             raise ValueError("max_k must be in [1, 32]")
+        if self.plain_steps < 1:
+            raise ValueError("plain_steps must be >= 1")
         if min(self.explore_every, self.starve_every, self.measure_plain_every,
                self.cold_horizon, self.explorers) < 1 \
                 or not 0 < self.decay <= 1 or self.prior_weight <= 0 \
@@ -257,6 +262,11 @@ class ServiceCost:
         ratio = self.shapes.get(tuple(calls)) or self.ratios.get(self.size(calls), self.ratio)
         return ratio * self._forward_s(calls) + self.overhead_s
 
+    def plain_s(self, rows: int, steps: int = 1) -> float:
+        """Seconds a token a row of plain decoding where a command decodes `steps` tokens a
+        row: a forward each, the command's overhead shared among them."""
+        return self.predict([(rows, 1)]) - self.overhead_s * (1 - 1 / max(1, steps))
+
     def verify_calls(self, batch: int, drafting: int, k: int) -> list[tuple]:
         """A verify of `batch` rows, `drafting` of them with k drafts, as forwards: one of
         batch x (1 + k), or where the target packs positions and some rows do not draft, a
@@ -302,12 +312,13 @@ def draft_calls(rows: int, width: int, k: int) -> list[tuple[int, int]]:
 
 
 def break_even_confidence(target: ServiceCost, draft: ServiceCost, rows: int, drafting: int,
-                          k: int) -> float:
+                          k: int, plain_steps: int = 1) -> float:
     """The least probability of being accepted at which a drafted token pays for itself, in
     a step of `rows` rows of which `drafting` draft up to k tokens each: what one more
     verified token and one more draft forward cost a row, over what a committed token is
-    worth (a plain step's time per row). Where a draft's probability of its drafts tracks
-    their acceptance, drafts are cut where it falls below this (ProposeCommand)."""
+    worth (a plain token's time per row, `plain_steps` of them a command). Where a draft's
+    probability of its drafts tracks their acceptance, drafts are cut where it falls below
+    this (ProposeCommand)."""
     plain = target.predict(target.verify_calls(rows, 0, 0))
     if drafting < 1 or k < 1 or plain <= 0:
         return 0.0
@@ -315,7 +326,7 @@ def break_even_confidence(target: ServiceCost, draft: ServiceCost, rows: int, dr
     forwards = max(0.0, draft.predict(draft_calls(drafting, 1, k))
                    - draft.predict(draft_calls(drafting, 1, 1)))
     per_token = verify / (drafting * k) + forwards / (drafting * max(k - 1, 1))
-    return min(1.0, per_token * rows / plain)
+    return min(1.0, per_token * rows / target.plain_s(rows, plain_steps))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,7 +496,7 @@ class GoodputPolicy:
         batch = len(rows)
         able = sum(1 for r in rows if r.drafts(1)
                    and kind < len(r.options()) and r.options()[kind])
-        plain = batch / self.target.predict([(batch, 1)]) * (1 + self.config.explore_margin)
+        plain = batch / self.target.plain_s(batch, self.config.plain_steps) * (1 + self.config.explore_margin)
         gain = self.delivered(kind)
         for k in range(1, self.config.max_k + 1):
             tokens = batch + able * (expected_tokens(self.config.optimism, k) - 1) * gain
@@ -510,7 +521,7 @@ class GoodputPolicy:
         as pay."""
         batch = len(rows)
         if k == 0 or not kinds:
-            return Plan([0] * batch, batch / self.target.predict([(batch, 1)]), [None] * batch)
+            return Plan([0] * batch, batch / self.target.plain_s(batch, self.config.plain_steps), [None] * batch)
         pairs = []  # (required, gain, row, kind, catch_up, paid, prefill)
         for i, row in enumerate(rows):
             options = row.options()
@@ -546,7 +557,7 @@ class GoodputPolicy:
             if len(chosen) >= required and (best is None or rate > best[1]):
                 best = (len(chosen), rate)
         if best is None:  # no row can draft with these kinds
-            return Plan([0] * batch, batch / self.target.predict([(batch, 1)]), [None] * batch)
+            return Plan([0] * batch, batch / self.target.plain_s(batch, self.config.plain_steps), [None] * batch)
         picked = dict(chosen[:best[0]])
         return Plan([row.drafts(k) if i in picked else 0 for i, row in enumerate(rows)],
                     best[1], [picked.get(i) for i in range(batch)])

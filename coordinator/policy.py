@@ -42,6 +42,7 @@ class DraftingConfig:
     num_draft_tokens: int  # K, the most a row drafts in a step
     draft_policy: str  # "goodput" or "fixed" (see EngineConfig)
     min_draft_confidence: float | None  # None: calibrated drafts cut at break-even
+    plain_steps: int = 1  # tokens a row a command decodes where no row drafts (EngineConfig)
 
 
 @dataclasses.dataclass
@@ -150,7 +151,8 @@ class DraftingPolicy:
                 model.unit_cost = min(seconds for _, _, seconds in info.step_costs)
         if self.planner is None:
             self.planner = goodput.GoodputPolicy(
-                goodput.GoodputConfig(max_k=self.config.num_draft_tokens),
+                goodput.GoodputConfig(max_k=self.config.num_draft_tokens,
+                                      plain_steps=self.config.plain_steps),
                 [model.cost for model in self.kinds], cost(target))
 
     # ---- a step's plan --------------------------------------------------------------------------
@@ -223,7 +225,7 @@ class DraftingPolicy:
         if not (model.calibrated and model.cost is not None and self.planner.calibrated):
             return 0.0
         return goodput.break_even_confidence(self.planner.target, model.cost, rows, drafting,
-                                             num_drafts)
+                                             num_drafts, self.planner.config.plain_steps)
 
     # ---- what steps measured --------------------------------------------------------------------
     def observe_call(self, kind: int, rows: int, width: int, drafted: int, forward_s: float,

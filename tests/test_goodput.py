@@ -667,3 +667,25 @@ def test_acceptance_is_pooled_per_sampling_band():
     fresh_greedy, fresh_hot = goodput.RowState(band=0), goodput.RowState(band=3)
     assert p.acceptance(fresh_greedy) > 0.8 and p.acceptance(fresh_hot) < 0.2
     assert p.acceptance(goodput.RowState(band=2)) == p.config.prior_acceptance  # no evidence
+
+
+def test_plain_decoding_is_priced_at_its_steps_a_command():
+    """Where a command that drafts nothing decodes several tokens a row (--plain-steps), its
+    overhead is paid once for them: plain decoding is priced so, and a draft that beats one
+    token a command but not several is not planned, nor are its tokens kept below what a
+    plain token then costs (the break-even confidence)."""
+    def target():
+        cost = goodput.ServiceCost(goodput.ForwardCosts(
+            [(1, 1, 0.005), (1, 2, 0.0055), (1, 5, 0.008)]))
+        cost.observe([(1, 1)], 0.005, 0.008)  # 3 ms a command beside its forward
+        return cost
+
+    lookup = goodput.ServiceCost(goodput.ForwardCosts([(1, 1, 1e-5), (1, 5, 1e-5)]))
+    row = goodput.Row(choices=(goodput.Option(0.45, offered=1),))
+    plans = {steps: goodput.GoodputPolicy(goodput.GoodputConfig(max_k=4, plain_steps=steps),
+                                          [lookup], target()).plan([row]).k
+             for steps in (1, 4)}
+    assert plans == {1: [1], 4: [0]}
+    one, four = (goodput.break_even_confidence(target(), lookup, 1, 1, 1, steps)
+                 for steps in (1, 4))
+    assert 0 < one < four
