@@ -487,6 +487,10 @@ class GoodputPolicy:
             return plain
         return best
 
+    def _plain_rate(self, batch: int) -> float:
+        """Tokens a second of `batch` rows decoding plainly, plain_steps tokens a command."""
+        return batch / self.target.plain_s(batch, self.config.plain_steps)
+
     def _could_pay(self, kind: int, rows: list[Row]) -> bool:
         """Whether drafting with `kind` could beat plain decoding for this cohort if every
         row it can draft for accepted at `optimism` (its best case as exploration sees it).
@@ -496,7 +500,7 @@ class GoodputPolicy:
         batch = len(rows)
         able = sum(1 for r in rows if r.drafts(1)
                    and kind < len(r.options()) and r.options()[kind])
-        plain = batch / self.target.plain_s(batch, self.config.plain_steps) * (1 + self.config.explore_margin)
+        plain = self._plain_rate(batch) * (1 + self.config.explore_margin)
         gain = self.delivered(kind)
         for k in range(1, self.config.max_k + 1):
             tokens = batch + able * (expected_tokens(self.config.optimism, k) - 1) * gain
@@ -521,7 +525,7 @@ class GoodputPolicy:
         as pay."""
         batch = len(rows)
         if k == 0 or not kinds:
-            return Plan([0] * batch, batch / self.target.plain_s(batch, self.config.plain_steps), [None] * batch)
+            return Plan([0] * batch, self._plain_rate(batch), [None] * batch)
         pairs = []  # (required, gain, row, kind, catch_up, paid, prefill)
         for i, row in enumerate(rows):
             options = row.options()
@@ -557,7 +561,7 @@ class GoodputPolicy:
             if len(chosen) >= required and (best is None or rate > best[1]):
                 best = (len(chosen), rate)
         if best is None:  # no row can draft with these kinds
-            return Plan([0] * batch, batch / self.target.plain_s(batch, self.config.plain_steps), [None] * batch)
+            return Plan([0] * batch, self._plain_rate(batch), [None] * batch)
         picked = dict(chosen[:best[0]])
         return Plan([row.drafts(k) if i in picked else 0 for i, row in enumerate(rows)],
                     best[1], [picked.get(i) for i in range(batch)])
