@@ -53,6 +53,11 @@ def step_record(cohort: DraftedCohort, verified: Verified, fallback: bool) -> St
                       cohort.round_trip_s, verified.seconds, verified.plain_steps)
 
 
+def drafting_config(config: EngineConfig) -> DraftingConfig:
+    return DraftingConfig(config.num_draft_tokens, config.draft_policy,
+                          config.min_draft_confidence, config.plain_steps)
+
+
 class Engine:
     def __init__(self, target, drafts: list[list], config: EngineConfig,
                  eos_token_ids: list[int], *, telemetry=None, handover=None, seq_ids=None,
@@ -71,9 +76,7 @@ class Engine:
                                                   config.max_prefill_tokens),
                            self.recorder, handover)
         self.policy = DraftingPolicy(
-            DraftingConfig(config.num_draft_tokens, config.draft_policy,
-                           config.min_draft_confidence, config.plain_steps), len(drafts),
-            planner=planner,
+            drafting_config(config), len(drafts), planner=planner,
             evidence=evidence if evidence is not None else default_evidence(config, planner))
         self.drafter = Drafter(self.peers, self.policy, self.recorder)
         self._thread: threading.Thread | None = None
