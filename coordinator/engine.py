@@ -54,6 +54,7 @@ def step_record(cohort: DraftedCohort, verified: Verified, fallback: bool) -> St
 
 
 def drafting_config(config: EngineConfig) -> DraftingConfig:
+    """The drafting policy's part of the engine's configuration."""
     return DraftingConfig(config.num_draft_tokens, config.draft_policy,
                           config.min_draft_confidence, config.plain_steps)
 
