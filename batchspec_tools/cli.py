@@ -358,6 +358,10 @@ def generate_parser() -> argparse.ArgumentParser:
                              "probability, in (0, 1]")
     parser.add_argument("--seed", type=bounded(int, 0), default=None,
                         help="seed for sampling: the same seed gives the same answer")
+    parser.add_argument("--presence-penalty", type=float, default=None,
+                        help="OpenAI's presence penalty, in [-2, 2] (default 0)")
+    parser.add_argument("--frequency-penalty", type=float, default=None,
+                        help="OpenAI's frequency penalty, in [-2, 2] (default 0)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--stats", action="store_true", help="print speculation stats at the end")
@@ -412,6 +416,10 @@ def generate(argv) -> int:
             parser.error(str(error))
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"argument --top-p: must be in (0, 1], not {args.top_p}")
+    for flag in ("presence_penalty", "frequency_penalty"):
+        value = getattr(args, flag)
+        if value is not None and not abs(value) <= 2:
+            parser.error(f"argument --{flag.replace('_', '-')}: must be in [-2, 2], not {value}")
     if (args.prompt is None) == (args.token_ids is None):
         parser.error("give a prompt, or --token-ids (not both)")
     request = generate_pb2.GenerateRequest(max_new_tokens=args.max_new_tokens, stop=args.stop)
@@ -419,7 +427,8 @@ def generate(argv) -> int:
         request.prompt_token_ids.extend(args.token_ids)
     else:
         request.prompt, request.chat = args.prompt, not args.raw
-    for field in ("temperature", "top_k", "top_p", "seed"):
+    for field in ("temperature", "top_k", "top_p", "seed", "presence_penalty",
+                  "frequency_penalty"):
         if getattr(args, field) is not None:
             setattr(request, field, getattr(args, field))
     with server_lib.open_channel(args.address, credentials) as channel:

@@ -67,6 +67,8 @@ class VerifySpec:
     # verify the first num_proposed tokens the target's hosted draft proposes first (then
     # draft_token_ids and token_masks are empty); 0: draft_token_ids
     num_proposed: int = 0
+    # with a presence or frequency penalty: {token id: times output} before the first output
+    output_counts: dict[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,8 +324,10 @@ class ServiceClient:
 
 
 def _sampling(spec: SamplingParams) -> cache_pb2.SamplingParams:
-    return cache_pb2.SamplingParams(temperature=spec.temperature, top_k=spec.top_k,
-                                    top_p=spec.top_p, seed=spec.seed)
+    return cache_pb2.SamplingParams(
+        temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed,
+        presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
+        logit_bias=dict(spec.logit_bias))
 
 
 class DraftClient(ServiceClient):
@@ -376,7 +380,8 @@ class TargetClient(ServiceClient):
                                    sampling=_sampling(s.sampling),
                                    logprobs=None if s.logprobs is None
                                    else cache_pb2.LogprobsSpec(num_top=s.logprobs),
-                                   token_masks=s.token_masks, num_proposed=s.num_proposed)
+                                   token_masks=s.token_masks, num_proposed=s.num_proposed,
+                                   output_token_counts=s.output_counts)
             for s in specs])
         result = self.stream.call(timeout=timeout, verify=command)
         outcomes = [VerifyOutcome(e.seq_id, e.num_accepted, list(e.output_token_ids),

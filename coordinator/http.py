@@ -27,6 +27,7 @@ import uuid
 from aiohttp import web
 
 from batchspec import errors, security
+from batchspec.params import MAX_LOGIT_BIAS, MAX_PENALTY
 from coordinator.grammar import Grammars, ResponseFormat
 from coordinator.requests import Ending, Limits, RequestInput, ValidRequest, stream_events, validate
 from coordinator.sequence import Finish
@@ -58,13 +59,13 @@ class ServedModels:
 # rather than ignored, except NEUTRAL fields given their neutral value (what clients send by
 # default) and `user`, which is the caller's label and never changes an answer.
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                 "stream", "stream_options", "n", "user", "ignore_eos", "response_format"}
+                 "stream", "stream_options", "n", "user", "ignore_eos", "response_format",
+                 "presence_penalty", "frequency_penalty", "logit_bias"}
 FIELDS = {"/v1/chat/completions": COMMON_FIELDS | {"messages", "max_completion_tokens",
                                                    "logprobs", "top_logprobs"},
           "/v1/completions": COMMON_FIELDS | {"prompt", "logprobs", "echo"}}
 NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
-           "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-           "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None,),
+           "best_of": (None, 1), "suffix": (None,),
            "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
            "function_call": (None, "none"), "parallel_tool_calls": (None,)}
 
@@ -199,7 +200,10 @@ class HttpEdge:
             top_k=optional_number(body, "top_k", int),  # an extension, as in vLLM
             seed=optional_number(body, "seed", int), stop=tuple(stop or ()),
             ignore_eos=flag(body, "ignore_eos"),  # an extension, as in vLLM
-            response_format=response_format(body.get("response_format")))
+            response_format=response_format(body.get("response_format")),
+            presence_penalty=penalty(body, "presence_penalty"),
+            frequency_penalty=penalty(body, "frequency_penalty"),
+            logit_bias=logit_bias(body.get("logit_bias")))
 
     async def _answer(self, request: web.Request, body: dict, prompts: list[RequestInput],
                       chat: bool):
@@ -525,6 +529,37 @@ def number(value, name: str, kind, minimum):
 def optional_number(body: dict, name: str, kind):
     """body[name] checked as by number() with a minimum of 0; None when absent or null."""
     return None if body.get(name) is None else number(body[name], name, kind, 0)
+
+
+def penalty(body: dict, name: str) -> float | None:
+    """body[name], a presence or frequency penalty, as a float in OpenAI's range; None when
+    absent or null."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not abs(value) <= MAX_PENALTY:
+        raise HttpError(400, f"{name} must be a number in [-{MAX_PENALTY:g}, "
+                             f"{MAX_PENALTY:g}], not {value!r}", name)
+    return float(value)
+
+
+def logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: an object of token ids (as strings) to numbers."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise HttpError(400, "logit_bias must be an object of token ids to numbers",
+                        "logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not key.strip().isdigit() or isinstance(bias, bool) \
+                or not isinstance(bias, (int, float)) or not abs(bias) <= MAX_LOGIT_BIAS:
+            raise HttpError(400, f"logit_bias must map token ids to numbers in "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], not {key!r}: "
+                                 f"{bias!r}", "logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
 
 
 def flag(body: dict, name: str) -> bool:

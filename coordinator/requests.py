@@ -14,7 +14,7 @@ import threading
 import time
 
 from batchspec import errors
-from batchspec.params import SamplingParams
+from batchspec.params import SamplingParams, logit_adjustments
 from coordinator.grammar import Grammar, Grammars, ResponseFormat
 from coordinator.sequence import Finish, Sequence, TokenLogprob
 from coordinator.text import TextCodec, TextStream
@@ -53,6 +53,9 @@ class RequestInput:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     response_format: ResponseFormat | None = None  # structured output (None: free text)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +104,7 @@ def validate(request: RequestInput, limits: Limits, codec: TextCodec | None,
         if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
             raise bad(f"{name} asks for {value} alternatives per token; at most "
                       f"{MAX_TOP_LOGPROBS}")
-    return ValidRequest(prompt_ids, max_new_tokens, to_sampling(request),
+    return ValidRequest(prompt_ids, max_new_tokens, to_sampling(request, limits.vocab_size),
                         list(request.stop), request.ignore_eos, request.logprobs,
                         request.prompt_logprobs, _grammar(request, grammars))
 
@@ -142,8 +145,9 @@ def _prompt_token_ids(request: RequestInput, codec: TextCodec | None) -> list[in
     return prompt_ids
 
 
-def to_sampling(request: RequestInput) -> SamplingParams:
-    """Sampling parameters, the unset ones at their defaults (greedy; a random seed)."""
+def to_sampling(request: RequestInput, vocab_size: int | None = None) -> SamplingParams:
+    """Sampling parameters, the unset ones at their defaults (greedy; a random seed; no
+    penalty or bias); logit_bias's token ids checked against `vocab_size` where given."""
     bad = errors.InvalidArgument
     temperature = 0.0 if request.temperature is None else request.temperature
     if not math.isfinite(temperature) or temperature < 0:
@@ -155,7 +159,17 @@ def to_sampling(request: RequestInput) -> SamplingParams:
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise bad(f"top_p must be in (0, 1], not {top_p}")
     seed = random.getrandbits(63) if request.seed is None else request.seed
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    presence = request.presence_penalty or 0.0
+    frequency = request.frequency_penalty or 0.0
+    bias = dict(request.logit_bias)
+    if len(bias) != len(request.logit_bias):
+        raise bad("logit_bias names a token more than once")
+    wrong = logit_adjustments(presence, frequency, bias, vocab_size)
+    if wrong is not None:
+        raise bad(wrong)
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                          presence_penalty=presence, frequency_penalty=frequency,
+                          logit_bias=tuple(sorted((t, b) for t, b in bias.items() if b)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ Invariants between steps, for an active sequence with committed length L
   draft not used for a while falls behind; it is fed the tokens it missed when used again.
 Lengths are explicit integers; nothing is derived from token values (pad and EOS may share ids).
 """
+import collections
 import dataclasses
 import enum
 import time
@@ -123,6 +124,14 @@ class Sequence:
     @property
     def generated_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    def output_counts(self) -> dict[int, int] | None:
+        """{token id: times generated} where a presence or frequency penalty reads it (the
+        target's VerifyEntry.output_token_counts); None elsewhere. Counted afresh from the
+        committed record, so nothing else has to follow a rollback or a move."""
+        if not self.sampling.penalized:
+            return None
+        return dict(collections.Counter(self.generated_token_ids))
 
     @property
     def draft_room(self) -> int:

@@ -63,7 +63,9 @@ def to_input(request: generate_pb2.GenerateRequest) -> RequestInput:
         logprobs=request.logprobs.num_top if request.HasField("logprobs") else None,
         prompt_logprobs=request.prompt_logprobs.num_top
         if request.HasField("prompt_logprobs") else None,
-        response_format=to_format(request))
+        response_format=to_format(request), presence_penalty=optional("presence_penalty"),
+        frequency_penalty=optional("frequency_penalty"),
+        logit_bias=tuple(request.logit_bias.items()))
 
 
 def to_format(request: generate_pb2.GenerateRequest) -> ResponseFormat | None:

@@ -1,10 +1,13 @@
 """Verification of a group's drafts in one target forward pass; plain decoding of several
 steps in one command."""
+import collections
+import dataclasses
+
 import torch
 
+from batchspec.runtime import adjust, sampling
 from batchspec.runtime import logprobs as logprobs_lib
 from batchspec.runtime import runner as runner_lib
-from batchspec.runtime import sampling
 from batchspec.runtime.rows import VerifiedRow, VerifyRow
 
 
@@ -35,7 +38,8 @@ def verify(runner: runner_lib.ModelRunner, rows: list[VerifyRow], *, realign: bo
     logits = group.step(input_ids, num_logits=width + 1, valid=valid, keep_hidden=keep_features)
     drafts = torch.tensor(padded, dtype=torch.long).reshape(len(rows), width)
     counts = torch.tensor([len(r.draft_token_ids) for r in rows])
-    result = accept(rows, drafts, masked(logits, rows), counts)
+    chosen_from = masked(adjust.adjusted(logits, rows, [r.draft_token_ids for r in rows]), rows)
+    result = accept(rows, drafts, chosen_from, counts)
     num_accepted = result.num_accepted.tolist()
     base = [r.expected_cache_len + len(r.append_token_ids) for r in rows]
     cache_lens = [b + n for b, n in zip(base, num_accepted)]
@@ -73,7 +77,8 @@ def decode(runner: runner_lib.ModelRunner, rows: list[VerifyRow], steps: int, *,
     choices, logits_run, hidden_run = [], [], []
     for j in range(steps):
         logits = group.step(fed, num_logits=1, keep_hidden=keep_features)  # [batch, 1, vocab]
-        fed = sampling.choose(logits, params, [p + j for p in first])  # [batch, 1]
+        fed = sampling.choose(adjust.adjusted(logits, _counted(rows, choices), [[]] * len(rows)),
+                              params, [p + j for p in first])  # [batch, 1]
         choices.append(fed[:, 0])
         logits_run.append(logits[:, 0])
         if keep_features:
@@ -88,6 +93,17 @@ def decode(runner: runner_lib.ModelRunner, rows: list[VerifyRow], steps: int, *,
                 for i in range(len(rows))]
     return [VerifiedRow(r.seq_id, 0, out, c, lp, f) for r, out, c, lp, f
             in zip(rows, outputs, cache_lens, scored, features)], [group]
+
+
+def _counted(rows: list[VerifyRow], choices: list[torch.Tensor]) -> list[VerifyRow]:
+    """The rows, a penalized one's output_counts counting the command's outputs so far
+    (choices: [batch] tensors, one a step)."""
+    if not choices or not any(r.sampling.penalized for r in rows):
+        return rows
+    outputs = torch.stack(choices, dim=1).tolist()
+    return [dataclasses.replace(r, output_counts=dict(
+        collections.Counter(r.output_counts or {}) + collections.Counter(out)))
+        if r.sampling.penalized else r for r, out in zip(rows, outputs)]
 
 
 def masked(logits: torch.Tensor, rows: list[VerifyRow]) -> torch.Tensor:

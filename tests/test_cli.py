@@ -115,6 +115,7 @@ def test_version_and_unknown_commands():
     (["--seed", "-1", "hi"], "--seed"),
     (["--token-ids", "1,abc"], "--token-ids"),
     (["--top-p", "1.5", "hi"], "--top-p"),
+    (["--frequency-penalty", "3", "hi"], "--frequency-penalty"),
     ([], "give a prompt"),
 ])
 def test_a_users_mistake_is_a_usage_error_not_a_traceback(args, complaint):

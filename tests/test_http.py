@@ -192,9 +192,11 @@ def test_server_sent_events_end_with_done(stack):
     ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, None),  # word tokens
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools"),
-    ({"messages": CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ({"messages": CHAT, "frequency_penalty": 1}, 400, "frequency_penalty"),
-    ({"messages": CHAT, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"messages": CHAT, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"messages": CHAT, "frequency_penalty": "1"}, 400, "frequency_penalty"),
+    ({"messages": CHAT, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"messages": CHAT, "logit_bias": {"five": 1}}, 400, "logit_bias"),
+    ({"messages": CHAT, "logit_bias": [5, 1]}, 400, "logit_bias"),
     ({"messages": CHAT, "echo": True}, 400, "echo"),  # completions only
     ({"messages": CHAT, "temprature": 0}, 400, "temprature"),  # a typo is not ignored
     ({"messages": CHAT, "stream_options": {"include_usage": "yes"}}, 400, "stream_options"),
@@ -212,8 +214,8 @@ def test_bad_requests_get_openais_error_shape(stack, body, status, param):
 
 def test_fields_at_their_neutral_value_are_accepted_and_nothing_else_is(stack):
     """What clients send by default (logprobs false, zero penalties, no tools) changes
-    nothing and is accepted; the same fields asking for something are refused, never
-    ignored, through the official client too."""
+    nothing and is accepted; fields the edge does not implement, asking for something, are
+    refused, never ignored, through the official client too."""
     neutral = dict(logprobs=False, presence_penalty=0.0, frequency_penalty=0, tools=None,
                    response_format={"type": "text"}, user="someone")
     plain = client(stack).chat.completions.create(model="batchspec", messages=CHAT,
@@ -221,12 +223,27 @@ def test_fields_at_their_neutral_value_are_accepted_and_nothing_else_is(stack):
     answer = client(stack).chat.completions.create(model="batchspec", messages=CHAT,
                                                    temperature=0, max_tokens=6, **neutral)
     assert answer.choices[0].message.content == plain.choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        client(stack).chat.completions.create(model="batchspec", messages=CHAT,
-                                              presence_penalty=0.5, max_tokens=6)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client(stack).completions.create(model="batchspec", prompt="hello", best_of=2,
+                                         max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="suffix"):
         client(stack).completions.create(model="batchspec", prompt="hello", suffix="end",
                                          max_tokens=4)
+
+
+def test_penalties_and_logit_bias_answer_as_over_grpc(stack, tokenizer_dir):
+    """OpenAI's penalties and logit_bias (token ids as strings) reach the target as the gRPC
+    fields do, and change the answer."""
+    robot = TextCodec(tokenizer_dir).encode("robot")[0]
+    fields = dict(presence_penalty=0.5, frequency_penalty=1.5, temperature=0)
+    answer = client(stack).chat.completions.create(
+        model="batchspec", messages=CHAT, max_tokens=16, logit_bias={str(robot): 8}, **fields)
+    expected, _ = grpc_chat(stack, CHAT, max_new_tokens=16, logit_bias={robot: 8.0}, **fields)
+    plain = client(stack).chat.completions.create(model="batchspec", messages=CHAT,
+                                                  max_tokens=16, temperature=0)
+    text = answer.choices[0].message.content
+    assert text == expected and "robot" in text
+    assert text != plain.choices[0].message.content
 
 
 def test_include_usage_ends_the_stream_with_a_usage_chunk(stack):

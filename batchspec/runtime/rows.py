@@ -25,6 +25,8 @@ class VerifyRow:
     num_top: int | None = None  # log-probabilities of the outputs (and num_top alternatives)
     # structured output: [K + 1, vocab] True where a token may be output j; None: any token
     token_masks: torch.Tensor | None = None
+    # with a presence or frequency penalty: {token id: times output} before the first output
+    output_counts: dict[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

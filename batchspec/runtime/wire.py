@@ -8,17 +8,26 @@ torch is imported only where a tensor is made or read (features, token masks), s
 draft, which never sees either, serves without it.
 """
 from batchspec import errors
-from batchspec.params import SamplingParams
+from batchspec.params import SamplingParams, logit_adjustments
 from batchspec.runtime.rows import ProposedRow, ProposeRow, VerifiedRow, VerifyRow
 from batchspec.v1 import cache_pb2, draft_pb2, target_pb2
 
 
 # ---- both services --------------------------------------------------------------------------
-def sampling(params: cache_pb2.SamplingParams) -> SamplingParams:
+def sampling(params: cache_pb2.SamplingParams, vocab_size: int | None = None) -> SamplingParams:
+    """The settings; logit_bias's token ids are checked against `vocab_size` where given (the
+    target's: a draft ignores the bias)."""
     if params.temperature < 0 or params.top_k < 0 or not 0 <= params.top_p <= 1:
         raise errors.InvalidArgument("sampling: temperature >= 0, top_k >= 0, top_p in (0, 1]")
+    wrong = logit_adjustments(params.presence_penalty, params.frequency_penalty,
+                              dict(params.logit_bias), vocab_size)
+    if wrong is not None:
+        raise errors.InvalidArgument(f"sampling: {wrong}")
     return SamplingParams(temperature=params.temperature, top_k=params.top_k,
-                          top_p=params.top_p or 1.0, seed=params.seed)
+                          top_p=params.top_p or 1.0, seed=params.seed,
+                          presence_penalty=params.presence_penalty,
+                          frequency_penalty=params.frequency_penalty,
+                          logit_bias=tuple(sorted(params.logit_bias.items())))
 
 
 def timing(compute_s: float, realign_s: float = 0.0,
@@ -168,10 +177,18 @@ def _verify_row(entry: target_pb2.VerifyEntry, vocab_size: int,
             masks = token_masks(list(entry.token_masks), vocab_size)
         except ValueError as raised:
             raise errors.InvalidArgument(f"sequence {entry.seq_id}: {raised}") from raised
+    params = sampling(entry.sampling, vocab_size)
+    counts = None
+    if params.penalized:
+        counts = dict(entry.output_token_counts)
+        if any(not 0 <= t < vocab_size for t in counts):
+            raise errors.InvalidArgument(
+                f"sequence {entry.seq_id}: output_token_counts names a token outside the "
+                f"vocabulary [0, {vocab_size})")
     return VerifyRow(seq_id=entry.seq_id, expected_cache_len=entry.expected_cache_len,
                      append_token_ids=list(entry.append_token_ids),
-                     draft_token_ids=drafts,
-                     sampling=sampling(entry.sampling), num_top=num_top, token_masks=masks)
+                     draft_token_ids=drafts, sampling=params, num_top=num_top,
+                     token_masks=masks, output_counts=counts)
 
 
 def token_masks(masks: list[bytes], vocab_size: int):

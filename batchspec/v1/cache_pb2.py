@@ -24,47 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61tchspec/v1/cache.proto\x12\x0c\x62\x61tchspec.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x1f\n\x0cLogprobsSpec\x12\x0f\n\x07num_top\x18\x01 \x01(\r\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xcd\x01\n\x0cPrefillEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x33\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x1a.batchspec.v1.LogprobsSpec\x12\x15\n\rnext_token_id\x18\x04 \x01(\x05\x12\x16\n\tcopy_from\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12(\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x16.batchspec.v1.FeaturesB\x0c\n\n_copy_from\"D\n\x08\x46\x65\x61tures\x12\x15\n\rnum_positions\x18\x01 \x01(\r\x12\r\n\x05width\x18\x02 \x01(\r\x12\x12\n\nvalues_f16\x18\x03 \x01(\x0c\"V\n\x0ePrefillCommand\x12+\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1a.batchspec.v1.PrefillEntry\x12\x17\n\x0freturn_features\x18\x02 \x01(\x08\"=\n\x0ePromptLogprobs\x12+\n\x06tokens\x18\x01 \x03(\x0b\x32\x1b.batchspec.v1.TokenLogprobs\"\x84\x01\n\rPrefillResult\x12\x12\n\ncache_lens\x18\x01 \x03(\r\x12\x35\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x1c.batchspec.v1.PromptLogprobs\x12(\n\x08\x66\x65\x61tures\x18\x03 \x03(\x0b\x32\x16.batchspec.v1.Features\"I\n\tTrimEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x65xpected_cache_len\x18\x02 \x01(\r\x12\x10\n\x08keep_len\x18\x03 \x01(\r\"7\n\x0bTrimCommand\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.batchspec.v1.TrimEntry\" \n\nTrimResult\x12\x12\n\ncache_lens\x18\x01 \x03(\r\"!\n\x0eReleaseCommand\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"&\n\rReleaseResult\x12\x15\n\rnum_sequences\x18\x01 \x01(\r\"=\n\x0c\x43ommandError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"\x8c\x03\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0fmax_context_len\x18\x04 \x01(\r\x12\x15\n\rnum_sequences\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12*\n\nstep_costs\x18\t \x03(\x0b\x32\x16.batchspec.v1.StepCost\x12\x17\n\x0fpacks_positions\x18\n \x01(\x08\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x15\n\rmax_sequences\x18\r \x01(\r\x12\x19\n\x11max_cached_tokens\x18\x0e \x01(\x04\x12\x15\n\rfeature_width\x18\x0f \x01(\r\x12\x12\n\ncalibrated\x18\x10 \x01(\x08\x12\x12\n\nvocabulary\x18\x11 \x01(\t\"J\n\x08StepCost\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0f\n\x07\x63ontext\x18\x04 \x01(\r\"Z\n\rCommandTiming\x12\x17\n\x0f\x63ompute_seconds\x18\x01 \x01(\x01\x12\x17\n\x0frealign_seconds\x18\x02 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61tchspec/v1/cache.proto\x12\x0c\x62\x61tchspec.v1\"\xf9\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12?\n\nlogit_bias\x18\x07 \x03(\x0b\x32+.batchspec.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x1f\n\x0cLogprobsSpec\x12\x0f\n\x07num_top\x18\x01 \x01(\r\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xcd\x01\n\x0cPrefillEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x33\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x1a.batchspec.v1.LogprobsSpec\x12\x15\n\rnext_token_id\x18\x04 \x01(\x05\x12\x16\n\tcopy_from\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12(\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x16.batchspec.v1.FeaturesB\x0c\n\n_copy_from\"D\n\x08\x46\x65\x61tures\x12\x15\n\rnum_positions\x18\x01 \x01(\r\x12\r\n\x05width\x18\x02 \x01(\r\x12\x12\n\nvalues_f16\x18\x03 \x01(\x0c\"V\n\x0ePrefillCommand\x12+\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1a.batchspec.v1.PrefillEntry\x12\x17\n\x0freturn_features\x18\x02 \x01(\x08\"=\n\x0ePromptLogprobs\x12+\n\x06tokens\x18\x01 \x03(\x0b\x32\x1b.batchspec.v1.TokenLogprobs\"\x84\x01\n\rPrefillResult\x12\x12\n\ncache_lens\x18\x01 \x03(\r\x12\x35\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x1c.batchspec.v1.PromptLogprobs\x12(\n\x08\x66\x65\x61tures\x18\x03 \x03(\x0b\x32\x16.batchspec.v1.Features\"I\n\tTrimEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x65xpected_cache_len\x18\x02 \x01(\r\x12\x10\n\x08keep_len\x18\x03 \x01(\r\"7\n\x0bTrimCommand\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.batchspec.v1.TrimEntry\" \n\nTrimResult\x12\x12\n\ncache_lens\x18\x01 \x03(\r\"!\n\x0eReleaseCommand\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"&\n\rReleaseResult\x12\x15\n\rnum_sequences\x18\x01 \x01(\r\"=\n\x0c\x43ommandError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"\x8c\x03\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0fmax_context_len\x18\x04 \x01(\r\x12\x15\n\rnum_sequences\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12*\n\nstep_costs\x18\t \x03(\x0b\x32\x16.batchspec.v1.StepCost\x12\x17\n\x0fpacks_positions\x18\n \x01(\x08\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x15\n\rmax_sequences\x18\r \x01(\r\x12\x19\n\x11max_cached_tokens\x18\x0e \x01(\x04\x12\x15\n\rfeature_width\x18\x0f \x01(\r\x12\x12\n\ncalibrated\x18\x10 \x01(\x08\x12\x12\n\nvocabulary\x18\x11 \x01(\t\"J\n\x08StepCost\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0f\n\x07\x63ontext\x18\x04 \x01(\r\"Z\n\rCommandTiming\x12\x17\n\x0f\x63ompute_seconds\x18\x01 \x01(\x01\x12\x17\n\x0frealign_seconds\x18\x02 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'batchspec.v1.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=123
-  _globals['_LOGPROBSSPEC']._serialized_start=125
-  _globals['_LOGPROBSSPEC']._serialized_end=156
-  _globals['_TOKENLOGPROBS']._serialized_start=158
-  _globals['_TOKENLOGPROBS']._serialized_end=235
-  _globals['_PREFILLENTRY']._serialized_start=238
-  _globals['_PREFILLENTRY']._serialized_end=443
-  _globals['_FEATURES']._serialized_start=445
-  _globals['_FEATURES']._serialized_end=513
-  _globals['_PREFILLCOMMAND']._serialized_start=515
-  _globals['_PREFILLCOMMAND']._serialized_end=601
-  _globals['_PROMPTLOGPROBS']._serialized_start=603
-  _globals['_PROMPTLOGPROBS']._serialized_end=664
-  _globals['_PREFILLRESULT']._serialized_start=667
-  _globals['_PREFILLRESULT']._serialized_end=799
-  _globals['_TRIMENTRY']._serialized_start=801
-  _globals['_TRIMENTRY']._serialized_end=874
-  _globals['_TRIMCOMMAND']._serialized_start=876
-  _globals['_TRIMCOMMAND']._serialized_end=931
-  _globals['_TRIMRESULT']._serialized_start=933
-  _globals['_TRIMRESULT']._serialized_end=965
-  _globals['_RELEASECOMMAND']._serialized_start=967
-  _globals['_RELEASECOMMAND']._serialized_end=1000
-  _globals['_RELEASERESULT']._serialized_start=1002
-  _globals['_RELEASERESULT']._serialized_end=1040
-  _globals['_COMMANDERROR']._serialized_start=1042
-  _globals['_COMMANDERROR']._serialized_end=1103
-  _globals['_DESCRIBEREQUEST']._serialized_start=1105
-  _globals['_DESCRIBEREQUEST']._serialized_end=1122
-  _globals['_MODELINFO']._serialized_start=1125
-  _globals['_MODELINFO']._serialized_end=1521
-  _globals['_STEPCOST']._serialized_start=1523
-  _globals['_STEPCOST']._serialized_end=1597
-  _globals['_COMMANDTIMING']._serialized_start=1599
-  _globals['_COMMANDTIMING']._serialized_end=1689
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SAMPLINGPARAMS']._serialized_start=43
+  _globals['_SAMPLINGPARAMS']._serialized_end=292
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=244
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=292
+  _globals['_LOGPROBSSPEC']._serialized_start=294
+  _globals['_LOGPROBSSPEC']._serialized_end=325
+  _globals['_TOKENLOGPROBS']._serialized_start=327
+  _globals['_TOKENLOGPROBS']._serialized_end=404
+  _globals['_PREFILLENTRY']._serialized_start=407
+  _globals['_PREFILLENTRY']._serialized_end=612
+  _globals['_FEATURES']._serialized_start=614
+  _globals['_FEATURES']._serialized_end=682
+  _globals['_PREFILLCOMMAND']._serialized_start=684
+  _globals['_PREFILLCOMMAND']._serialized_end=770
+  _globals['_PROMPTLOGPROBS']._serialized_start=772
+  _globals['_PROMPTLOGPROBS']._serialized_end=833
+  _globals['_PREFILLRESULT']._serialized_start=836
+  _globals['_PREFILLRESULT']._serialized_end=968
+  _globals['_TRIMENTRY']._serialized_start=970
+  _globals['_TRIMENTRY']._serialized_end=1043
+  _globals['_TRIMCOMMAND']._serialized_start=1045
+  _globals['_TRIMCOMMAND']._serialized_end=1100
+  _globals['_TRIMRESULT']._serialized_start=1102
+  _globals['_TRIMRESULT']._serialized_end=1134
+  _globals['_RELEASECOMMAND']._serialized_start=1136
+  _globals['_RELEASECOMMAND']._serialized_end=1169
+  _globals['_RELEASERESULT']._serialized_start=1171
+  _globals['_RELEASERESULT']._serialized_end=1209
+  _globals['_COMMANDERROR']._serialized_start=1211
+  _globals['_COMMANDERROR']._serialized_end=1272
+  _globals['_DESCRIBEREQUEST']._serialized_start=1274
+  _globals['_DESCRIBEREQUEST']._serialized_end=1291
+  _globals['_MODELINFO']._serialized_start=1294
+  _globals['_MODELINFO']._serialized_end=1690
+  _globals['_STEPCOST']._serialized_start=1692
+  _globals['_STEPCOST']._serialized_end=1766
+  _globals['_COMMANDTIMING']._serialized_start=1768
+  _globals['_COMMANDTIMING']._serialized_end=1858
 # @@protoc_insertion_point(module_scope)

@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62\x61tchspec/v1/generate.proto\x12\x0c\x62\x61tchspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\"\n\x0fLogprobsOptions\x12\x0f\n\x07num_top\x18\x01 \x01(\r\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x86\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x1e\n\x16include_special_tokens\x18\x0b \x01(\x08\x12+\n\x08messages\x18\x0c \x03(\x0b\x32\x19.batchspec.v1.ChatMessage\x12\x0c\n\x04\x63hat\x18\r \x01(\x08\x12/\n\x08logprobs\x18\x0e \x01(\x0b\x32\x1d.batchspec.v1.LogprobsOptions\x12\x36\n\x0fprompt_logprobs\x18\x0f \x01(\x0b\x32\x1d.batchspec.v1.LogprobsOptions\x12\x35\n\x0fresponse_format\x18\x10 \x01(\x0b\x32\x1c.batchspec.v1.ResponseFormatB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"Y\n\x0eResponseFormat\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"\xa3\x01\n\x0cRequestStats\x12\x1a\n\x12num_drafted_tokens\x18\x01 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x02 \x01(\r\x12!\n\x19num_target_forward_passes\x18\x03 \x01(\r\x12\x1c\n\x14num_generated_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\"\xab\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.batchspec.v1.FinishReason\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.batchspec.v1.RequestStats\x12!\n\x19num_accepted_draft_tokens\x18\x05 \x01(\r\x12\x12\n\ndraft_text\x18\x06 \x01(\t\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.batchspec.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.batchspec.v1.TokenLogprob*~\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x32Z\n\x0b\x43oordinator\x12K\n\x08Generate\x12\x1d.batchspec.v1.GenerateRequest\x1a\x1e.batchspec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62\x61tchspec/v1/generate.proto\x12\x0c\x62\x61tchspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\"\n\x0fLogprobsOptions\x12\x0f\n\x07num_top\x18\x01 \x01(\r\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xe4\x05\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x1e\n\x16include_special_tokens\x18\x0b \x01(\x08\x12+\n\x08messages\x18\x0c \x03(\x0b\x32\x19.batchspec.v1.ChatMessage\x12\x0c\n\x04\x63hat\x18\r \x01(\x08\x12/\n\x08logprobs\x18\x0e \x01(\x0b\x32\x1d.batchspec.v1.LogprobsOptions\x12\x36\n\x0fprompt_logprobs\x18\x0f \x01(\x0b\x32\x1d.batchspec.v1.LogprobsOptions\x12\x35\n\x0fresponse_format\x18\x10 \x01(\x0b\x32\x1c.batchspec.v1.ResponseFormat\x12\x1d\n\x10presence_penalty\x18\x11 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x12 \x01(\x02H\x05\x88\x01\x01\x12@\n\nlogit_bias\x18\x13 \x03(\x0b\x32,.batchspec.v1.GenerateRequest.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"Y\n\x0eResponseFormat\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"\xa3\x01\n\x0cRequestStats\x12\x1a\n\x12num_drafted_tokens\x18\x01 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x02 \x01(\r\x12!\n\x19num_target_forward_passes\x18\x03 \x01(\r\x12\x1c\n\x14num_generated_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\"\xab\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.batchspec.v1.FinishReason\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.batchspec.v1.RequestStats\x12!\n\x19num_accepted_draft_tokens\x18\x05 \x01(\r\x12\x12\n\ndraft_text\x18\x06 \x01(\t\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.batchspec.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.batchspec.v1.TokenLogprob*~\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x32Z\n\x0b\x43oordinator\x12K\n\x08Generate\x12\x1d.batchspec.v1.GenerateRequest\x1a\x1e.batchspec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'batchspec.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1303
-  _globals['_FINISHREASON']._serialized_end=1429
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1525
+  _globals['_FINISHREASON']._serialized_end=1651
   _globals['_CHATMESSAGE']._serialized_start=45
   _globals['_CHATMESSAGE']._serialized_end=89
   _globals['_LOGPROBSOPTIONS']._serialized_start=91
@@ -40,13 +42,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROB']._serialized_start=127
   _globals['_TOKENLOGPROB']._serialized_end=221
   _globals['_GENERATEREQUEST']._serialized_start=224
-  _globals['_GENERATEREQUEST']._serialized_end=742
-  _globals['_RESPONSEFORMAT']._serialized_start=744
-  _globals['_RESPONSEFORMAT']._serialized_end=833
-  _globals['_REQUESTSTATS']._serialized_start=836
-  _globals['_REQUESTSTATS']._serialized_end=999
-  _globals['_GENERATERESPONSE']._serialized_start=1002
-  _globals['_GENERATERESPONSE']._serialized_end=1301
-  _globals['_COORDINATOR']._serialized_start=1431
-  _globals['_COORDINATOR']._serialized_end=1521
+  _globals['_GENERATEREQUEST']._serialized_end=964
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=828
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=876
+  _globals['_RESPONSEFORMAT']._serialized_start=966
+  _globals['_RESPONSEFORMAT']._serialized_end=1055
+  _globals['_REQUESTSTATS']._serialized_start=1058
+  _globals['_REQUESTSTATS']._serialized_end=1221
+  _globals['_GENERATERESPONSE']._serialized_start=1224
+  _globals['_GENERATERESPONSE']._serialized_end=1523
+  _globals['_COORDINATOR']._serialized_start=1653
+  _globals['_COORDINATOR']._serialized_end=1743
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyEntry(_message.Message):
-    __slots__ = ("seq_id", "expected_cache_len", "append_token_ids", "draft_token_ids", "sampling", "logprobs", "token_masks", "num_proposed")
+    __slots__ = ("seq_id", "expected_cache_len", "append_token_ids", "draft_token_ids", "sampling", "logprobs", "token_masks", "num_proposed", "output_token_counts")
+    class OutputTokenCountsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +25,7 @@ class VerifyEntry(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     expected_cache_len: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -26,7 +34,8 @@ class VerifyEntry(_message.Message):
     logprobs: _cache_pb2.LogprobsSpec
     token_masks: _containers.RepeatedScalarFieldContainer[bytes]
     num_proposed: int
-    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[_cache_pb2.LogprobsSpec, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ..., num_proposed: _Optional[int] = ...) -> None: ...
+    output_token_counts: _containers.ScalarMap[int, int]
+    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[_cache_pb2.LogprobsSpec, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ..., num_proposed: _Optional[int] = ..., output_token_counts: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class VerifyCommand(_message.Message):
     __slots__ = ("realign", "entries", "return_features", "propose", "plain_steps")

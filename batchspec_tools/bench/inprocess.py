@@ -96,7 +96,8 @@ class InProcessTarget(_InProcess):
             return_features = self.features_for_drafts
         started = time.perf_counter()
         rows = [VerifyRow(s.seq_id, s.expected_cache_len, list(s.append_token_ids),
-                                   list(s.draft_token_ids), s.sampling) for s in specs]
+                          list(s.draft_token_ids), s.sampling, output_counts=s.output_counts)
+                for s in specs]
         outcomes, groups = verifier.decode(self.runner, rows, plain_steps, realign=realign,
                                            keep_features=return_features)
         return [VerifyOutcome(o.seq_id, o.num_accepted, o.output_token_ids, o.cache_len,
