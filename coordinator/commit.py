@@ -32,7 +32,8 @@ def commit(handle: RequestHandle, outcome: VerifyOutcome, num_drafts: int, step:
     seq.stats.num_drafted_tokens += num_drafts
     seq.stats.num_accepted_tokens += outcome.num_accepted
     # one pass a step: a verify is one, plain steps one a token
-    seq.stats.num_target_forward_passes += len(outcome.output_token_ids) - outcome.num_accepted
+    passes = len(outcome.output_token_ids) - outcome.num_accepted
+    seq.stats.num_target_forward_passes += passes
     seq.last_step = step
     committed = seq.commit(outcome.output_token_ids)
     accepted = min(outcome.num_accepted, len(committed))
@@ -43,7 +44,7 @@ def commit(handle: RequestHandle, outcome: VerifyOutcome, num_drafts: int, step:
         telemetry.finished(handle)
     prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # the first event's
     handle.events.put(Event(committed, finish=seq.finish, text=text, num_drafted=num_drafts,
-                            num_accepted=accepted, draft_text=draft_text,
+                            num_accepted=accepted, num_passes=passes, draft_text=draft_text,
                             logprobs=None if outcome.logprobs is None
                             else outcome.logprobs[:len(committed)],
                             prompt_logprobs=prompt_logprobs))

@@ -346,7 +346,9 @@ class Choice:
         self.scores = scores
         self.logprobs: list = []  # every event's, in order (the whole answer's)
         self.prompt_logprobs = None  # the first event's, with echo
-        self.text, self.tokens, self.drafted, self.accepted, self.steps = "", 0, 0, 0, 0
+        self.text, self.tokens, self.drafted, self.accepted = "", 0, 0, 0
+        self.passes = 0  # target forward passes (RequestStats.num_target_forward_passes)
+        self.events = 0
         self.finish: str | None = None
         self.sent_role = False
 
@@ -358,13 +360,14 @@ class Choice:
         self.tokens += len(event.token_ids)
         self.drafted += event.num_drafted
         self.accepted += event.num_accepted
-        self.steps += 1
+        self.passes += event.num_passes
+        self.events += 1
         if event.finish is not None:
             self.finish = _FINISH[event.finish]
 
     def delta(self, event, chat: bool) -> dict:
         """This event as the choice of a chunk."""
-        first = self.steps == 0
+        first = self.events == 0
         self.add(event)
         if chat:
             delta = {"content": event.text}
@@ -441,7 +444,7 @@ class Reply:
         tokens = sum(c.tokens for c in self.choices)
         drafted = sum(c.drafted for c in self.choices)
         accepted = sum(c.accepted for c in self.choices)
-        steps = sum(c.steps for c in self.choices)
+        passes = sum(c.passes for c in self.choices)
         return {"usage": {"prompt_tokens": self.prompt_tokens,
                           "completion_tokens": tokens,
                           "total_tokens": self.prompt_tokens + tokens},
@@ -449,8 +452,8 @@ class Reply:
                     "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
                     "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
                     # tokens per target forward pass (accepted drafts + the target's own)
-                    "mean_acceptance_length": round(tokens / steps, 3) if steps else None,
-                    "num_target_forward_passes": steps}}
+                    "mean_acceptance_length": round(tokens / passes, 3) if passes else None,
+                    "num_target_forward_passes": passes}}
 
 
 class Scores:

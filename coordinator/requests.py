@@ -182,6 +182,8 @@ class Event:
     text: str = ""  # their text, when the request has a TextStream
     num_drafted: int = 0  # drafts verified in the step that committed these tokens
     num_accepted: int = 0  # the first this many of token_ids were accepted draft tokens
+    # target forward passes the step ran for them: one a verify, one a token of plain steps
+    num_passes: int = 0
     draft_text: str = ""  # the part of `text` they gave (a prefix of it)
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first event, when asked

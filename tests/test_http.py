@@ -94,7 +94,23 @@ def test_streamed_chat_equals_the_grpc_answer(stack, sampling):
     spec = final.model_extra["speculative_decoding"]
     assert spec["num_draft_tokens"] == last.stats.num_drafted_tokens
     assert spec["num_accepted_tokens"] == last.stats.num_accepted_tokens
+    assert spec["num_target_forward_passes"] == last.stats.num_target_forward_passes
     assert chunks[0].choices[0].delta.role == "assistant"
+
+
+def test_usage_counts_a_target_pass_for_each_plain_token(model_dirs, tokenizer_dir):
+    # no draft: the cohort decodes several plain tokens a command, each its own target pass
+    target_dir, draft_dir = model_dirs["llama"]
+    with running_stack(target_dir, draft_dir, tokenizer=tokenizer_dir, http_port=0,
+                       drafts=()) as plain:
+        answer = client(plain).chat.completions.create(model="batchspec", messages=CHAT,
+                                                       max_tokens=12, temperature=0)
+        _, last = grpc_chat(plain, CHAT, max_new_tokens=12, temperature=0.0)
+    spec = answer.model_extra["speculative_decoding"]
+    assert spec["num_draft_tokens"] == 0
+    assert spec["num_target_forward_passes"] == last.stats.num_target_forward_passes
+    assert spec["num_target_forward_passes"] >= answer.usage.completion_tokens > 1
+    assert spec["mean_acceptance_length"] <= 1.0
 
 
 def test_greedy_chat_is_the_targets_own_answer(stack, tokenizer_dir, model_dirs):
