@@ -16,6 +16,7 @@ Requests are converted into the requests part's `RequestInput` and checked by it
 as the gRPC edge's are, so both edges accept and refuse exactly the same things.
 """
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -265,17 +266,22 @@ class HttpEdge:
             firsts = await all_or_none(anext(s) for s in streams)
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                    "Cache-Control": "no-cache"})
-            await response.prepare(request)
             try:
+                await response.prepare(request)
                 for i, first in enumerate(firsts):
                     await send(response, reply.chunk(i, first))
-                async for i, event in merge(streams):
-                    await send(response, reply.chunk(i, event))
+                # closed (its pumps stopped) before the streams are, below
+                async with contextlib.aclosing(merge(streams)) as merged:
+                    async for i, event in merged:
+                        await send(response, reply.chunk(i, event))
                 if (body.get("stream_options") or {}).get("include_usage"):
                     await send(response, reply.usage_chunk())
             except errors.BatchspecError as error:  # after the first byte: an error event
                 ending.fail(error, admitted=True)
                 await send(response, error_body(errors.to_http_status(error), str(error)))
+            except ConnectionError:  # the client went away: its requests are cancelled below
+                ending.reason = "cancelled"
+                return response
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
@@ -645,7 +651,9 @@ async def start(edge: HttpEdge, host: str, port: int, ssl=None):
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    runner = web.AppRunner(edge.app(), access_log=None)
+    # a client that goes away cancels its handler, so an answer it no longer waits for (one
+    # not streamed too) stops at once, its requests cancelled and their caches freed
+    runner = web.AppRunner(edge.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.SockSite(runner, sock, ssl_context=ssl).start()
     return runner, sock.getsockname()[1]

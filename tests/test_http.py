@@ -367,6 +367,17 @@ def test_no_reachable_target_is_503_until_it_is_back(model_dirs, tokenizer_dir):
 
 @pytest.mark.parametrize("draft", ["model", "ngram"])
 def test_a_client_gone_mid_stream_frees_every_cache(model_dirs, tokenizer_dir, draft, caplog):
+    client_gone_midway(model_dirs, tokenizer_dir, draft, caplog, stream=True)
+
+
+def test_a_client_gone_before_a_whole_answer_frees_every_cache(model_dirs, tokenizer_dir,
+                                                                caplog):
+    client_gone_midway(model_dirs, tokenizer_dir, "model", caplog, stream=False)
+
+
+def client_gone_midway(model_dirs, tokenizer_dir, draft, caplog, stream: bool):
+    """A client that closes its connection mid-answer: its request is cancelled (not run to
+    its end), every cache freed, and nothing logged as an error."""
     caplog.set_level(logging.INFO, logger="coordinator.requests")
     target_dir, draft_dir = model_dirs["llama"]
     with running_stack(target_dir, draft_dir, tokenizer=tokenizer_dir, http_port=0,
@@ -375,11 +386,15 @@ def test_a_client_gone_mid_stream_frees_every_cache(model_dirs, tokenizer_dir, d
         connection = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=30)
         connection.request("POST", "/v1/completions", json.dumps(
             {"prompt": [5, 6, 7, 5, 6, 7], "max_tokens": 240, "ignore_eos": True,
-             "temperature": 0, "stream": True}), {"Content-Type": "application/json",
-                                                  "X-Request-Id": "gone"})
-        response = connection.getresponse()
-        assert response.status == 200
-        assert response.readline().startswith(b"data: {")  # tokens flow
+             "temperature": 0, "stream": stream}), {"Content-Type": "application/json",
+                                                    "X-Request-Id": "gone"})
+        if stream:
+            response = connection.getresponse()
+            assert response.status == 200
+            assert response.readline().startswith(b"data: {")  # tokens flow
+        else:  # nothing comes before the whole answer: closed while it is being decoded
+            assert wait_for(lambda: stack.router.num_running() == 1, timeout=5)
+            response = connection.sock.makefile("rb")
         # mid-answer: both services hold the sequence (the draft's after its first proposal)
         assert wait_for(lambda: all(r.caches for r in runners.values()), timeout=5), \
             {name: len(r.caches) for name, r in runners.items()}
@@ -399,6 +414,8 @@ def test_a_client_gone_mid_stream_frees_every_cache(model_dirs, tokenizer_dir, d
         left = 240 - int(line.split("tokens=")[1].split()[0])
         assert left > 60, line
         assert stack.router.stats.num_steps - steps <= 10
+        # a client that went away is no error of the server's
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_grpc_refuses_ambiguous_or_templateless_chats(stack, model_dirs):
