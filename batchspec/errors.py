@@ -7,9 +7,15 @@ import grpc
 
 
 class BatchspecError(Exception):
-    """Base class: a refused request or command with a message that says what to fix."""
+    """Base class: a refused request or command with a message that says what to fix, and
+    the request field at fault where one is (named as the gRPC API names it: an edge that
+    names it otherwise says it its own way)."""
 
     code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str = "", field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class InvalidArgument(BatchspecError):

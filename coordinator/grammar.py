@@ -56,12 +56,15 @@ class Grammars:
                     self._unusable = str(error)
             if self._unusable is not None:
                 raise errors.InvalidArgument("structured output is not available with this "
-                                             f"model's tokenizer: {self._unusable}")
+                                             f"model's tokenizer: {self._unusable}",
+                                             "response_format")
             return self._tokenizer
 
     def compile(self, fmt: ResponseFormat) -> "Grammar":
         """The format as a checked grammar; raises InvalidArgument saying what is wrong."""
-        bad = errors.InvalidArgument
+        def bad(message: str) -> errors.InvalidArgument:
+            return errors.InvalidArgument(message, "response_format")
+
         if fmt.kind == "json_object":
             grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
         elif fmt.kind == "json_schema":

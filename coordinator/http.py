@@ -96,6 +96,12 @@ def _same(value, neutral) -> bool:
     return value == neutral
 
 
+# the request fields this edge names otherwise than the gRPC API (errors.BatchspecError.field),
+# by (field, whether the request is a chat's; None: either)
+_PARAMS = {("max_new_tokens", None): "max_tokens", ("prompt_token_ids", None): "prompt",
+           ("prompt_logprobs", None): "logprobs", ("logprobs", True): "top_logprobs"}
+
+
 class HttpError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
@@ -143,7 +149,11 @@ class HttpEdge:
         except HttpError as error:
             return error_response(error.status, str(error), error.param)
         except errors.BatchspecError as error:
-            return error_response(errors.to_http_status(error), str(error))
+            param = _PARAMS.get((error.field, request.path.endswith("/chat/completions")),
+                                _PARAMS.get((error.field, None), error.field))
+            message = str(error) if param == error.field else \
+                str(error).replace(error.field, param)
+            return error_response(errors.to_http_status(error), message, param)
         except web.HTTPException as error:
             return error_response(error.status, error.reason or "not found")
 

@@ -82,28 +82,28 @@ def validate(request: RequestInput, limits: Limits, codec: TextCodec | None,
     outside = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
     if outside:
         raise bad(f"prompt_token_ids {outside[:5]} are outside the vocabulary "
-                  f"[0, {limits.vocab_size})")
+                  f"[0, {limits.vocab_size})", "prompt_token_ids")
     max_new_tokens = request.max_new_tokens
     if max_new_tokens == 0 and default_max_new_tokens is not None:
         max_new_tokens = max(1, min(default_max_new_tokens, limits.max_new_tokens,
                                     limits.max_context_len - len(prompt_ids)))
     if max_new_tokens < 1:
-        raise bad("max_new_tokens must be >= 1")
+        raise bad("max_new_tokens must be >= 1", "max_new_tokens")
     if max_new_tokens > limits.max_new_tokens:
-        raise bad(f"max_new_tokens must be <= {limits.max_new_tokens}")
+        raise bad(f"max_new_tokens must be <= {limits.max_new_tokens}", "max_new_tokens")
     if len(prompt_ids) + max_new_tokens > limits.max_context_len:
         raise bad(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
                   f"({max_new_tokens}) exceeds the model's context of "
-                  f"{limits.max_context_len} tokens")
+                  f"{limits.max_context_len} tokens", "max_new_tokens")
     if request.stop and codec is None:
         raise bad("stop strings need a tokenizer; this coordinator has none")
     if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
-        raise bad(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+        raise bad(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", "stop")
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(request, name)
         if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
             raise bad(f"{name} asks for {value} alternatives per token; at most "
-                      f"{MAX_TOP_LOGPROBS}")
+                      f"{MAX_TOP_LOGPROBS}", name)
     return ValidRequest(prompt_ids, max_new_tokens, to_sampling(request, limits.vocab_size),
                         list(request.stop), request.ignore_eos, request.logprobs,
                         request.prompt_logprobs, _grammar(request, grammars))
@@ -141,7 +141,7 @@ def _prompt_token_ids(request: RequestInput, codec: TextCodec | None) -> list[in
     else:
         prompt_ids = list(request.prompt_token_ids)
     if not prompt_ids:
-        raise bad("the prompt is empty: send a non-empty prompt or prompt_token_ids")
+        raise bad("the prompt is empty: send a non-empty prompt or prompt_token_ids", "prompt")
     return prompt_ids
 
 
@@ -151,22 +151,22 @@ def to_sampling(request: RequestInput, vocab_size: int | None = None) -> Samplin
     bad = errors.InvalidArgument
     temperature = 0.0 if request.temperature is None else request.temperature
     if not math.isfinite(temperature) or temperature < 0:
-        raise bad(f"temperature must be a finite number >= 0, not {temperature}")
+        raise bad(f"temperature must be a finite number >= 0, not {temperature}", "temperature")
     top_k = 0 if request.top_k is None else request.top_k
     if top_k < 0:
-        raise bad(f"top_k must be >= 0 (0 means no limit), not {top_k}")
+        raise bad(f"top_k must be >= 0 (0 means no limit), not {top_k}", "top_k")
     top_p = 1.0 if request.top_p is None else request.top_p
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise bad(f"top_p must be in (0, 1], not {top_p}")
+        raise bad(f"top_p must be in (0, 1], not {top_p}", "top_p")
     seed = random.getrandbits(63) if request.seed is None else request.seed
     presence = request.presence_penalty or 0.0
     frequency = request.frequency_penalty or 0.0
     bias = dict(request.logit_bias)
     if len(bias) != len(request.logit_bias):
-        raise bad("logit_bias names a token more than once")
+        raise bad("logit_bias names a token more than once", "logit_bias")
     wrong = logit_adjustments(presence, frequency, bias, vocab_size)
     if wrong is not None:
-        raise bad(wrong)
+        raise bad(wrong, wrong.split()[0])  # (each message starts with the field's name)
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                           presence_penalty=presence, frequency_penalty=frequency,
                           logit_bias=tuple(sorted((t, b) for t, b in bias.items() if b)))

@@ -56,11 +56,12 @@ class TextCodec:
             raise errors.InvalidArgument("this model's tokenizer has no chat template: send a "
                                          "plain prompt instead of messages")
         if not messages:
-            raise errors.InvalidArgument("messages is empty: send at least one message")
+            raise errors.InvalidArgument("messages is empty: send at least one message",
+                                         "messages")
         for role, _content in messages:
             if role not in CHAT_ROLES:
                 raise errors.InvalidArgument(
-                    f"message role {role!r} is not one of {', '.join(CHAT_ROLES)}")
+                    f"message role {role!r} is not one of {', '.join(CHAT_ROLES)}", "messages")
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -200,12 +200,17 @@ def test_server_sent_events_end_with_done(stack):
     ({"messages": CHAT, "n": 0}, 400, "n"),
     ({"messages": CHAT, "temperature": "hot"}, 400, "temperature"),
     ({"messages": []}, 400, "messages"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, None),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages"),
+    ({"messages": CHAT, "max_tokens": 100_000}, 400, "max_tokens"),
+    ({"messages": CHAT, "top_p": 0}, 400, "top_p"),
+    ({"messages": CHAT, "temperature": 1e400}, 400, "temperature"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"messages": CHAT, "model": "gpt-4o"}, 404, "model"),
     ({"messages": CHAT, "logprobs": "yes"}, 400, "logprobs"),
     ({"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
     ({"messages": CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, None),  # word tokens
+    ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),  # word tokens
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools"),
     ({"messages": CHAT, "presence_penalty": 2.5}, 400, "presence_penalty"),
@@ -226,6 +231,7 @@ def test_bad_requests_get_openais_error_shape(stack, body, status, param):
     assert caught.value.code == status
     error = json.loads(caught.value.read())["error"]
     assert error["message"] and error["type"] and error["param"] == param
+    assert "max_new_tokens" not in error["message"]  # the field as this API names it
 
 
 def test_fields_at_their_neutral_value_are_accepted_and_nothing_else_is(stack):
