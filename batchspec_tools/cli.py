@@ -170,7 +170,20 @@ def serve(argv) -> int:
     coordinator_cmd += config.forward(args, serve_flags())
     if public_tls:
         coordinator_cmd += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
+    try:  # what the coordinator would refuse, refused before the services take their minute
+        coordinator_config(coordinator_cmd[3:])
+    except ValueError as error:
+        parser.error(str(error))
     return run_services(args, services, coordinator_cmd, public_tls)
+
+
+def coordinator_config(argv: list[str]):
+    """The CoordinatorConfig a coordinator started with `argv` would take (ValueError for
+    what it would refuse)."""
+    from coordinator import config
+    from coordinator.__main__ import build_parser
+
+    return config.config_from_args(build_parser().parse_args(argv))
 
 
 def check_models_and_devices(args, names: list[str]) -> None:

@@ -89,10 +89,21 @@ def test_coordinator_flag_defaults_are_the_config_defaults():
     assert config.config_from_args(args) == config.CoordinatorConfig(targets=("127.0.0.1:1",))
 
 
-def test_serve_refuses_a_bad_coordinator_value_before_starting_anything(capsys):
+@pytest.mark.parametrize("flags, complaint", [
+    (["-k", "0"], "num_draft_tokens"),
+    (["--port", "99999"], "port must be"),
+    (["--http-port", "70000"], "http_port must be"),
+    (["--step-log", "/no/such/dir/steps.jsonl"], "step_log"),
+])
+def test_serve_refuses_a_bad_coordinator_value_before_starting_anything(capsys, monkeypatch,
+                                                                        flags, complaint):
+    def started(*args, **kwargs):
+        raise AssertionError("a service was started")
+
+    monkeypatch.setattr(cli, "run_services", started)
     with pytest.raises(SystemExit) as exit_:
-        cli.serve(["--draft-model", "none", "-k", "0"])
-    assert exit_.value.code == 2 and "num_draft_tokens" in capsys.readouterr().err
+        cli.serve(["--draft-model", "none", *flags])
+    assert exit_.value.code == 2 and complaint in capsys.readouterr().err
 
 
 def run(*args, timeout=60, env=None):
