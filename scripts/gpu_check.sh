@@ -74,8 +74,8 @@ run served 300 batchspec bench --device "$DEVICE" --prompts docs/bench/heldout_p
 
 say ""
 for report in "$OUT/overhead/results.md" "$OUT/served/results.md"; do
-    # the overhead table, and the closed-loop table of the served sweep
-    [ -f "$report" ] && { grep -E "^\| (step|plain|drafted|method|grpc_router|grpc_target_only|---) " \
-        "$report" | grep -v "| batch |" >> "$SUMMARY"; say ""; }
+    # the overhead table, and the closed-loop table of the served sweep (each to its blank line)
+    [ -f "$report" ] && { awk '/^\| (step|method) \| clients \| (tokens a step|tok\/s)/ {on = 1}
+        on && /^$/ {on = 0} on' "$report" >> "$SUMMARY"; say ""; }
 done
 echo "report: $OUT"
