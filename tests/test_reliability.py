@@ -98,10 +98,7 @@ def test_a_hung_draft_is_dropped_and_decoding_goes_on(model_dirs, llama_model):
 
 def test_target_restart_loses_nothing_and_stays_exact(model_dirs, llama_model):
     target_dir, draft_dir = model_dirs["llama"]
-    # one token a command while the draft is down (plain steps of four would often finish
-    # the requests before the restarted draft is reached, leaving no step to speculate in)
-    with running_stack(target_dir, draft_dir, batch_size=2, num_draft_tokens=3,
-                       plain_steps=1) as stack:
+    with running_stack(target_dir, draft_dir, batch_size=2, num_draft_tokens=3) as stack:
         restarted = {}
 
         def restart():
