@@ -158,23 +158,24 @@ def serve(argv) -> int:
         args.http_port = processes.free_port()
     services = serve_services(args, names)
     target = f"127.0.0.1:{services[0][1]}"
-    coordinator_cmd = [sys.executable, "-m", "coordinator", "--target", target]
+    coordinator_argv = ["--target", target]
     hosted = hosted_draft(args, names)
     ports = iter(port for _, port, _ in services[1:])
     for name in names if names != ["none"] else []:  # the drafts' order is the kinds'
-        coordinator_cmd += ["--draft", LOCAL_NGRAM if name == "ngram" else target
+        coordinator_argv += ["--draft", LOCAL_NGRAM if name == "ngram" else target
                             if name == hosted else f"127.0.0.1:{next(ports)}"]
     tokenizer = args.tokenizer or models.tokenizer_file(args.target_model)
     if tokenizer:
-        coordinator_cmd += ["--tokenizer", tokenizer]
-    coordinator_cmd += config.forward(args, serve_flags())
+        coordinator_argv += ["--tokenizer", tokenizer]
+    coordinator_argv += config.forward(args, serve_flags())
     if public_tls:
-        coordinator_cmd += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
+        coordinator_argv += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
     try:  # what the coordinator would refuse, refused before the services take their minute
-        coordinator_config(coordinator_cmd[3:])
+        coordinator_config(coordinator_argv)
     except ValueError as error:
         parser.error(str(error))
-    return run_services(args, services, coordinator_cmd, public_tls)
+    return run_services(args, services, [sys.executable, "-m", "coordinator", *coordinator_argv],
+                        public_tls)
 
 
 def coordinator_config(argv: list[str]):

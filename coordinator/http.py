@@ -96,10 +96,14 @@ def _same(value, neutral) -> bool:
     return value == neutral
 
 
-# the request fields this edge names otherwise than the gRPC API (errors.BatchspecError.field),
-# by (field, whether the request is a chat's; None: either)
-_PARAMS = {("max_new_tokens", None): "max_tokens", ("prompt_token_ids", None): "prompt",
-           ("prompt_logprobs", None): "logprobs", ("logprobs", True): "top_logprobs"}
+# the request fields this edge names otherwise than the gRPC API (errors.BatchspecError.field)
+_PARAMS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt",
+           "prompt_logprobs": "logprobs"}
+
+
+def http_param(field: str | None, chat: bool) -> str | None:
+    """A request field as this edge names it (a chat's alternatives are `top_logprobs`)."""
+    return "top_logprobs" if chat and field == "logprobs" else _PARAMS.get(field, field)
 
 
 class HttpError(Exception):
@@ -149,8 +153,7 @@ class HttpEdge:
         except HttpError as error:
             return error_response(error.status, str(error), error.param)
         except errors.BatchspecError as error:
-            param = _PARAMS.get((error.field, request.path.endswith("/chat/completions")),
-                                _PARAMS.get((error.field, None), error.field))
+            param = http_param(error.field, request.path.endswith("/chat/completions"))
             message = str(error) if param == error.field else \
                 str(error).replace(error.field, param)
             return error_response(errors.to_http_status(error), message, param)
