@@ -81,6 +81,7 @@ def refuse_unknown_fields(path: str, body: dict) -> None:
         what = "is not supported" if name in NEUTRAL else "is not a field this endpoint takes"
         raise HttpError(400, f"{name} {what} (given {json.dumps(value)[:80]}); remove it",
                         name)
+    flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and not (isinstance(options, dict)
                                     and set(options) <= {"include_usage"}
@@ -272,7 +273,7 @@ class HttpEdge:
                                  together=(id(reply), p) if n > 1 else None)
                    for p, checked in enumerate(valid) for j in range(n)]
         try:
-            if not body.get("stream"):
+            if not flag(body, "stream"):
                 await all_or_none(reply.consume(i, s) for i, s in enumerate(streams))
                 return web.json_response(reply.whole())
             # every choice's first event (refusals, queue full, come before any byte is sent)

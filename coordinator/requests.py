@@ -153,12 +153,14 @@ def to_sampling(request: RequestInput, vocab_size: int | None = None) -> Samplin
     if not math.isfinite(temperature) or temperature < 0:
         raise bad(f"temperature must be a finite number >= 0, not {temperature}", "temperature")
     top_k = 0 if request.top_k is None else request.top_k
-    if top_k < 0:
-        raise bad(f"top_k must be >= 0 (0 means no limit), not {top_k}", "top_k")
+    if not 0 <= top_k < 2**31:  # (an int32 on the wire)
+        raise bad(f"top_k must be in [0, 2**31) (0 means no limit), not {top_k}", "top_k")
     top_p = 1.0 if request.top_p is None else request.top_p
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise bad(f"top_p must be in (0, 1], not {top_p}", "top_p")
     seed = random.getrandbits(63) if request.seed is None else request.seed
+    if not 0 <= seed < 2**64:  # (a uint64 on the wire)
+        raise bad(f"seed must be in [0, 2**64), not {seed}", "seed")
     presence = request.presence_penalty or 0.0
     frequency = request.frequency_penalty or 0.0
     bias = dict(request.logit_bias)

@@ -221,6 +221,10 @@ def test_server_sent_events_end_with_done(stack):
     ({"messages": CHAT, "echo": True}, 400, "echo"),  # completions only
     ({"messages": CHAT, "temprature": 0}, 400, "temprature"),  # a typo is not ignored
     ({"messages": CHAT, "stream_options": {"include_usage": "yes"}}, 400, "stream_options"),
+    ({"messages": CHAT, "stream": "yes"}, 400, "stream"),
+    # past what the wire carries (a seed is 64 bits, top_k 32): refused, not a server error
+    ({"messages": CHAT, "seed": 2**64}, 400, "seed"),
+    ({"messages": CHAT, "top_k": 2**31}, 400, "top_k"),
 ])
 def test_bad_requests_get_openais_error_shape(stack, body, status, param):
     request = urllib.request.Request(
