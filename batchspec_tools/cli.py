@@ -365,19 +365,20 @@ def generate_parser() -> argparse.ArgumentParser:
                         help="most tokens to generate")
     parser.add_argument("--temperature", type=bounded(float, 0.0), default=None,
                         help="sampling temperature (default: greedy)")
-    parser.add_argument("--top-k", type=bounded(int, 0), default=None,
+    parser.add_argument("--top-k", type=bounded(int, 0, 2**31), default=None,
                         help="sample from the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=None,
                         help="sample from the smallest set of tokens holding this much "
                              "probability, in (0, 1]")
-    parser.add_argument("--seed", type=bounded(int, 0), default=None,
+    parser.add_argument("--seed", type=bounded(int, 0, 2**64), default=None,
                         help="seed for sampling: the same seed gives the same answer")
     parser.add_argument("--presence-penalty", type=float, default=None,
                         help="OpenAI's presence penalty, in [-2, 2] (default 0)")
     parser.add_argument("--frequency-penalty", type=float, default=None,
                         help="OpenAI's frequency penalty, in [-2, 2] (default 0)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--timeout", type=cliargs.positive_seconds, default=None,
+                        help="deadline in seconds")
     parser.add_argument("--stats", action="store_true", help="print speculation stats at the end")
     parser.add_argument("--api-key-file", default=None,
                         help="send the API key in this file as 'authorization: Bearer <key>'")
@@ -385,8 +386,9 @@ def generate_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def bounded(kind, minimum):
-    """An argparse type: `kind` at least `minimum`, else a usage error."""
+def bounded(kind, minimum, below=None):
+    """An argparse type: `kind` at least `minimum` (and less than `below`, where given),
+    else a usage error."""
     def parse(text: str):
         try:
             value = kind(text)
@@ -395,6 +397,8 @@ def bounded(kind, minimum):
                                              f" {text!r}")
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, not {text}")
+        if below is not None and value >= below:
+            raise argparse.ArgumentTypeError(f"must be < {below}, not {text}")
         return value
     parse.__name__ = kind.__name__
     return parse

@@ -124,6 +124,9 @@ def test_version_and_unknown_commands():
 @pytest.mark.parametrize("args, complaint", [
     (["--max-new-tokens", "-1", "hi"], "--max-new-tokens"),
     (["--seed", "-1", "hi"], "--seed"),
+    (["--seed", str(2**64), "hi"], "--seed"),  # past what the wire carries
+    (["--top-k", str(2**31), "hi"], "--top-k"),
+    (["--timeout", "-1", "hi"], "--timeout"),
     (["--token-ids", "1,abc"], "--token-ids"),
     (["--top-p", "1.5", "hi"], "--top-p"),
     (["--frequency-penalty", "3", "hi"], "--frequency-penalty"),
