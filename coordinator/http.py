@@ -115,7 +115,8 @@ class HttpError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind,
                       "param": param, "code": status}}
 
 

@@ -238,6 +238,19 @@ def test_bad_requests_get_openais_error_shape(stack, body, status, param):
     assert "max_new_tokens" not in error["message"]  # the field as this API names it
 
 
+@pytest.mark.parametrize("method, path, status", [("GET", "/v1/chat/completions", 405),
+                                                  ("DELETE", "/v1/completions", 405),
+                                                  ("POST", "/v1/embeddings", 404)])
+def test_a_wrong_method_or_path_is_the_clients_error(stack, method, path, status):
+    """aiohttp's own refusals in OpenAI's shape, typed as the client's error, not the server's."""
+    request = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}{path}", method=method)
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    assert caught.value.code == status
+    error = json.loads(caught.value.read())["error"]
+    assert error["code"] == status and error["type"] != "server_error", error
+
+
 def test_fields_at_their_neutral_value_are_accepted_and_nothing_else_is(stack):
     """What clients send by default (logprobs false, zero penalties, no tools) changes
     nothing and is accepted; fields the edge does not implement, asking for something, are
