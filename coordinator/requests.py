@@ -289,7 +289,8 @@ class Ending:
     def log(self) -> None:
         seq = self.seq
         reason = self.reason or "cancelled"  # ended by the server's shutdown or a closed loop
-        fields = [f"request {self.request_id or '-'}", f"edge={self.edge}", f"ended={reason}"]
+        fields = [f"request {loggable(self.request_id) or '-'}", f"edge={self.edge}",
+                  f"ended={reason}"]
         if seq is not None:
             drafted = seq.stats.num_drafted_tokens
             acceptance = seq.stats.num_accepted_tokens / drafted if drafted else 0.0
@@ -300,3 +301,10 @@ class Ending:
         if self.detail:
             fields.append(f"error={self.detail!r}")
         log.info(" ".join(fields))
+
+
+def loggable(text: str, limit: int = 128) -> str:
+    """A client's string for a log line: at most `limit` characters (then "..."), each
+    unprintable one escaped, so that one record stays one line."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return shown + ("..." if len(text) > limit else "")

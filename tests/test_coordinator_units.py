@@ -1,5 +1,6 @@
 """Pure coordinator parts: sequence bookkeeping, group selection and reconnection (no torch,
 no gRPC)."""
+import logging
 import subprocess
 import sys
 import threading
@@ -375,3 +376,16 @@ def test_a_draft_of_another_vocabulary_is_refused_at_start(caplog):
         fleet.check_draft(info(96, "words"), target, "draft:1")
         fleet.check_draft(info(28, ""), target, "draft:1")  # unknown: the runtime refuses rows
         assert not caplog.text
+
+
+@pytest.mark.parametrize("request_id, shown", [
+    ("abc-1", "request abc-1 "),
+    ("a\nFAKE LOG LINE", "request a\\nFAKE LOG LINE "),  # one record stays one line
+    ("x" * 1000, "request " + "x" * 128 + "... "),  # a client's id is bounded in the log
+], ids=["plain", "newline", "long"])
+def test_a_requests_log_line_shows_its_id_on_one_bounded_line(caplog, request_id, shown):
+    from coordinator.requests import Ending
+    with caplog.at_level(logging.INFO, logger="coordinator"):
+        Ending("grpc", request_id, time.monotonic(), reason="finished (length)").log()
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(shown) and "\n" not in line
