@@ -340,7 +340,7 @@ def health(argv) -> int:
     args = parser.parse_args(argv)
     try:
         processes.wait_healthy(args.address, args.service, args.timeout,
-                     credentials=client_credentials(parser, args))
+                               credentials=client_credentials(parser, args))
     except TimeoutError as error:
         print(error, file=sys.stderr)
         return 1

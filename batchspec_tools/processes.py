@@ -89,4 +89,4 @@ def wait_healthy(address: str, service: str, timeout: float, children=(),
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
-    raise TimeoutError(f"{service} at {address} not healthy after {timeout}s")
+    raise TimeoutError(f"{service or 'the server'} at {address} not healthy after {timeout}s")

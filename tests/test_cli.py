@@ -180,6 +180,14 @@ def test_generate_without_a_server_says_how_to_start_one():
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
+def test_health_of_nothing_says_what_is_not_healthy():
+    address = f"127.0.0.1:{free_port()}"
+    done = run("health", address, "--timeout", "0.5")
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"the server at {address} not healthy after 0.5s"
+
+
 def test_shared_argument_types_refuse_what_they_cannot_be():
     import argparse
 
