@@ -1,7 +1,8 @@
 """Committing one row's verification: its tokens, its text, and the event its client reads.
 
 Invariant kept: after `commit`, the target's record equals what the target answered, and the
-sequence holds every token the target committed (up to a stop token or max_new_tokens).
+sequence holds every token the target committed (up to a stop token, max_new_tokens, or the
+token that completes a stop string in the text).
 """
 from batchspec import errors
 from coordinator.clients import VerifyOutcome
@@ -39,6 +40,10 @@ def commit(handle: RequestHandle, outcome: VerifyOutcome, num_drafts: int, step:
     accepted = min(outcome.num_accepted, len(committed))
     draft_text = text_of(seq, committed[:accepted], last=False) if accepted else ""
     text = draft_text + text_of(seq, committed[accepted:])
+    if seq.text is not None and seq.text.unused:
+        seq.cut_at_stop_string(seq.text.unused)
+        committed = committed[:len(committed) - seq.text.unused]
+        accepted = min(accepted, len(committed))
     telemetry.committed(handle, len(committed), num_drafts, outcome.num_accepted)
     if seq.finish is not None:  # recorded before the client can see its last event
         telemetry.finished(handle)

@@ -157,6 +157,13 @@ class Sequence:
             self.constraint.advance(committed)
         return committed
 
+    def cut_at_stop_string(self, unused: int) -> None:
+        """Drop the last `unused` committed tokens, which came after a stop string's end in
+        the text (a step commits several; the target alone would have stopped before them)."""
+        if unused:
+            del self.token_ids[-unused:]
+            self.finish = Finish.STOP_STRING
+
     def draft_append_need(self, kind: int = 0) -> int:
         """Committed tokens draft `kind` must be fed before proposing (>= 1: the last one)."""
         return self.committed_len - min(self.drafts[kind].valid_len, self.committed_len - 1)

@@ -134,19 +134,27 @@ class TextStream:
         self.done = 0  # characters of the window's text already produced
         self.pending = ""
         self.stopped = False
+        self.unused = 0  # tokens fed after the one that completed a stop string
 
     def feed(self, token_ids: list[int]) -> str:
         """Add committed tokens; return the text now safe to stream. After a stop string,
-        `stopped` is set and the text ends just before it; later tokens give nothing."""
+        `stopped` is set and the text ends just before it; the tokens fed after the one that
+        completed it (as the target alone, one token a step, would have stopped there) are
+        counted in `unused` and give nothing."""
         if self.stopped:
+            self.unused += len(token_ids)
             return ""
-        self.ids.extend(token_ids)
-        self.pending += self._new_text()
-        found = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
-        if found:
-            self.stopped = True
-            out, self.pending = self.pending[:min(found)], ""
-            return out
+        # with stop strings, one token at a time: the first that completes one is the last
+        pieces = [[token_id] for token_id in token_ids] if self.stop else [token_ids]
+        for used, piece in enumerate(pieces, 1):
+            self.ids.extend(piece)
+            self.pending += self._new_text()
+            found = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+            if found:
+                self.stopped = True
+                self.unused += len(token_ids) - used
+                out, self.pending = self.pending[:min(found)], ""
+                return out
         keep = len(self.pending) - self._held_back()
         out, self.pending = self.pending[:keep], self.pending[keep:]
         return out

@@ -18,6 +18,7 @@ from batchspec_tools.bench import loadtest
 from coordinator import __main__ as coordinator_main
 from coordinator import scheduler
 from coordinator.config import CoordinatorConfig, EngineConfig
+from coordinator.sequence import Finish, Sequence
 from coordinator.text import TextCodec, TextStream
 from draft_service.servicer import SERVICE_NAME as DRAFT_NAME
 from draft_service.servicer import DraftServicer
@@ -78,6 +79,39 @@ def test_no_part_of_a_stop_string_is_ever_streamed(codec, chunk):
     assert "".join(pieces) == "The quick brown fox jumps over the lazy dog. "
     assert not any("E" in piece for piece in pieces)
     assert text.feed(codec.encode(" more")) == "" and text.flush() == ""
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_a_stop_string_ends_the_tokens_where_it_ends_the_text(codec, chunk):
+    """The tokens a stop string lets through are those the target alone (one token a step)
+    would have given: up to the one that completes it, however many one step committed. The
+    sequence, its event and its log-probabilities end there, and the finish says why."""
+    from coordinator import commit
+    from coordinator.clients import VerifyOutcome
+    from coordinator.requests import RequestHandle
+    from coordinator.telemetry import Telemetry
+
+    ids = codec.encode(CORPUS[1])
+    stop_at = next(n for n in range(1, len(ids) + 1) if "END of" in codec.decode(ids[:n]))
+    assert stop_at < len(ids) - 2  # tokens past the stop string's end to be cut
+    seq = Sequence(1, [0], max_new_tokens=100, stop_token_ids=frozenset())
+    seq.text = TextStream(codec, stop=["END of"])
+    handle = RequestHandle(seq, deadline=None)
+    events, done = [], False
+    for start in range(0, len(ids), chunk):
+        outputs = ids[start:start + chunk]
+        outcome = VerifyOutcome(1, len(outputs) - 1, outputs,
+                                seq.committed_len - 1 + len(outputs) - 1,
+                                logprobs=[f"lp{t}" for t in outputs])
+        done = commit.commit(handle, outcome, len(outputs) - 1, 0, Telemetry())
+        events.append(handle.events.get_nowait())
+        if done:
+            break
+    assert done and seq.finish is Finish.STOP_STRING
+    assert seq.generated_token_ids == ids[:stop_at]
+    assert [t for e in events for t in e.token_ids] == ids[:stop_at]
+    assert [lp for e in events for lp in e.logprobs] == [f"lp{t}" for t in ids[:stop_at]]
+    assert "".join(e.text for e in events) == "The quick brown fox jumps over the lazy dog. "
 
 
 def test_each_tokens_bytes_join_into_the_text_where_its_own_text_is_half_a_character(
