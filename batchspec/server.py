@@ -128,8 +128,13 @@ class LoopHealth:
     def __init__(self, servicer, loop: asyncio.AbstractEventLoop):
         self.servicer = servicer
         self.loop = loop
+        self.statuses: dict[str, int] = {}  # what set() last set (none yet: NOT_SERVING)
+
+    def serving(self, name: str = "") -> bool:
+        return self.statuses.get(name) == health_pb2.HealthCheckResponse.SERVING
 
     def set(self, name: str, status) -> None:
+        self.statuses[name] = status
         coro = self.servicer.set(name, status)
         try:
             running = asyncio.get_running_loop()

@@ -193,7 +193,8 @@ def start_http(config: CoordinatorConfig, server, router: Router, limits: Limits
         return None, None
     edge = http.HttpEdge(router, limits, codec, http.ServedModels(
         services.target.model, services.target.model, tuple(services.draft_models)),
-        security.read_api_key(config.api_key_file) if config.api_key_file else None, grammars)
+        security.read_api_key(config.api_key_file) if config.api_key_file else None, grammars,
+        serving=lambda: server.health.serving(SERVICE_NAME))
     runner, port = server.call(http.start(edge, config.host, config.http_port,
                                           ssl=config.tls.ssl_context() if config.tls else None))
     log.info("OpenAI-compatible HTTP API and chat page on %s://%s:%d/",

@@ -4,8 +4,8 @@ same engine as gRPC, no extra hop.
 - POST /v1/chat/completions and /v1/completions, streamed as server-sent events (`data:`
   chunks, then `data: [DONE]`) or answered whole; `usage` and the request's speculative
   decoding statistics come with the last chunk (or the whole answer).
-- GET /v1/models; GET / is a chat page that streams answers and shows which text came from
-  accepted drafts.
+- GET /v1/models; GET /health (200 while serving, else 503: for HTTP load balancers); GET /
+  is a chat page that streams answers and shows which text came from accepted drafts.
 - A request field the edge does not implement is refused (400 naming it), never ignored;
   fields clients send by default are accepted at their neutral values (see FIELDS, NEUTRAL).
 - Errors in OpenAI's shape ({"error": {"message", "type", "param", "code"}}) with the HTTP
@@ -24,6 +24,7 @@ import pathlib
 import socket
 import time
 import uuid
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -126,8 +127,12 @@ def error_response(status: int, message: str, param: str | None = None) -> web.R
 
 class HttpEdge:
     def __init__(self, router, limits: Limits, codec: TextCodec | None, models: ServedModels,
-                 api_key: str | None = None, grammars: Grammars | None = None):
+                 api_key: str | None = None, grammars: Grammars | None = None,
+                 serving: Callable[[], bool] | None = None):
         self.router = router
+        # what GET /health answers: the public server's health (a target takes requests, and
+        # the server is not draining); by default the router's
+        self.serving = serving or router.healthy
         self.limits = limits
         self.codec = codec
         self.grammars = grammars
@@ -137,10 +142,18 @@ class HttpEdge:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors])
         app.router.add_get("/", self.page)
+        app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while serving, else 503: a probe for HTTP load balancers (no API key)."""
+        if self.serving():
+            return web.json_response({"status": "serving"})
+        return error_response(503, "not serving: no target takes requests, or the server is "
+                                   "stopping")
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):

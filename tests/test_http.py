@@ -366,11 +366,21 @@ def test_a_full_queue_is_429_and_a_wrong_or_missing_key_401(model_dirs, tokenize
         assert full.router.num_waiting() == 0 and full.router.num_running() == 0
 
 
+def health(port: int) -> int:
+    """The status of GET /health (what an HTTP load balancer's probe reads)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
 def test_no_reachable_target_is_503_until_it_is_back(model_dirs, tokenizer_dir):
     target_dir, draft_dir = model_dirs["gpt2"]
     with running_stack(target_dir, draft_dir, tokenizer=tokenizer_dir, http_port=0) as stack:
         body = {"prompt": "hello robot", "max_tokens": 4, "temperature": 0}
         assert post(stack.http_port, "/v1/completions", body)[0] == 200
+        assert health(stack.http_port) == 200
         stack.target_server.stop(0).wait()
         with pytest.raises(grpc.RpcError):  # the request that finds the target gone waits
             list(stack.stub().Generate(generate_pb2.GenerateRequest(
@@ -378,12 +388,14 @@ def test_no_reachable_target_is_503_until_it_is_back(model_dirs, tokenizer_dir):
         assert wait_for(lambda: not stack.router.healthy())
         status, refused = post(stack.http_port, "/v1/completions", body)
         assert status == 503 and "no target" in refused["error"]["message"]
+        assert wait_for(lambda: health(stack.http_port) == 503)
         with pytest.raises(openai.InternalServerError):  # the client's type for 503
             client(stack).completions.create(model="batchspec", **body)
         server, _, _, _ = start_target(target_dir, port=stack.target_port)
         try:
             assert wait_for(stack.router.healthy)
             assert post(stack.http_port, "/v1/completions", body)[0] == 200
+            assert health(stack.http_port) == 200
         finally:
             server.stop(0)
 

@@ -422,3 +422,23 @@ def test_loadtest_refuses_beyond_pool_and_queue_and_leaves_nothing_behind():
     assert report["health_checks"] > 0 and report["health_failures"] == 0
     assert report["reflection_failures"] == 0
     assert "refused" in loadtest.summary(report)
+
+
+def test_the_health_the_http_edge_reads_is_the_grpc_health():
+    """GET /health reads what the gRPC health says (NOT_SERVING from start-up, SERVING once
+    set, NOT_SERVING again while the server drains)."""
+    from batchspec import server as server_lib
+
+    server = server_lib.LoopServer("127.0.0.1:0", [])
+    try:
+        server.start()
+        assert not server.health.serving()
+        for serving in (True, False):
+            server_lib.set_serving(server.health, [], serving)
+            assert server.health.serving() is serving
+            with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                status = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=5).status
+            assert (status == health_pb2.HealthCheckResponse.SERVING) is serving
+    finally:
+        server.stop(0).wait(10)
