@@ -101,10 +101,12 @@ def test_poisson_arrivals_and_percentiles():
     assert arrivals.percentile([], 50) is None
 
 
-def test_bench_refuses_bad_load_settings_and_missing_prompts():
+def test_bench_refuses_bad_load_settings_and_missing_prompts(tmp_path):
     from batchspec_tools.bench.run import BenchConfig
 
-    for bad in ({"arrival_rates": (0.0,)}, {"arrival_rates": (-1.0,)}, {"load_batch_size": 0},
+    (tmp_path / "a-file").write_text("")
+    for bad in ({"num_prompts": 0}, {"out": str(tmp_path / "a-file" / "report")},
+                {"arrival_rates": (0.0,)}, {"arrival_rates": (-1.0,)}, {"load_batch_size": 0},
                 {"prompts": "/no/such/prompts.jsonl"},
                 {"by_category": True, "arrival_rates": (1.0,)}, {"repeat": 0},
                 {"head_check": True, "draft": "smollm2-draft"},  # a layer draft, not a head

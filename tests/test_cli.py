@@ -152,6 +152,7 @@ def test_a_users_mistake_is_a_usage_error_not_a_traceback(args, complaint):
     (["target", "--draft-model", "ngram"], "n-gram draft"),
     (["draft", "--model", "/no/such/draft"], "no such file or directory"),
     (["draft", "--model", "ngram", "--port", "-5"], "port must be"),
+    (["bench", "--concurrency", "1,x"], "--concurrency takes whole numbers"),
     (["health"], "address"),
     (["health", "no-port-here"], "HOST:PORT"),
     (["health", "127.0.0.1:50051", "--timeout", "-1"], "--timeout"),

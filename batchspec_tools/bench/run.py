@@ -115,8 +115,10 @@ class BenchConfig:
             raise ValueError(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
         if min(self.batch_sizes) < 1 or min(self.ks) < 1 or self.max_new_tokens < 1:
             raise ValueError("batch sizes, K and max_new_tokens must be >= 1")
-        if self.repeat < 1:
-            raise ValueError("--repeat must be >= 1")
+        if self.repeat < 1 or self.num_prompts < 1:
+            raise ValueError("--repeat and --num-prompts must be >= 1")
+        if not writable_dir(pathlib.Path(self.out)):
+            raise ValueError(f"--out {self.out}: cannot write a report there")
         if any(rate <= 0 for rate in self.arrival_rates) or self.load_batch_size < 1:
             raise ValueError("arrival rates must be > 0 and --load-batch-size >= 1")
         if any(c < 1 for c in self.concurrency):
@@ -347,11 +349,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def ints(text: str, flag: str) -> tuple[int, ...]:
+    """A flag's comma-separated whole numbers; ValueError naming the flag otherwise."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        raise ValueError(f"{flag} takes whole numbers, comma-separated, not {text!r}") from None
+
+
+def writable_dir(path: pathlib.Path) -> bool:
+    """`path` is a directory this process can write in, or can be made one (checked before a
+    run of an hour, not after it)."""
+    while not path.exists():
+        path = path.parent
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
 def config_from_args(args) -> BenchConfig:
-    ints = lambda text: tuple(int(x) for x in text.split(",") if x)  # noqa: E731
-    batch_sizes = ints(args.batch_sizes) if args.batch_sizes else \
+    batch_sizes = ints(args.batch_sizes, "--batch-sizes") if args.batch_sizes else \
         (1, 4) if args.quick else (1, 2, 4, 8, 16, 32)
-    ks = ints(args.ks) if args.ks else (2, 4) if args.quick else (EngineConfig.num_draft_tokens,)
+    ks = ints(args.ks, "--ks") if args.ks else (2, 4) if args.quick else \
+        (EngineConfig.num_draft_tokens,)
     if args.quick:
         return BenchConfig(target="tiny", num_prompts=8, max_new_tokens=12,
                            batch_sizes=batch_sizes, ks=ks, out=args.out, quick=True,
@@ -361,7 +379,8 @@ def config_from_args(args) -> BenchConfig:
                            arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",")
                                                if x),
                            load_batch_size=args.load_batch_size, dtype=args.dtype,
-                           concurrency=ints(args.concurrency), step_logs=args.step_logs,
+                           concurrency=ints(args.concurrency, "--concurrency"),
+                           step_logs=args.step_logs,
                            device=args.device, temperature=args.temperature,
                            top_p=args.top_p, overhead=args.overhead,
                            min_draft_confidence=args.min_draft_confidence,
@@ -375,7 +394,7 @@ def config_from_args(args) -> BenchConfig:
                        arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",") if x),
                        load_batch_size=args.load_batch_size, dtype=args.dtype,
                        prompts=args.prompts, by_category=args.by_category,
-                       repeat=args.repeat, concurrency=ints(args.concurrency),
+                       repeat=args.repeat, concurrency=ints(args.concurrency, "--concurrency"),
                        step_logs=args.step_logs, device=args.device,
                        draft_dtype=args.draft_dtype, temperature=args.temperature,
                        top_p=args.top_p, overhead=args.overhead, head_check=args.head_check,
