@@ -153,6 +153,12 @@ def test_a_users_mistake_is_a_usage_error_not_a_traceback(args, complaint):
     (["draft", "--model", "/no/such/draft"], "no such file or directory"),
     (["draft", "--model", "ngram", "--port", "-5"], "port must be"),
     (["bench", "--concurrency", "1,x"], "--concurrency takes whole numbers"),
+    (["evaluate-draft", "--draft", "/no/such/draft"], "no such file or directory"),
+    (["evaluate-draft", "--draft", "ngram"], "not a model"),
+    (["evaluate-draft", "--draft", "smollm2-draft", "--max-new-tokens", "0"], "must be >= 1"),
+    (["evaluate-draft", "--draft", "smollm2-eagle", "--num-layers", "2"], "its own number"),
+    (["evaluate-draft", "--draft", "smollm2-draft", "--training-data", "/no/such"],
+     "not a distill directory"),
     (["health"], "address"),
     (["health", "no-port-here"], "HOST:PORT"),
     (["health", "127.0.0.1:50051", "--timeout", "-1"], "--timeout"),
@@ -166,11 +172,15 @@ def test_every_command_refuses_bad_arguments_with_its_usage(args, complaint):
 
 
 @pytest.mark.slow
-def test_a_model_that_cannot_be_loaded_is_an_error_not_a_traceback():
-    done = run("target", "--model", "no-such-owner/no-such-model", "--port", "0",
-               env={"HF_HUB_OFFLINE": "1"})
+@pytest.mark.parametrize("args, complaint", [
+    (["target", "--model", "no-such-owner/no-such-model", "--port", "0"],
+     "cannot serve no-such-owner/no-such-model"),
+    (["evaluate-draft", "--draft", "no-such-owner/no-such-model"], "cannot load the models"),
+])
+def test_a_model_that_cannot_be_loaded_is_an_error_not_a_traceback(args, complaint):
+    done = run(*args, env={"HF_HUB_OFFLINE": "1"})
     assert done.returncode == 1, done.stderr
-    assert "cannot serve no-such-owner/no-such-model" in done.stderr
+    assert complaint in done.stderr
     assert "Traceback" not in done.stderr
 
 

@@ -144,11 +144,12 @@ def build_parser():
     parser = cliargs.parser("batchspec evaluate-draft", __doc__)
     parser.add_argument("--target", default="smollm2", help="target model")
     parser.add_argument("--draft", required=True, help="draft model dir (or any --model value)")
-    parser.add_argument("--num-layers", type=int, default=None,
+    parser.add_argument("--num-layers", type=cliargs.positive_int, default=None,
                         help="keep only the draft's first N layers (plain models only)")
-    parser.add_argument("--max-new-tokens", type=int, default=64,
+    parser.add_argument("--max-new-tokens", type=cliargs.positive_int, default=64,
                         help="most tokens of each target answer")
-    parser.add_argument("--num-prompts", type=int, default=None, help="default: all")
+    parser.add_argument("--num-prompts", type=cliargs.positive_int, default=None,
+                        help="default: all")
     parser.add_argument("--training-data", default=None, metavar="DIR",
                         help="measure agreement on every 14th sequence a distill directory "
                              "trained on, instead of the held-out benchmark prompts")
@@ -167,7 +168,20 @@ def main(argv=None) -> int:
     argv_list = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv_list)
     from batchspec.runtime import draft_model, models
+    from batchspec_tools.drafting.distill import DATA_FILE
 
+    for flag, spec in (("--target", args.target), ("--draft", args.draft)):
+        if spec in ("ngram", "none", "auto"):
+            parser.error(f"{flag} {spec}: not a model (evaluate-draft measures a model draft)")
+        try:
+            models.check_spec(spec)
+        except ValueError as error:
+            parser.error(f"{flag}: {error}")
+    if args.num_layers is not None and models.is_draft_directory(args.draft):
+        parser.error("--num-layers: a distilled draft directory fixes its own number of layers")
+    if args.training_data and not (pathlib.Path(args.training_data) / DATA_FILE).is_file():
+        parser.error(f"--training-data {args.training_data}: no {DATA_FILE} there (not a "
+                     f"distill directory?)")
     draft_dir = models.model_path(args.draft)
     if args.record and args.training_data:
         parser.error("--record stores the held-out figure in the manifest; it does not go "
@@ -177,10 +191,14 @@ def main(argv=None) -> int:
     if args.record and not draft_model.is_draft_dir(draft_dir):
         parser.error(f"--record needs a distilled draft directory, not {args.draft!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s evaluate %(message)s")
-    result = evaluate(args.target, args.draft, num_layers=args.num_layers,
-                      max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
-                      training_data=args.training_data, temperature=args.temperature,
-                      top_p=args.top_p)
+    try:
+        result = evaluate(args.target, args.draft, num_layers=args.num_layers,
+                          max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
+                          training_data=args.training_data, temperature=args.temperature,
+                          top_p=args.top_p)
+    except OSError as error:  # a hub id that cannot be fetched, a directory with no model
+        print(f"evaluate-draft: cannot load the models: {error}", file=sys.stderr)
+        return 1
     print(json.dumps(result, indent=2))
     if args.record:
         manifest = pathlib.Path(draft_dir) / draft_model.MANIFEST
