@@ -1,5 +1,7 @@
 """What every batchspec command line shares: help that shows each flag's default."""
 import argparse
+import os
+import pathlib
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -74,3 +76,12 @@ def int_span(value: str) -> tuple[int, int]:
     if not sep or not 0 < values[0] <= values[1]:
         raise argparse.ArgumentTypeError(f"expected MIN,MAX with 0 < MIN <= MAX, not {value!r}")
     return values
+
+
+def writable_dir(path: str) -> bool:
+    """`path` is a directory this process can write in, or can be made one (checked before a
+    run of an hour, not after it)."""
+    where = pathlib.Path(path).absolute()
+    while not where.exists():
+        where = where.parent
+    return where.is_dir() and os.access(where, os.W_OK | os.X_OK)

@@ -154,6 +154,8 @@ def test_a_users_mistake_is_a_usage_error_not_a_traceback(args, complaint):
     (["draft", "--model", "ngram", "--port", "-5"], "port must be"),
     (["bench", "--concurrency", "1,x"], "--concurrency takes whole numbers"),
     (["evaluate-draft", "--draft", "/no/such/draft"], "no such file or directory"),
+    (["distill", "--target", "/no/such/model"], "no such file or directory"),
+    (["distill", "--out", "/dev/null/draft"], "cannot write a draft there"),
     (["evaluate-draft", "--draft", "ngram"], "not a model"),
     (["evaluate-draft", "--draft", "smollm2-draft", "--max-new-tokens", "0"], "must be >= 1"),
     (["evaluate-draft", "--draft", "smollm2-eagle", "--num-layers", "2"], "its own number"),
@@ -176,9 +178,11 @@ def test_every_command_refuses_bad_arguments_with_its_usage(args, complaint):
     (["target", "--model", "no-such-owner/no-such-model", "--port", "0"],
      "cannot serve no-such-owner/no-such-model"),
     (["evaluate-draft", "--draft", "no-such-owner/no-such-model"], "cannot load the models"),
+    (["distill", "--target", "no-such-owner/no-such-model", "--out", "{tmp}/draft"],
+     "cannot load the target"),
 ])
-def test_a_model_that_cannot_be_loaded_is_an_error_not_a_traceback(args, complaint):
-    done = run(*args, env={"HF_HUB_OFFLINE": "1"})
+def test_a_model_that_cannot_be_loaded_is_an_error_not_a_traceback(args, complaint, tmp_path):
+    done = run(*[a.format(tmp=tmp_path) for a in args], env={"HF_HUB_OFFLINE": "1"})
     assert done.returncode == 1, done.stderr
     assert complaint in done.stderr
     assert "Traceback" not in done.stderr

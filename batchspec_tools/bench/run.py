@@ -117,7 +117,7 @@ class BenchConfig:
             raise ValueError("batch sizes, K and max_new_tokens must be >= 1")
         if self.repeat < 1 or self.num_prompts < 1:
             raise ValueError("--repeat and --num-prompts must be >= 1")
-        if not writable_dir(pathlib.Path(self.out)):
+        if not cliargs.writable_dir(self.out):
             raise ValueError(f"--out {self.out}: cannot write a report there")
         if any(rate <= 0 for rate in self.arrival_rates) or self.load_batch_size < 1:
             raise ValueError("arrival rates must be > 0 and --load-batch-size >= 1")
@@ -355,14 +355,6 @@ def ints(text: str, flag: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x)
     except ValueError:
         raise ValueError(f"{flag} takes whole numbers, comma-separated, not {text!r}") from None
-
-
-def writable_dir(path: pathlib.Path) -> bool:
-    """`path` is a directory this process can write in, or can be made one (checked before a
-    run of an hour, not after it)."""
-    while not path.exists():
-        path = path.parent
-    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
 
 
 def config_from_args(args) -> BenchConfig:

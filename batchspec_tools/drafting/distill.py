@@ -84,6 +84,9 @@ class DistillConfig:
             raise ValueError("teacher_top_k and self_instruct must be >= 0")
         if not self.lr > 0:
             raise ValueError("lr must be > 0")
+        models.check_spec(self.target)
+        if not cliargs.writable_dir(self.out):
+            raise ValueError(f"out {self.out}: cannot write a draft there")
         import torch
 
         try:
@@ -123,8 +126,11 @@ def distill(config: DistillConfig, command: str) -> pathlib.Path:
     out = pathlib.Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    target = models.load_causal_lm(config.target, device=config.device)
-    tokenizer = models.load_tokenizer(config.target)
+    try:
+        target = models.load_causal_lm(config.target, device=config.device)
+        tokenizer = models.load_tokenizer(config.target)
+    except OSError as error:  # a hub id that cannot be fetched, a directory with no model
+        raise SystemExit(f"distill: cannot load the target {config.target}: {error}") from None
     from batchspec_tools.data.train_prompts import training_prompts
 
     fixed = training_prompts(config.num_prompts, seed=config.seed)
