@@ -156,6 +156,7 @@ def test_a_users_mistake_is_a_usage_error_not_a_traceback(args, complaint):
     (["evaluate-draft", "--draft", "/no/such/draft"], "no such file or directory"),
     (["distill", "--target", "/no/such/model"], "no such file or directory"),
     (["distill", "--out", "/dev/null/draft"], "cannot write a draft there"),
+    (["loadtest", "--out", "/dev/null/report.json"], "cannot write a report file there"),
     (["evaluate-draft", "--draft", "ngram"], "not a model"),
     (["evaluate-draft", "--draft", "smollm2-draft", "--max-new-tokens", "0"], "must be >= 1"),
     (["evaluate-draft", "--draft", "smollm2-eagle", "--num-layers", "2"], "its own number"),

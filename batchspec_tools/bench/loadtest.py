@@ -92,10 +92,14 @@ def main(argv=None) -> int:
                             arch=args.arch, channels=args.channels)
     except ValueError as error:
         parser.error(str(error))
+    out = pathlib.Path(args.out) if args.out else None
+    if out is not None and (out.is_dir() or not cliargs.writable_dir(str(out.parent))):
+        parser.error(f"--out {out}: cannot write a report file there")
     result = run(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(summary(result))
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=2))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
     return 0 if result["checks_passed"] else 1
 
 
