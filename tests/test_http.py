@@ -508,7 +508,15 @@ def test_the_page_streams_an_answer_in_headless_chromium(stack, tmp_path, tokeni
         wait = WebDriverWait(driver, 60)
         wait.until(lambda d: "ngram" in d.find_element(By.ID, "pair").text)
         driver.find_element(By.ID, "question").send_keys(question)
-        driver.find_element(By.ID, "send").click()
+        # a second question sent while the first answer streams (in the same task, so surely
+        # while it streams) is not taken: one question, one answer at a time
+        turns = driver.execute_script(
+            "document.getElementById('send').click();"
+            "document.getElementById('question').value = 'second question';"
+            "document.getElementById('ask').requestSubmit();"
+            "return [document.querySelectorAll('.turn.user').length,"
+            "        document.getElementById('send').disabled];")
+        assert turns == [1, True]
         answer = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "[data-done]"))
         assert answer.get_attribute("data-done") == "true", answer.text
         assert answer.get_attribute("data-error") is None, answer.text  # no error marker
@@ -521,6 +529,8 @@ def test_the_page_streams_an_answer_in_headless_chromium(stack, tmp_path, tokeni
         assert {s.value_of_css_property("background-color") for s in drafted} - {plain}
         assert "on green" in driver.find_element(By.CSS_SELECTOR, ".legend").text
         assert "tokens/s" in driver.find_element(By.ID, "stats").text
+        assert driver.find_element(By.ID, "send").is_enabled()
+        assert driver.find_element(By.ID, "question").get_attribute("value") == "second question"
         shot = pathlib.Path(tmp_path) / "page.png"
         driver.save_screenshot(str(shot))
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
