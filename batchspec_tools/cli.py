@@ -156,6 +156,8 @@ def serve(argv) -> int:
     args.port = args.port or processes.free_port()
     if args.http_port == 0:
         args.http_port = processes.free_port()
+    if args.metrics_port == 0:
+        args.metrics_port = processes.free_port()
     services = serve_services(args, names)
     target = f"127.0.0.1:{services[0][1]}"
     coordinator_argv = ["--target", target]
@@ -267,6 +269,8 @@ def run_services(args, services, coordinator_cmd: list[str], public_tls=None) ->
                  args.port,
                  f" and HTTP on {scheme}://127.0.0.1:{args.http_port}/" if args.http_port
                  else "", args.port, " --tls-ca CA.pem" if public_tls else "")
+        if args.metrics_port:
+            log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", args.metrics_port)
         while not stopping and all(c.poll() is None for c in children):
             time.sleep(0.2)
     except KeyboardInterrupt:

@@ -108,7 +108,8 @@ class CoordinatorConfig:
                                  "in its own process; a target is a service")
         if self.membership_interval_s <= 0:
             raise ValueError("membership_interval_s must be > 0")
-        for name, port in (("port", self.port), ("http_port", self.http_port)):
+        for name, port in (("port", self.port), ("http_port", self.http_port),
+                           ("metrics_port", self.metrics_port)):
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], not {port}")
         if self.max_new_tokens < 1:
@@ -147,7 +148,7 @@ class Flag:
         parser.add_argument(*self.names, **keywords)
 
 
-# What a client sees of the coordinator: where it listens, and the API key.
+# What a client sees of the coordinator: where it listens, the API key, and its metrics.
 PUBLIC_FLAGS = (
     Flag(("--port",), "gRPC port of the public API (0: a free one)", DEFAULT_PORT, int),
     Flag(("--http-port",), "also serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
@@ -155,6 +156,8 @@ PUBLIC_FLAGS = (
          "with --tls-cert, the same API key)", CoordinatorConfig.http_port, int),
     Flag(("--api-key-file",), "file holding the API key clients must send as 'authorization: "
          "Bearer <key>' (health stays open)", CoordinatorConfig.api_key_file),
+    Flag(("--metrics-port",), "serve Prometheus metrics on this port, at /metrics (0: a free "
+         "one)", CoordinatorConfig.metrics_port, int),
 )
 
 # How the coordinator decodes and what it admits.
@@ -207,8 +210,6 @@ CONNECTION_FLAGS = (
          CoordinatorConfig.tokenizer),
     Flag(("--connect-timeout",), "seconds to wait for the services at start-up",
          CoordinatorConfig.connect_timeout_s, float),
-    Flag(("--metrics-port",), "serve Prometheus metrics on this port (0: a free one)",
-         CoordinatorConfig.metrics_port, int),
     Flag(("--membership-interval",), "seconds between two reads of the dns:, file: and k8s: "
          "replica sources", CoordinatorConfig.membership_interval_s, float),
 )

@@ -54,10 +54,12 @@ def test_serve_passes_the_coordinator_its_own_flags_with_their_values():
     for flag in cli.serve_flags():
         assert getattr(defaults, flag.dest) == getattr(coordinator.parse_args(base), flag.dest)
     given = serve.parse_args(["-k", "6", "--batch-size", "5", "--draft-policy", "fixed",
-                              "--max-queue", "7", "--min-draft-confidence", "0.25"])
+                              "--max-queue", "7", "--min-draft-confidence", "0.25",
+                              "--metrics-port", "9464"])
     forwarded = coordinator.parse_args(base + config.forward(given, cli.serve_flags()))
     assert (forwarded.num_draft_tokens, forwarded.batch_size, forwarded.draft_policy,
-            forwarded.max_queue, forwarded.min_draft_confidence) == (6, 5, "fixed", 7, 0.25)
+            forwarded.max_queue, forwarded.min_draft_confidence,
+            forwarded.metrics_port) == (6, 5, "fixed", 7, 0.25, 9464)
     assert config.engine_config_from_args(forwarded) == config.engine_config_from_args(given)
 
 
@@ -93,6 +95,7 @@ def test_coordinator_flag_defaults_are_the_config_defaults():
     (["-k", "0"], "num_draft_tokens"),
     (["--port", "99999"], "port must be"),
     (["--http-port", "70000"], "http_port must be"),
+    (["--metrics-port", "70000"], "metrics_port must be"),
     (["--step-log", "/no/such/dir/steps.jsonl"], "step_log"),
 ])
 def test_serve_refuses_a_bad_coordinator_value_before_starting_anything(capsys, monkeypatch,
