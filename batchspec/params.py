@@ -42,19 +42,20 @@ class SamplingParams:
 
 
 def logit_adjustments(presence_penalty: float, frequency_penalty: float,
-                      logit_bias: dict[int, float], vocab_size: int | None = None) -> str | None:
-    """What is wrong with these settings (None: nothing): each penalty a finite number in
-    [-MAX_PENALTY, MAX_PENALTY], each bias one in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] on a token
-    id in the vocabulary (when `vocab_size` is known)."""
+                      logit_bias: dict[int, float],
+                      vocab_size: int | None = None) -> tuple[str, str] | None:
+    """What is wrong with these settings, as (field, message) (None: nothing): each penalty a
+    finite number in [-MAX_PENALTY, MAX_PENALTY], each bias one in [-MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS] on a token id in the vocabulary (when `vocab_size` is known)."""
     for name, value in (("presence_penalty", presence_penalty),
                         ("frequency_penalty", frequency_penalty)):
         if not (math.isfinite(value) and abs(value) <= MAX_PENALTY):
-            return f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], not {value}"
+            return name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], not {value}"
     for token_id, bias in logit_bias.items():
         if not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
-            return (f"logit_bias of token {token_id} must be in [-{MAX_LOGIT_BIAS:g}, "
-                    f"{MAX_LOGIT_BIAS:g}], not {bias}")
+            return "logit_bias", (f"logit_bias of token {token_id} must be in "
+                                  f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], not {bias}")
         if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-            return (f"logit_bias names token {token_id}, outside the vocabulary"
-                    + (f" [0, {vocab_size})" if vocab_size is not None else ""))
+            return "logit_bias", (f"logit_bias names token {token_id}, outside the vocabulary"
+                                  + (f" [0, {vocab_size})" if vocab_size is not None else ""))
     return None

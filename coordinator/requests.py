@@ -168,7 +168,8 @@ def to_sampling(request: RequestInput, vocab_size: int | None = None) -> Samplin
         raise bad("logit_bias names a token more than once", "logit_bias")
     wrong = logit_adjustments(presence, frequency, bias, vocab_size)
     if wrong is not None:
-        raise bad(wrong, wrong.split()[0])  # (each message starts with the field's name)
+        field, message = wrong
+        raise bad(message, field)
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                           presence_penalty=presence, frequency_penalty=frequency,
                           logit_bias=tuple(sorted((t, b) for t, b in bias.items() if b)))

@@ -22,7 +22,7 @@ def sampling(params: cache_pb2.SamplingParams, vocab_size: int | None = None) ->
     wrong = logit_adjustments(params.presence_penalty, params.frequency_penalty,
                               dict(params.logit_bias), vocab_size)
     if wrong is not None:
-        raise errors.InvalidArgument(f"sampling: {wrong}")
+        raise errors.InvalidArgument(f"sampling: {wrong[1]}")
     return SamplingParams(temperature=params.temperature, top_k=params.top_k,
                           top_p=params.top_p or 1.0, seed=params.seed,
                           presence_penalty=params.presence_penalty,
