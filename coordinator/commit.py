@@ -40,9 +40,10 @@ def commit(handle: RequestHandle, outcome: VerifyOutcome, num_drafts: int, step:
     accepted = min(outcome.num_accepted, len(committed))
     draft_text = text_of(seq, committed[:accepted], last=False) if accepted else ""
     text = draft_text + text_of(seq, committed[accepted:])
-    if seq.text is not None and seq.text.unused:
-        seq.cut_at_stop_string(seq.text.unused)
-        committed = committed[:len(committed) - seq.text.unused]
+    if seq.text is not None and seq.text.unused:  # (taken: each is cut once)
+        unused, seq.text.unused = seq.text.unused, 0
+        seq.cut_at_stop_string(unused)
+        committed = committed[:len(committed) - unused]
         accepted = min(accepted, len(committed))
     telemetry.committed(handle, len(committed), num_drafts, outcome.num_accepted)
     if seq.finish is not None:  # recorded before the client can see its last event
