@@ -77,3 +77,28 @@ def test_a_models_vocabulary_digest_reads_its_token_ids_meaning(tmp_path):
     assert models.vocabulary_digest(str(tmp_path / "no-tokenizer")) == ""
     assert models.vocabulary_digest(models.SMOLLM2) == \
         models.vocabulary_digest(models.SMOLLM2_EAGLE) != digest
+
+
+def test_a_draft_of_its_targets_own_vocabulary_is_known_without_reading_it(monkeypatch,
+                                                                           tmp_path):
+    """The shipped head indexes its base model's vocabulary: `serve` knows the pair shares
+    one (a hosted draft) without parsing the GGUF file's 49k tokens, and reads a model's
+    tokens once however often it asks."""
+    reads = []
+
+    def no_reading(path):
+        reads.append(path)
+        raise AssertionError("read the tokens of " + str(path))
+
+    monkeypatch.setattr(models, "_gguf_tokens", no_reading)
+    models.vocabulary_digest.cache_clear()
+    assert not models.other_tokenizer(models.SMOLLM2_EAGLE, models.SMOLLM2)
+    assert models.hostable_draft(models.SMOLLM2_EAGLE, models.SMOLLM2) and not reads
+    from batchspec.runtime import tiny
+
+    gguf = tiny.save_gguf(tmp_path)
+    monkeypatch.undo()
+    real = models._gguf_tokens
+    monkeypatch.setattr(models, "_gguf_tokens", lambda path: reads.append(path) or real(path))
+    assert models.vocabulary_digest(gguf) == models.vocabulary_digest(gguf) != ""
+    assert len(reads) == 1

