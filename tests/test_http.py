@@ -1,6 +1,7 @@
 """Chat and the OpenAI-compatible HTTP edge: the official `openai` client against the
 coordinator, the same answers as over gRPC, OpenAI's error shapes, and the chat page in a real
 headless browser."""
+import contextlib
 import http.client
 import json
 import logging
@@ -474,8 +475,11 @@ def chromium():
     return (browser, driver) if browser and driver else None
 
 
-def test_the_page_streams_an_answer_in_headless_chromium(stack, tmp_path, tokenizer_dir,
-                                                        model_dirs):
+@contextlib.contextmanager
+def headless_chromium():
+    """A headless Chromium driven by selenium (skipped, saying why, where none is installed;
+    a failure in CI, where the page must be opened). On a failure, the browser's log and the
+    page's end go in the report."""
     found = chromium()
     if found is None:
         why = ("no Chromium and chromedriver (scripts/install.sh --test installs Debian's "
@@ -483,17 +487,7 @@ def test_the_page_streams_an_answer_in_headless_chromium(stack, tmp_path, tokeni
         if os.environ.get("CI"):  # in CI the page must be opened, never skipped
             pytest.fail(why)
         pytest.skip(why)
-    from transformers import AutoModelForCausalLM
-
-    question = "write a short story about a robot"
-    codec = TextCodec(tokenizer_dir)
-    prompt = codec.encode_chat([("user", question)])
-    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"][0])
-    expected = codec.decode(tiny_models.reference_greedy(
-        model, prompt, min(256, model.config.max_position_embeddings - len(prompt))))
     from selenium import webdriver
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
     options = webdriver.ChromeOptions()
     options.binary_location = found[0]
@@ -504,6 +498,28 @@ def test_the_page_streams_an_answer_in_headless_chromium(stack, tmp_path, tokeni
     driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=found[1]),
                               options=options)
     try:
+        yield driver
+    except Exception:
+        print(driver.get_log("browser"), driver.page_source[-2000:])  # why, in the report
+        raise
+    finally:
+        driver.quit()
+
+
+def test_the_page_streams_an_answer_in_headless_chromium(stack, tmp_path, tokenizer_dir,
+                                                        model_dirs):
+    from transformers import AutoModelForCausalLM
+
+    question = "write a short story about a robot"
+    codec = TextCodec(tokenizer_dir)
+    prompt = codec.encode_chat([("user", question)])
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"][0])
+    expected = codec.decode(tiny_models.reference_greedy(
+        model, prompt, min(256, model.config.max_position_embeddings - len(prompt))))
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    with headless_chromium() as driver:
         driver.get(f"http://127.0.0.1:{stack.http_port}/")
         wait = WebDriverWait(driver, 60)
         wait.until(lambda d: "ngram" in d.find_element(By.ID, "pair").text)
@@ -534,8 +550,32 @@ def test_the_page_streams_an_answer_in_headless_chromium(stack, tmp_path, tokeni
         shot = pathlib.Path(tmp_path) / "page.png"
         driver.save_screenshot(str(shot))
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    except Exception:
-        print(driver.get_log("browser"), driver.page_source[-2000:])  # why, in the report
-        raise
-    finally:
-        driver.quit()
+
+
+def test_the_page_asks_with_the_api_key_typed_into_it(model_dirs, tokenizer_dir, tmp_path):
+    """A server with an API key: the page says the key is missing, a question without it is
+    refused and taken back; once the key is typed the pair shows and questions are answered."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    target_dir, draft_dir = model_dirs["gpt2"]
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    with running_stack(target_dir, draft_dir, tokenizer=tokenizer_dir, http_port=0,
+                       api_key_file=str(key)) as keyed, headless_chromium() as driver:
+        driver.get(f"http://127.0.0.1:{keyed.http_port}/")
+        wait = WebDriverWait(driver, 60)
+        wait.until(lambda d: "API key" in d.find_element(By.ID, "pair").text)
+        driver.find_element(By.ID, "question").send_keys("hello robot", Keys.ENTER)
+        driver.find_element(By.ID, "send").click()
+        refused = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "[data-done]"))
+        assert refused.get_attribute("data-done") == "error"
+        driver.find_element(By.ID, "key").send_keys("s3cret", Keys.TAB)
+        wait.until(lambda d: "target" in d.find_element(By.ID, "pair").text)
+        driver.find_element(By.ID, "question").send_keys("hello robot")
+        driver.find_element(By.ID, "send").click()
+        answer = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "[data-done='true']"))
+        assert answer.text and answer.get_attribute("data-error") is None
+        # the refused question was taken back: the answered one is the history's only turn
+        assert driver.execute_script("return history.length") == 2
