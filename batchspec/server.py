@@ -26,6 +26,9 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+# A port another process serves is refused, not shared (gRPC's default, SO_REUSEPORT, lets a
+# second server bind it and the kernel split new connections between the two).
+SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)]
 
 
 def open_channel(address: str, credentials=None, options=CHANNEL_OPTIONS):
@@ -54,7 +57,7 @@ def create_server(address: str, services, *, max_workers: int = 32, credentials=
     `set_serving` is called, so health says SERVING only once the model is loaded.
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=CHANNEL_OPTIONS)
+                         options=SERVER_OPTIONS)
     health_servicer = health.HealthServicer()
     port = _register(server, health_servicer, address, services, credentials)
     set_serving(health_servicer, [name for _, _, name in services], serving=False)
@@ -98,7 +101,7 @@ class LoopServer:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     async def _build(self, address, services, credentials, interceptors):
-        server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         servicer = health.aio.HealthServicer()
         port = _register(server, servicer, address, services, credentials)
         for name in [name for _, _, name in services] + [""]:

@@ -206,7 +206,11 @@ def main(argv=None):
     settings = server_lib.parse_config(build_parser(), argv, config.config_from_args)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s coordinator %(levelname)s %(message)s")
-    running = start(settings)
+    try:
+        running = start(settings)
+    except (errors.BatchspecError, OSError, RuntimeError) as error:  # no service, no port
+        log.error("cannot start: %s", error)
+        raise SystemExit(1) from None
     print(f"coordinator listening on {settings.host}:{running.port}", flush=True)
     server_lib.run_until_signalled(running.server, running.health, [SERVICE_NAME],
                                    grace_s=settings.grace_s, on_stop=running.router.stop)

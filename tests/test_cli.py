@@ -200,6 +200,17 @@ def test_generate_without_a_server_says_how_to_start_one():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("source, complaint", [("127.0.0.1:{port}", "not reachable"),
+                                               ("file:/no/such/replicas", "no target replica")])
+def test_a_coordinator_with_no_target_to_reach_is_an_error_not_a_traceback(source, complaint):
+    done = run("coordinator", "--target", source.format(port=free_port()),
+               "--connect-timeout", "1")
+    assert done.returncode == 1, done.stderr
+    assert complaint in done.stderr and "cannot start" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
 def test_health_of_nothing_says_what_is_not_healthy():
     address = f"127.0.0.1:{free_port()}"
     done = run("health", address, "--timeout", "0.5")

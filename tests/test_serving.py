@@ -442,3 +442,18 @@ def test_the_health_the_http_edge_reads_is_the_grpc_health():
             assert (status == health_pb2.HealthCheckResponse.SERVING) is serving
     finally:
         server.stop(0).wait(10)
+
+
+def test_a_port_in_use_is_refused_not_shared():
+    """A second server on a port another one serves is refused at start (gRPC's default,
+    SO_REUSEPORT, let it share the port: the kernel split new connections between the two)."""
+    from batchspec import server as server_lib
+
+    first = server_lib.LoopServer("127.0.0.1:0", [])
+    try:
+        with pytest.raises((OSError, RuntimeError)):
+            server_lib.LoopServer(f"127.0.0.1:{first.port}", [])
+        with pytest.raises((OSError, RuntimeError)):
+            server_lib.create_server(f"127.0.0.1:{first.port}", [])
+    finally:
+        first.stop(0).wait(10)
