@@ -127,12 +127,12 @@ def error_response(status: int, message: str, param: str | None = None) -> web.R
 
 class HttpEdge:
     def __init__(self, router, limits: Limits, codec: TextCodec | None, models: ServedModels,
-                 api_key: str | None = None, grammars: Grammars | None = None,
-                 serving: Callable[[], bool] | None = None):
+                 api_key: str | None = None, grammars: Grammars | None = None, *,
+                 serving: Callable[[], bool]):
         self.router = router
         # what GET /health answers: the public server's health (a target takes requests, and
-        # the server is not draining); by default the router's
-        self.serving = serving or router.healthy
+        # the server is not draining)
+        self.serving = serving
         self.limits = limits
         self.codec = codec
         self.grammars = grammars

@@ -349,18 +349,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def ints(text: str, flag: str) -> tuple[int, ...]:
-    """A flag's comma-separated whole numbers; ValueError naming the flag otherwise."""
+def numbers(text: str, flag: str, kind=int) -> tuple:
+    """A flag's comma-separated numbers of `kind`; ValueError naming the flag otherwise."""
     try:
-        return tuple(int(x) for x in text.split(",") if x)
+        return tuple(kind(x) for x in text.split(",") if x)
     except ValueError:
-        raise ValueError(f"{flag} takes whole numbers, comma-separated, not {text!r}") from None
+        what = "whole numbers" if kind is int else "numbers"
+        raise ValueError(f"{flag} takes {what}, comma-separated, not {text!r}") from None
 
 
 def config_from_args(args) -> BenchConfig:
-    batch_sizes = ints(args.batch_sizes, "--batch-sizes") if args.batch_sizes else \
+    batch_sizes = numbers(args.batch_sizes, "--batch-sizes") if args.batch_sizes else \
         (1, 4) if args.quick else (1, 2, 4, 8, 16, 32)
-    ks = ints(args.ks, "--ks") if args.ks else (2, 4) if args.quick else \
+    ks = numbers(args.ks, "--ks") if args.ks else (2, 4) if args.quick else \
         (EngineConfig.num_draft_tokens,)
     if args.quick:
         return BenchConfig(target="tiny", num_prompts=8, max_new_tokens=12,
@@ -368,10 +369,10 @@ def config_from_args(args) -> BenchConfig:
                            by_category=args.by_category, repeat=args.repeat,
                            methods=tuple(m for m in args.methods.split(",") if m),
                            draft_policy=args.draft_policy,
-                           arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",")
-                                               if x),
+                           arrival_rates=numbers(args.arrival_rates, "--arrival-rates",
+                                                 float),
                            load_batch_size=args.load_batch_size, dtype=args.dtype,
-                           concurrency=ints(args.concurrency, "--concurrency"),
+                           concurrency=numbers(args.concurrency, "--concurrency"),
                            step_logs=args.step_logs,
                            device=args.device, temperature=args.temperature,
                            top_p=args.top_p, overhead=args.overhead,
@@ -383,10 +384,10 @@ def config_from_args(args) -> BenchConfig:
                        methods=tuple(m for m in args.methods.split(",") if m), out=args.out,
                        min_draft_confidence=args.min_draft_confidence,
                        draft_policy=args.draft_policy, step_aside=args.step_aside == "on",
-                       arrival_rates=tuple(float(x) for x in args.arrival_rates.split(",") if x),
+                       arrival_rates=numbers(args.arrival_rates, "--arrival-rates", float),
                        load_batch_size=args.load_batch_size, dtype=args.dtype,
                        prompts=args.prompts, by_category=args.by_category,
-                       repeat=args.repeat, concurrency=ints(args.concurrency, "--concurrency"),
+                       repeat=args.repeat, concurrency=numbers(args.concurrency, "--concurrency"),
                        step_logs=args.step_logs, device=args.device,
                        draft_dtype=args.draft_dtype, temperature=args.temperature,
                        top_p=args.top_p, overhead=args.overhead, head_check=args.head_check,
