@@ -4,14 +4,16 @@ import pathlib
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchspec.runtime import models
+from batchspec.runtime import models, tiny
 
 
-def test_the_gguf_target_is_converted_once_and_loads_the_same_model(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    source = models.resolve(models.SMOLLM2)
+def test_a_gguf_model_is_converted_once_and_loads_the_same_model(tmp_path, monkeypatch):
+    """What the default target's file goes through (tiny.save_gguf writes a file of the same
+    layout and block kinds)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    source = models.resolve(tiny.save_gguf(tmp_path))
     path = models.converted_gguf(source)
-    assert pathlib.Path(path).parent == tmp_path / "batchspec" / "models"
+    assert pathlib.Path(path).parent == tmp_path / "cache" / "batchspec" / "models"
     assert (pathlib.Path(path) / models.CONVERTED_MARK).is_file()
     with monkeypatch.context() as patched:  # found again without reading the GGUF file
         patched.setattr(AutoModelForCausalLM, "from_pretrained",
@@ -25,7 +27,7 @@ def test_the_gguf_target_is_converted_once_and_loads_the_same_model(tmp_path, mo
     assert all(torch.equal(expected[k], got[k]) for k in expected)
     assert models.eos_token_ids(converted) == models.eos_token_ids(reference)
     assert models.max_context_len(converted) == models.max_context_len(reference)
-    ids = torch.tensor([[1, 9690, 198, 2683, 359]])
+    ids = torch.tensor([[1, 90, 19, 26, 35]])
     with torch.inference_mode():
         assert torch.equal(converted(ids).logits, reference(ids).logits)
 

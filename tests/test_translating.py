@@ -6,6 +6,7 @@ import json
 import pathlib
 from collections import Counter
 
+import filelock
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -24,20 +25,30 @@ from conftest import running_stack
 class Pairs(dict):
     """arch -> (target dir, draft dir): a byte-level BPE target of arch and a character-level
     draft of the other architecture, trained on the same made-up text; each trained when
-    first asked for."""
+    first asked for, once a run: the suite's workers share `root`, and one trains a pair
+    while the others wait for it."""
 
-    def __init__(self, root):
+    def __init__(self, root: pathlib.Path):
         super().__init__()
         self.root = root
 
     def __missing__(self, arch):
-        self[arch] = tiny_models.save_translating_pair(arch, self.root)
+        with filelock.FileLock(self.root / f"{arch}.lock"):
+            made = self.root / f"{arch}.json"
+            if not made.is_file():
+                made.write_text(json.dumps(tiny_models.save_translating_pair(arch, self.root)))
+            self[arch] = tuple(json.loads(made.read_text()))
         return self[arch]
 
 
 @pytest.fixture(scope="session")
-def pairs(tmp_path_factory):
-    return Pairs(tmp_path_factory.mktemp("translating"))
+def pairs(tmp_path_factory, worker_id):
+    # the workers of one run (pytest-xdist) share their base directory's parent
+    if worker_id == "master":
+        return Pairs(tmp_path_factory.mktemp("translating"))
+    root = tmp_path_factory.getbasetemp().parent / "translating"
+    root.mkdir(exist_ok=True)
+    return Pairs(root)
 
 
 @pytest.fixture(scope="session")
