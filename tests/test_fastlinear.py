@@ -220,7 +220,7 @@ def test_a_stored_plan_of_another_format_is_timed_again(monkeypatch, tmp_path):
     store = tmp_path / "plans.json"
     monkeypatch.setattr(fastlinear, "MIN_TIMED_BYTES", 0)
     monkeypatch.setattr(fastlinear, "_PLANS", {})
-    name = f"{fastlinear._machine()} | 24x8 torch.float32"
+    name = f"{fastlinear.machine()} | 24x8 torch.float32"
     store.write_text(json.dumps({name: [2] * fastlinear.MAX_ROWS}))
     assert fastlinear.tune(model, store) == 1
     assert len(json.loads(store.read_text())[name]) == fastlinear.MAX_ROWS + 1

@@ -572,3 +572,55 @@ def test_a_widened_gguf_step_computes_each_row_as_a_step_of_it_alone(tmp_path, m
         assert torch.equal(one.hidden[0], group.hidden[row])
         # (the output head multiplies by float32 weights past its blocks' rows: rounding)
         torch.testing.assert_close(one_logits[0], logits[row], rtol=1e-4, atol=1e-4)
+
+
+def test_forward_costs_are_measured_once_per_build_model_and_machine(tmp_path, monkeypatch):
+    """kept_step_costs: the first start measures and keeps the costs (and the GGUF step's
+    widening); a later start of the same model reads them without a forward; another
+    model, a draft's way of measuring, another thread count or an unreadable store measure
+    again."""
+    import json
+    import types
+
+    from batchspec.runtime import tiny
+
+    measured = []
+
+    def measure(runner, proposes=False):
+        measured.append((runner.name, proposes))
+        widening = calibration.StepWidening.of(runner)
+        if widening is not None:
+            widening.decoder.max_rows = 48
+        return [calibration.StepCost(1, 1, 128, 0.001 * len(measured))]
+
+    monkeypatch.setattr(calibration, "measure_step_costs", measure)
+
+    def runner_of(model, name):
+        return runner_lib.ModelRunner(model, name=name, device=torch.device("cpu"),
+                                      eos_token_ids=[], max_context_len=256)
+
+    store = tmp_path / "step-costs.json"
+    llama = runner_of(tiny.llama(seed=1), "a")
+    first, when = calibration.kept_step_costs(llama, False, store)
+    assert when is None and measured == [("a", False)]
+    again, when = calibration.kept_step_costs(runner_of(tiny.llama(seed=2), "b"), False, store)
+    assert again == first and when and len(measured) == 1  # other weights, the same model
+    calibration.kept_step_costs(llama, True, store)  # as a draft proposes
+    calibration.kept_step_costs(runner_of(tiny.gpt2(seed=1), "c"), False, store)
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "get_num_threads", lambda: 99)
+        calibration.kept_step_costs(llama, False, store)
+    assert measured == [("a", False), ("a", True), ("c", False), ("a", False)]
+    assert len(json.loads(store.read_text())) == 4
+    store.write_text("{not json")
+    calibration.kept_step_costs(llama, False, store)
+    assert len(measured) == 5 and len(json.loads(store.read_text())) == 1
+    # a GGUF step is widened as it was when its costs were measured
+    decoder = types.SimpleNamespace(max_rows=8, shapes=())
+    gguf = runner_of(tiny.llama(seed=1), "gguf")
+    gguf.lean_forward = types.SimpleNamespace(decoder=decoder)
+    calibration.kept_step_costs(gguf, False, store)
+    decoder.max_rows = 8
+    calibration.kept_step_costs(gguf, False, store)
+    assert decoder.max_rows == 48 and len(measured) == 6
+    assert calibration.kept_step_costs(llama, False, None)[1] is None and len(measured) == 7

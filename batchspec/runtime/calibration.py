@@ -1,12 +1,16 @@
 """What a model's forwards cost, measured at start-up: the grid of batch sizes and tokens fed
 that the coordinator's planner reads (runner.step_costs, sent in Describe), and on the way the
-widest step a GGUF model runs in one C++ call (StepWidening)."""
+widest step a GGUF model runs in one C++ call (StepWidening). What was measured is kept in the
+user cache (kept_step_costs): a later start of the same build, model and machine reads it."""
+import hashlib
+import json
+import pathlib
 import time
 
 import torch
 
 from batchspec.cachebook import StepCost
-from batchspec.runtime import decode_step
+from batchspec.runtime import cache_dir, decode_step, fastlinear
 from batchspec.runtime.runner import ModelRunner, RowSpec
 
 # The grid measured at start-up: batch sizes a step may take and tokens a verify feeds
@@ -127,3 +131,90 @@ class StepWidening:
         finally:
             self.open = widened
             self.decoder.max_rows = positions if widened else limit
+
+
+# ---- costs kept between starts ------------------------------------------------------------------
+# Entries measured another way (a changed grid, format) are measured again.
+KEPT_FORMAT = 1
+# Entries a store keeps, the latest measured: models and builds come and go.
+MAX_KEPT = 64
+# The CPU features the kernels choose between at run time (machines of one CPU model differ).
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_tile")
+
+
+def kept_step_costs(runner: ModelRunner, proposes: bool = False,
+                    store: pathlib.Path | None = None) -> tuple[list[StepCost], str | None]:
+    """(costs, when they were measured): those kept in `store` where this build measured
+    this model on this machine (CPU and its features, device, threads, torch) the same way
+    before, with the GGUF step widened as it was then; else measured now (measure_step_costs),
+    kept, and None. Processes starting together measure one after another; a store that
+    cannot be read or written only means measuring again."""
+    if store is None:
+        return measure_step_costs(runner, proposes=proposes), None
+    key = costs_key(runner, proposes)
+    with cache_dir.timing_alone(store):
+        stored = cache_dir.read_json(store)
+        entry = stored.get(key)
+        try:
+            costs = [StepCost(int(r), int(t), int(c), float(s)) for r, t, c, s in entry["costs"]]
+            widening = StepWidening.of(runner)
+            if widening is not None:
+                widening.decoder.max_rows = int(entry["widened"])
+            return costs, str(entry["measured"])
+        except (TypeError, KeyError, ValueError):  # none kept, or another format: measure
+            pass
+        costs = measure_step_costs(runner, proposes=proposes)
+        widening = StepWidening.of(runner)
+        stored[key] = {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "model": runner.name,
+                       "costs": [[c.rows, c.tokens, c.context, c.seconds] for c in costs],
+                       "widened": widening.decoder.max_rows if widening else None}
+        latest = sorted(stored, key=lambda k: str(stored[k].get("measured", "")))[-MAX_KEPT:]
+        cache_dir.write_json(store, {k: stored[k] for k in latest})
+    return costs, None
+
+
+def costs_key(runner: ModelRunner, proposes: bool) -> str:
+    """What costs measured for this runner hold for: the machine, the build (the runtime's
+    source), the model's computation (its classes, configuration, parameter shapes and
+    dtypes, block kinds) and the way they are measured."""
+    model = runner.model
+    config = getattr(model, "config", None)
+    settings = {k: v for k, v in (config.to_dict() if config is not None else {}).items()
+                if not k.startswith("_") and k != "transformers_version"}
+    parameters = [(name, list(p.shape), str(p.dtype),
+                   getattr(getattr(p, "_batchspec_gguf", None), "kind", None))
+                  for name, p in model.named_parameters()]
+    described = {"format": KEPT_FORMAT, "proposes": proposes, "machine": machine(runner),
+                 "build": build_digest(), "model": type(model).__name__,
+                 "lean": type(runner.lean_forward).__name__, "settings": settings,
+                 "parameters": parameters, "features": runner.reads_features,
+                 "grid": [CALIBRATION_ROWS, CALIBRATION_TOKENS, LONG_FORWARD_TOKENS,
+                          CALIBRATION_BUDGET_S]}
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()
+                          ).hexdigest()[:32]
+
+
+def machine(runner: ModelRunner) -> str:
+    """The CPU model, torch version and threads, the CPU features the kernels choose by, and
+    the device (a GPU by name)."""
+    try:
+        flags = next(line.split(":", 1)[1].split()
+                     for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = []
+    device = str(runner.device)
+    if runner.device.type == "cuda":
+        device += " " + torch.cuda.get_device_name(runner.device)
+    return " | ".join([fastlinear.machine(), ",".join(f for f in CPU_FLAGS if f in flags),
+                       device])
+
+
+def build_digest() -> str:
+    """A digest of the runtime's source (Python and C++): a changed forward is measured
+    again."""
+    digest = hashlib.sha256()
+    root = pathlib.Path(__file__).parent
+    for path in sorted([*root.glob("*.py"), *root.glob("csrc/*")]):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]

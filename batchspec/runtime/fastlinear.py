@@ -40,11 +40,8 @@ query, key and value projections) gather its real positions once, and a feed-for
 the padding, so it is gathered and scattered once, not at each of its linear layers.
 """
 import contextlib
-import fcntl
 import functools
-import json
 import math
-import os
 import pathlib
 import platform
 import threading
@@ -52,6 +49,8 @@ import time
 import types
 
 import torch
+
+from batchspec.runtime import cache_dir
 
 # Row counts planned one by one; weight-major pays only up to here (measured up to 128 rows).
 MAX_ROWS = 16
@@ -228,14 +227,15 @@ def tune(model: torch.nn.Module, store: pathlib.Path | None = None) -> int:
         return 0
     if all(key in _PLANS for key in shapes):
         return 0
-    with _timing_alone(store) if store else contextlib.nullcontext():
-        stored = _read_plans(store) if store else {}  # read after any other process timed
-        machine = _machine()
+    with cache_dir.timing_alone(store) if store else contextlib.nullcontext():
+        # read after any other process timed
+        stored = cache_dir.read_json(store) if store else {}
+        machine_name = machine()
         timed = 0
         for key in shapes:
             if key in _PLANS:
                 continue
-            name = f"{machine} | {key[0]}x{key[1]} {key[2]}"
+            name = f"{machine_name} | {key[0]}x{key[1]} {key[2]}"
             if len(stored.get(name, ())) == len(DEFAULT_PLAN):  # else another format: time
                 _PLANS[key] = tuple(stored[name])
                 continue
@@ -243,31 +243,11 @@ def tune(model: torch.nn.Module, store: pathlib.Path | None = None) -> int:
             stored[name] = list(_PLANS[key])
             timed += 1
         if store and timed:
-            _write_plans(store, stored)
+            cache_dir.write_json(store, stored)
     return timed
 
 
-@contextlib.contextmanager
-def _timing_alone(store: pathlib.Path):
-    """Hold the store's lock file (exclusive), so processes that start together (a target and
-    its drafts) time one after another: neither times its kernels while the other loads the
-    cores with its own timing, and the later one reads what the first stored. Without a lock
-    file that can be made, go on unlocked."""
-    try:
-        store.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(store.with_name(store.name + ".lock"), "a")
-    except OSError:
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _machine() -> str:
+def machine() -> str:
     """What a stored plan holds for: the same CPU model, torch version and thread count."""
     cpu = platform.processor() or platform.machine()
     try:
@@ -278,26 +258,6 @@ def _machine() -> str:
         pass
     return (f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads"
             f" | {TIMING_TURNS} turns | zero-padded")  # plans timed another way are timed again
-
-
-def _read_plans(store: pathlib.Path) -> dict:
-    try:
-        stored = json.loads(store.read_text())
-    except (OSError, ValueError):
-        return {}  # none yet, or unreadable: time again
-    return stored if isinstance(stored, dict) else {}
-
-
-def _write_plans(store: pathlib.Path, stored: dict) -> None:
-    """Written whole under a temporary name, then renamed: a reader never sees half a file.
-    A store that cannot be written only means timing again next time."""
-    tmp = store.with_name(f"{store.name}.tmp{os.getpid()}")
-    try:
-        store.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
-        os.replace(tmp, store)
-    except OSError:
-        tmp.unlink(missing_ok=True)
 
 
 class _Positions(threading.local):

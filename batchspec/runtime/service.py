@@ -394,7 +394,8 @@ def set_threads(count: int) -> None:
 def warm_up(runner: runner_lib.ModelRunner, proposes: bool = False) -> None:
     """Plan the CPU linear kernels (timing them takes a few seconds for SmolLM2, the first
     time on a machine), run one forward, and measure what forwards cost (for the
-    coordinator's choice of draft lengths; up to 30 seconds on a CPU). On a CPU the C++
+    coordinator's choice of draft lengths; up to 30 seconds on a CPU, the first time this
+    build serves the model on a machine: calibration.kept_step_costs). On a CPU the C++
     kernels are loaded first (built where they are not yet): sampled choices run there.
     `proposes`: the runner drafts (its forwards are timed as proposals run them)."""
     from batchspec.runtime import calibration, fastlinear, gguf_blocks
@@ -410,15 +411,18 @@ def warm_up(runner: runner_lib.ModelRunner, proposes: bool = False) -> None:
                    if runner.reads_features else None)
     runner.release([-1])
     started = time.perf_counter()
-    log.info("measuring what forwards of %s cost (up to %.0f s)", runner.name,
-             calibration.CALIBRATION_BUDGET_S)
-    runner.step_costs = calibration.measure_step_costs(runner, proposes=proposes)
+    store = cache_dir.step_costs_file()
+    log.info("forward costs of %s: kept ones from %s, else measured (up to %.0f s)",
+             runner.name, store, calibration.CALIBRATION_BUDGET_S)
+    runner.step_costs, measured = calibration.kept_step_costs(runner, proposes, store)
     largest = runner.step_costs[-1] if runner.step_costs else None
-    log.info("measured %d forward costs in %.1f s (up to %d rows: %.1f ms for 1 token each)",
-             len(runner.step_costs), time.perf_counter() - started,
-             largest.rows if largest else 0,
+    log.info("%s %d forward costs in %.1f s (up to %d rows: %.1f ms for 1 token each)%s",
+             "read" if measured else "measured", len(runner.step_costs),
+             time.perf_counter() - started, largest.rows if largest else 0,
              1000 * next((c.seconds for c in runner.step_costs
-                          if largest and c.rows == largest.rows and c.tokens == 1), 0.0))
+                          if largest and c.rows == largest.rows and c.tokens == 1), 0.0),
+             f", measured {measured} (delete {store.name} to measure again)" if measured
+             else "")
     widened = calibration.StepWidening.of(runner)
     if widened is not None:
         log.info("GGUF steps of %s run in one C++ call up to %d positions (measured)",
