@@ -22,6 +22,10 @@ class InvalidArgument(BatchspecError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class ContextLengthExceeded(InvalidArgument):
+    """The prompt and the tokens asked for do not fit the model's context."""
+
+
 class NotFound(BatchspecError):
     code = grpc.StatusCode.NOT_FOUND
 

@@ -103,9 +103,13 @@ _PARAMS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt",
            "prompt_logprobs": "logprobs"}
 
 
+_CHAT_PARAMS = {**_PARAMS, "logprobs": "top_logprobs", "prompt_token_ids": "messages"}
+
+
 def http_param(field: str | None, chat: bool) -> str | None:
-    """A request field as this edge names it (a chat's alternatives are `top_logprobs`)."""
-    return "top_logprobs" if chat and field == "logprobs" else _PARAMS.get(field, field)
+    """A request field as this edge names it (a chat's alternatives are `top_logprobs`, its
+    prompt its messages)."""
+    return (_CHAT_PARAMS if chat else _PARAMS).get(field, field)
 
 
 class HttpError(Exception):
@@ -115,14 +119,18 @@ class HttpError(Exception):
         self.param = param
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error shape; `code`: OpenAI's word for what clients act on (a request too
+    long for the context: context_length_exceeded), else the HTTP status."""
     kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind,
-                      "param": param, "code": status}}
+                      "param": param, "code": code or status}}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    return web.json_response(error_body(status, message, param), status=status)
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, param, code), status=status)
 
 
 class HttpEdge:
@@ -171,7 +179,9 @@ class HttpEdge:
             param = http_param(error.field, request.path.endswith("/chat/completions"))
             message = str(error) if param == error.field else \
                 str(error).replace(error.field, param)
-            return error_response(errors.to_http_status(error), message, param)
+            code = "context_length_exceeded" \
+                if isinstance(error, errors.ContextLengthExceeded) else None
+            return error_response(errors.to_http_status(error), message, param, code)
         except web.HTTPException as error:
             return error_response(error.status, error.reason or "not found")
 

@@ -83,6 +83,11 @@ def validate(request: RequestInput, limits: Limits, codec: TextCodec | None,
     if outside:
         raise bad(f"prompt_token_ids {outside[:5]} are outside the vocabulary "
                   f"[0, {limits.vocab_size})", "prompt_token_ids")
+    if len(prompt_ids) >= limits.max_context_len:
+        raise errors.ContextLengthExceeded(
+            f"the prompt ({len(prompt_ids)} tokens) leaves no room for an answer in the "
+            f"model's context of {limits.max_context_len} tokens: shorten it",
+            "prompt_token_ids")
     max_new_tokens = request.max_new_tokens
     if max_new_tokens == 0 and default_max_new_tokens is not None:
         max_new_tokens = max(1, min(default_max_new_tokens, limits.max_new_tokens,
@@ -92,9 +97,9 @@ def validate(request: RequestInput, limits: Limits, codec: TextCodec | None,
     if max_new_tokens > limits.max_new_tokens:
         raise bad(f"max_new_tokens must be <= {limits.max_new_tokens}", "max_new_tokens")
     if len(prompt_ids) + max_new_tokens > limits.max_context_len:
-        raise bad(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
-                  f"({max_new_tokens}) exceeds the model's context of "
-                  f"{limits.max_context_len} tokens", "max_new_tokens")
+        raise errors.ContextLengthExceeded(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"the model's context of {limits.max_context_len} tokens", "max_new_tokens")
     if request.stop and codec is None:
         raise bad("stop strings need a tokenizer; this coordinator has none")
     if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):

@@ -329,6 +329,27 @@ def test_the_openai_client_sees_typed_errors(stack):
         client(stack).chat.completions.create(model="batchspec", messages=CHAT, max_tokens=0)
 
 
+def test_a_request_past_the_context_is_context_length_exceeded(stack):
+    """OpenAI's code, which clients act on (trimming the conversation), and the field to
+    shorten: the messages or prompt where they leave no room (the default max_tokens then
+    is not the user's), else max_tokens."""
+    long_chat = [{"role": "user", "content": "hello " * 300}]  # the context: 256 positions
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(stack).chat.completions.create(model="batchspec", messages=long_chat)
+    assert caught.value.code == "context_length_exceeded" and caught.value.param == "messages"
+    assert "leaves no room" in caught.value.message
+    for path, body, param in [
+            ("/v1/completions", {"prompt": [5] * 256}, "prompt"),
+            ("/v1/completions", {"prompt": [5] * 200, "max_tokens": 100}, "max_tokens"),
+            ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 250}, "max_tokens")]:
+        status, answer = post(stack.http_port, path, body)
+        assert status == 400 and answer["error"]["param"] == param, answer
+        assert answer["error"]["code"] == "context_length_exceeded"
+    status, answer = post(stack.http_port, "/v1/completions", {"prompt": [5] * 255,
+                                                               "max_tokens": 1})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 1
+
+
 def post(port: int, path: str, body: dict, headers=None) -> tuple[int, dict]:
     """(status, JSON body) of a POST with no Authorization header unless given."""
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body)
