@@ -41,6 +41,19 @@ def _number(value: str, convert, what: str, within, rule: str):
     return number
 
 
+def bounded(kind, minimum, below=None):
+    """An argparse type: `kind` (int or float) at least `minimum`, and less than `below`
+    where given."""
+    what = "a whole number" if kind is int else "a number"
+    rule = f"must be >= {minimum}" + ("" if below is None else f" and < {below}")
+
+    def parse(value: str):
+        return _number(value, kind, what,
+                       lambda n: n >= minimum and (below is None or n < below), rule)
+    parse.__name__ = kind.__name__  # argparse names the type by it in its messages
+    return parse
+
+
 def positive_seconds(value: str) -> float:
     """An argparse type: a number of seconds > 0."""
     return _number(value, float, "seconds", lambda s: s > 0, "must be > 0")

@@ -365,16 +365,16 @@ def generate_parser() -> argparse.ArgumentParser:
                         help="comma-separated prompt token ids instead of text")
     parser.add_argument("--address", type=cliargs.address, default=f"127.0.0.1:{DEFAULT_PORT}",
                         help="coordinator HOST:PORT")
-    parser.add_argument("--max-new-tokens", type=bounded(int, 1), default=128,
+    parser.add_argument("--max-new-tokens", type=cliargs.bounded(int, 1), default=128,
                         help="most tokens to generate")
-    parser.add_argument("--temperature", type=bounded(float, 0.0), default=None,
+    parser.add_argument("--temperature", type=cliargs.bounded(float, 0.0), default=None,
                         help="sampling temperature (default: greedy)")
-    parser.add_argument("--top-k", type=bounded(int, 0, 2**31), default=None,
+    parser.add_argument("--top-k", type=cliargs.bounded(int, 0, 2**31), default=None,
                         help="sample from the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=None,
                         help="sample from the smallest set of tokens holding this much "
                              "probability, in (0, 1]")
-    parser.add_argument("--seed", type=bounded(int, 0, 2**64), default=None,
+    parser.add_argument("--seed", type=cliargs.bounded(int, 0, 2**64), default=None,
                         help="seed for sampling: the same seed gives the same answer")
     parser.add_argument("--presence-penalty", type=float, default=None,
                         help="OpenAI's presence penalty, in [-2, 2] (default 0)")
@@ -388,24 +388,6 @@ def generate_parser() -> argparse.ArgumentParser:
                         help="send the API key in this file as 'authorization: Bearer <key>'")
     add_client_tls_arguments(parser)
     return parser
-
-
-def bounded(kind, minimum, below=None):
-    """An argparse type: `kind` at least `minimum` (and less than `below`, where given),
-    else a usage error."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a{'n integer' if kind is int else ' number'}:"
-                                             f" {text!r}")
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, not {text}")
-        if below is not None and value >= below:
-            raise argparse.ArgumentTypeError(f"must be < {below}, not {text}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
 
 
 def token_ids(text: str) -> list[int]:
