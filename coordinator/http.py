@@ -4,8 +4,9 @@ same engine as gRPC, no extra hop.
 - POST /v1/chat/completions and /v1/completions, streamed as server-sent events (`data:`
   chunks, then `data: [DONE]`) or answered whole; `usage` and the request's speculative
   decoding statistics come with the last chunk (or the whole answer).
-- GET /v1/models; GET /health (200 while serving, else 503: for HTTP load balancers); GET /
-  is a chat page that streams answers and shows which text came from accepted drafts.
+- GET /v1/models and /v1/models/{model}; GET /health (200 while serving, else 503: for HTTP
+  load balancers); GET / is a chat page that streams answers and shows which text came from
+  accepted drafts.
 - A request field the edge does not implement is refused (400 naming it), never ignored;
   fields clients send by default are accepted at their neutral values (see FIELDS, NEUTRAL).
 - Errors in OpenAI's shape ({"error": {"message", "type", "param", "code"}}) with the HTTP
@@ -152,6 +153,7 @@ class HttpEdge:
         app.router.add_get("/", self.page)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model}", self.retrieve_model)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         return app
@@ -189,10 +191,23 @@ class HttpEdge:
         return web.Response(text=PAGE.read_text(), content_type="text/html")
 
     async def list_models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.models.model_id, "object": "model", "created": 0,
-            "owned_by": "batchspec",
-            "batchspec": {"target": self.models.target, "drafts": list(self.models.drafts)}}]})
+        return web.json_response({"object": "list", "data": [self._model()]})
+
+    async def retrieve_model(self, request: web.Request) -> web.Response:
+        """The served model by the id clients name (its own, or "batchspec"), else 404."""
+        self._check_model(request.match_info["model"])
+        return web.json_response(self._model())
+
+    def _model(self) -> dict:
+        return {"id": self.models.model_id, "object": "model", "created": 0,
+                "owned_by": "batchspec",
+                "batchspec": {"target": self.models.target, "drafts": list(self.models.drafts)}}
+
+    def _check_model(self, model: str | None) -> None:
+        """HttpError 404 unless `model` names the served model (None: a request naming none)."""
+        if model not in (None, self.models.model_id, "batchspec"):
+            raise HttpError(404, f"the model {model!r} is not served here; this server serves "
+                                 f"{self.models.model_id!r}", "model")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
@@ -219,10 +234,7 @@ class HttpEdge:
     def _request(self, path: str, body: dict) -> RequestInput:
         """The sampling and length fields of an OpenAI request (other fields refused)."""
         refuse_unknown_fields(path, body)
-        model = body.get("model")
-        if model not in (None, self.models.model_id, "batchspec"):
-            raise HttpError(404, f"the model {model!r} is not served here; this server serves "
-                                 f"{self.models.model_id!r}", "model")
+        self._check_model(body.get("model"))
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         stop = body.get("stop")
         if isinstance(stop, str):

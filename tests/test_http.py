@@ -181,6 +181,12 @@ def test_models_lists_the_served_model_and_its_drafts(stack):
     [model] = client(stack).models.list().data
     assert model.model_extra["batchspec"]["target"] == model.id
     assert "ngram" in model.model_extra["batchspec"]["drafts"]
+    # each by the id a request names (its own, or "batchspec"), as the OpenAI client asks
+    for name in (model.id, "batchspec"):
+        assert client(stack).models.retrieve(name) == model
+    with pytest.raises(openai.NotFoundError) as caught:
+        client(stack).models.retrieve("gpt-4o")
+    assert caught.value.param == "model"
 
 
 def test_server_sent_events_end_with_done(stack):
