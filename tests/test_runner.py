@@ -624,3 +624,18 @@ def test_forward_costs_are_measured_once_per_build_model_and_machine(tmp_path, m
     calibration.kept_step_costs(gguf, False, store)
     assert decoder.max_rows == 48 and len(measured) == 6
     assert calibration.kept_step_costs(llama, False, None)[1] is None and len(measured) == 7
+
+
+def test_a_forward_timed_in_a_busy_stretch_costs_what_more_work_cost():
+    """A spike (another process took the cores during one timing) is cut to the least cost
+    of forwards doing at least its work; every cost stays within what was measured, and
+    doing more never costs less."""
+    measured = {(1, 1): 74.7, (1, 2): 13.7, (1, 5): 13.1, (2, 1): 8.5, (2, 2): 11.2,
+                (2, 5): 35.9, (4, 1): 15.8, (4, 2): 114.8, (4, 5): 191.3}
+    costs = calibration.without_spikes([calibration.StepCost(r, t, 128, s)
+                                        for (r, t), s in measured.items()])
+    got = {(c.rows, c.tokens): c.seconds for c in costs}
+    assert got[(1, 1)] == 8.5 and got[(4, 2)] == 114.8 and got[(1, 2)] == 11.2
+    assert all(got[k] <= measured[k] for k in measured)
+    assert all(got[a] <= got[b] for a in got for b in got if b[0] >= a[0] and b[1] >= a[1])
+    assert {(c.rows, c.tokens, c.context) for c in costs} == {(r, t, 128) for r, t in measured}

@@ -2,6 +2,7 @@
 that the coordinator's planner reads (runner.step_costs, sent in Describe), and on the way the
 widest step a GGUF model runs in one C++ call (StepWidening). What was measured is kept in the
 user cache (kept_step_costs): a later start of the same build, model and machine reads it."""
+import dataclasses
 import hashlib
 import json
 import pathlib
@@ -69,7 +70,16 @@ def measure_step_costs(runner: ModelRunner, rows=CALIBRATION_ROWS, tokens=CALIBR
         now = time.perf_counter()
         if now - began + 2 * (now - size_began) > budget_s:  # the next size costs ~twice
             break
-    return costs
+    return without_spikes(costs)
+
+
+def without_spikes(costs: list[StepCost]) -> list[StepCost]:
+    """Each cost at most that of every forward with as many rows and tokens or more: a
+    forward that does less work costs no more, so a time above one of those is another
+    process's (a busy stretch of the machine during its timing), and it is kept as the least
+    time of what does at least its work. Other work only ever adds time, so the least holds."""
+    return [dataclasses.replace(c, seconds=min(
+        o.seconds for o in costs if o.rows >= c.rows and o.tokens >= c.tokens)) for c in costs]
 
 
 def _step_seconds(runner: ModelRunner, ids: list[int], context: int, num_tokens: int,
