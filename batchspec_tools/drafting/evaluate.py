@@ -110,16 +110,15 @@ def training_pairs(directory: str, max_new_tokens: int, every: int = 14):
 def evaluate(target_spec: str, draft_spec: str, *, num_layers: int | None = None,
              max_new_tokens: int = 64, num_prompts: int | None = None,
              training_data: str | None = None, temperature: float = 0.0,
-             top_p: float = 1.0) -> dict:
-    from batchspec.runtime import models
-
-    target = models.load_causal_lm(target_spec)
-    draft = models.load_causal_lm(draft_spec, num_layers=num_layers)
+             top_p: float = 1.0, loaded: tuple | None = None) -> dict:
+    """The draft's agreement with the target and their step costs. loaded: what
+    load_models(target_spec, draft_spec, num_layers) returned (else loaded here)."""
+    target, draft, tokenizer = loaded or load_models(target_spec, draft_spec, num_layers)
     if training_data:
         pairs = training_pairs(training_data, max_new_tokens)
     else:
         prompts = [r["prompt"] for r in data.bench_prompts(num_prompts)]
-        pairs = target_answers(target, models.load_tokenizer(target_spec), prompts, max_new_tokens)
+        pairs = target_answers(target, tokenizer, prompts, max_new_tokens)
     from batchspec.runtime import cache_dir, fastlinear
 
     for model in (target, draft):  # the kernel plans the services and the benchmark use
@@ -138,6 +137,16 @@ def evaluate(target_spec: str, draft_spec: str, *, num_layers: int | None = None
             "greedy_agreement": round(agreement(draft, pairs), 4),
             "target_step_ms": round(target_s * 1000, 2), "draft_step_ms": round(draft_s * 1000, 2),
             "draft_cost_ratio": round(draft_s / target_s, 4)}
+
+
+def load_models(target_spec: str, draft_spec: str, num_layers: int | None = None) -> tuple:
+    """(target, draft, the target's tokenizer); OSError where one cannot be loaded (a hub id
+    not fetched, a directory with no model)."""
+    from batchspec.runtime import models
+
+    return (models.load_causal_lm(target_spec),
+            models.load_causal_lm(draft_spec, num_layers=num_layers),
+            models.load_tokenizer(target_spec))
 
 
 def build_parser():
@@ -192,13 +201,14 @@ def main(argv=None) -> int:
         parser.error(f"--record needs a distilled draft directory, not {args.draft!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s evaluate %(message)s")
     try:
-        result = evaluate(args.target, args.draft, num_layers=args.num_layers,
-                          max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
-                          training_data=args.training_data, temperature=args.temperature,
-                          top_p=args.top_p)
-    except OSError as error:  # a hub id that cannot be fetched, a directory with no model
+        loaded = load_models(args.target, args.draft, args.num_layers)
+    except OSError as error:
         print(f"evaluate-draft: cannot load the models: {error}", file=sys.stderr)
         return 1
+    result = evaluate(args.target, args.draft, num_layers=args.num_layers,
+                      max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
+                      training_data=args.training_data, temperature=args.temperature,
+                      top_p=args.top_p, loaded=loaded)
     print(json.dumps(result, indent=2))
     if args.record:
         manifest = pathlib.Path(draft_dir) / draft_model.MANIFEST
