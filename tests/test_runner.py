@@ -576,22 +576,27 @@ def test_a_widened_gguf_step_computes_each_row_as_a_step_of_it_alone(tmp_path, m
 
 def test_forward_costs_are_measured_once_per_build_model_and_machine(tmp_path, monkeypatch):
     """kept_step_costs: the first start measures and keeps the costs (and the GGUF step's
-    widening); a later start of the same model reads them without a forward; another
-    model, a draft's way of measuring, another thread count or an unreadable store measure
-    again."""
+    widening); a later start of the same model reads them and times only its one-row
+    forwards again, keeping each at its least time; another model, a draft's way of
+    measuring, another thread count or an unreadable store measure the whole grid again."""
+    import itertools
     import json
     import types
 
     from batchspec.runtime import tiny
 
-    measured = []
+    full, one_row = [], itertools.chain([0.004, 0.02], itertools.repeat(1.0))
 
-    def measure(runner, proposes=False):
-        measured.append((runner.name, proposes))
+    def measure(runner, rows=None, proposes=False):
+        if rows is not None:  # timed again: one row
+            assert rows == (1,)
+            return [calibration.StepCost(1, 1, 128, next(one_row))]
+        full.append((runner.name, proposes))
         widening = calibration.StepWidening.of(runner)
         if widening is not None:
             widening.decoder.max_rows = 48
-        return [calibration.StepCost(1, 1, 128, 0.001 * len(measured))]
+        return [calibration.StepCost(1, 1, 128, 0.05),  # timed in a busy stretch
+                calibration.StepCost(2, 1, 128, 0.01 * len(full))]
 
     monkeypatch.setattr(calibration, "measure_step_costs", measure)
 
@@ -602,19 +607,21 @@ def test_forward_costs_are_measured_once_per_build_model_and_machine(tmp_path, m
     store = tmp_path / "step-costs.json"
     llama = runner_of(tiny.llama(seed=1), "a")
     first, when = calibration.kept_step_costs(llama, False, store)
-    assert when is None and measured == [("a", False)]
-    again, when = calibration.kept_step_costs(runner_of(tiny.llama(seed=2), "b"), False, store)
-    assert again == first and when and len(measured) == 1  # other weights, the same model
+    assert when is None and full == [("a", False)] and first[0].seconds == 0.05
+    for least in (0.004, 0.004):  # timed again at 0.004, then at 0.02: the least kept
+        again, when = calibration.kept_step_costs(runner_of(tiny.llama(seed=2), "b"), False,
+                                                  store)  # other weights, the same model
+        assert [c.seconds for c in again] == [least, 0.01] and when and len(full) == 1
     calibration.kept_step_costs(llama, True, store)  # as a draft proposes
     calibration.kept_step_costs(runner_of(tiny.gpt2(seed=1), "c"), False, store)
     with monkeypatch.context() as patched:
         patched.setattr(torch, "get_num_threads", lambda: 99)
         calibration.kept_step_costs(llama, False, store)
-    assert measured == [("a", False), ("a", True), ("c", False), ("a", False)]
+    assert full == [("a", False), ("a", True), ("c", False), ("a", False)]
     assert len(json.loads(store.read_text())) == 4
     store.write_text("{not json")
     calibration.kept_step_costs(llama, False, store)
-    assert len(measured) == 5 and len(json.loads(store.read_text())) == 1
+    assert len(full) == 5 and len(json.loads(store.read_text())) == 1
     # a GGUF step is widened as it was when its costs were measured
     decoder = types.SimpleNamespace(max_rows=8, shapes=())
     gguf = runner_of(tiny.llama(seed=1), "gguf")
@@ -622,8 +629,8 @@ def test_forward_costs_are_measured_once_per_build_model_and_machine(tmp_path, m
     calibration.kept_step_costs(gguf, False, store)
     decoder.max_rows = 8
     calibration.kept_step_costs(gguf, False, store)
-    assert decoder.max_rows == 48 and len(measured) == 6
-    assert calibration.kept_step_costs(llama, False, None)[1] is None and len(measured) == 7
+    assert decoder.max_rows == 48 and len(full) == 6
+    assert calibration.kept_step_costs(llama, False, None)[1] is None and len(full) == 7
 
 
 def test_a_forward_timed_in_a_busy_stretch_costs_what_more_work_cost():

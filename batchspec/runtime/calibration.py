@@ -156,31 +156,50 @@ def kept_step_costs(runner: ModelRunner, proposes: bool = False,
                     store: pathlib.Path | None = None) -> tuple[list[StepCost], str | None]:
     """(costs, when they were measured): those kept in `store` where this build measured
     this model on this machine (CPU and its features, device, threads, torch) the same way
-    before, with the GGUF step widened as it was then; else measured now (measure_step_costs),
-    kept, and None. Processes starting together measure one after another; a store that
-    cannot be read or written only means measuring again."""
+    before, with the GGUF step widened as it was then, and its one-row forwards (a lone
+    client's steps) timed again, each kept at the least of its times; else measured now
+    (measure_step_costs), kept, and None. Processes starting together measure one after
+    another; a store that cannot be read or written only means measuring again."""
     if store is None:
         return measure_step_costs(runner, proposes=proposes), None
     key = costs_key(runner, proposes)
     with cache_dir.timing_alone(store):
         stored = cache_dir.read_json(store)
-        entry = stored.get(key)
-        try:
-            costs = [StepCost(int(r), int(t), int(c), float(s)) for r, t, c, s in entry["costs"]]
-            widening = StepWidening.of(runner)
-            if widening is not None:
-                widening.decoder.max_rows = int(entry["widened"])
-            return costs, str(entry["measured"])
-        except (TypeError, KeyError, ValueError):  # none kept, or another format: measure
-            pass
-        costs = measure_step_costs(runner, proposes=proposes)
+        kept = _kept(stored.get(key), runner)
+        if kept is None:
+            costs, measured = measure_step_costs(runner, proposes=proposes), None
+        else:
+            costs, measured = least_of(kept[0], measure_step_costs(
+                runner, rows=(1,), proposes=proposes)), kept[1]
         widening = StepWidening.of(runner)
-        stored[key] = {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "model": runner.name,
+        now = time.strftime("%Y-%m-%d %H:%M:%S")
+        stored[key] = {"measured": measured or now, "used": now, "model": runner.name,
                        "costs": [[c.rows, c.tokens, c.context, c.seconds] for c in costs],
                        "widened": widening.decoder.max_rows if widening else None}
-        latest = sorted(stored, key=lambda k: str(stored[k].get("measured", "")))[-MAX_KEPT:]
+        latest = sorted(stored, key=lambda k: str(stored[k].get("used", "")))[-MAX_KEPT:]
         cache_dir.write_json(store, {k: stored[k] for k in latest})
-    return costs, None
+    return costs, measured
+
+
+def _kept(entry, runner: ModelRunner) -> tuple[list[StepCost], str] | None:
+    """A store entry's (costs, when measured), the runner's GGUF step widened as it was; None
+    where there is none or it is of another format."""
+    try:
+        costs = [StepCost(int(r), int(t), int(c), float(s)) for r, t, c, s in entry["costs"]]
+        widening = StepWidening.of(runner)
+        if widening is not None:
+            widening.decoder.max_rows = int(entry["widened"])
+        return costs, str(entry["measured"])
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def least_of(kept: list[StepCost], again: list[StepCost]) -> list[StepCost]:
+    """The kept costs, each at the least of its kept time and its time measured again
+    (where it was), spikes cut (without_spikes)."""
+    timed = {(c.rows, c.tokens, c.context): c.seconds for c in again}
+    return without_spikes([dataclasses.replace(c, seconds=min(
+        c.seconds, timed.get((c.rows, c.tokens, c.context), c.seconds))) for c in kept])
 
 
 def costs_key(runner: ModelRunner, proposes: bool) -> str:
