@@ -117,7 +117,7 @@ def serve_parser() -> argparse.ArgumentParser:
                              "trip of their own), or in a draft service of its own (as "
                              "every further draft model, and a draft on another device or "
                              "of another tokenizer)")
-    parser.add_argument("--startup-timeout", type=float, default=600.0,
+    parser.add_argument("--startup-timeout", type=cliargs.positive_seconds, default=600.0,
                         help="seconds to wait for each service to become healthy")
     coordinator = parser.add_argument_group("coordinator (as `batchspec coordinator`)")
     config.add_flags(coordinator, serve_flags())

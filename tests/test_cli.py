@@ -159,6 +159,9 @@ def test_a_users_mistake_is_a_usage_error_not_a_traceback(args, complaint, capsy
     (["target", "--device", "gpu7"], "device must be"),
     (["target", "--dtype", "float8"], "--dtype"),
     (["target", "--draft-model", "ngram"], "n-gram draft"),
+    (["target", "--grace", "-5"], "--grace"),
+    (["target", "--num-layers", "0"], "--num-layers"),
+    (["serve", "--startup-timeout", "-1"], "--startup-timeout"),  # was a failure after start
     (["draft", "--model", "/no/such/draft"], "no such file or directory"),
     (["draft", "--model", "ngram", "--port", "-5"], "port must be"),
     (["bench", "--concurrency", "1,x"], "--concurrency takes whole numbers"),

@@ -307,9 +307,9 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int,
         parser.add_argument("--draft-num-layers", type=int, default=None,
                             help="keep only the hosted draft's first N layers")
     parser.set_defaults(role=role)
-    parser.add_argument("--num-layers", type=int, default=None,
+    parser.add_argument("--num-layers", type=cliargs.positive_int, default=None,
                         help="keep only the model's first N layers (a cheap draft)")
-    parser.add_argument("--grace", type=float, default=30.0,
+    parser.add_argument("--grace", type=cliargs.bounded(float, 0.0), default=30.0,
                         help="on SIGTERM: seconds to keep serving the sequences held (no new "
                              "ones) while clients move or finish them (default 30)")
     parser.add_argument("--max-sequences", type=int, default=0,
