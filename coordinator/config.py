@@ -114,8 +114,10 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be in [0, 65535], not {port}")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        if self.stall_timeout_s <= 0:
-            raise ValueError("stall_timeout_s must be > 0")
+        if self.stall_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("stall_timeout_s and connect_timeout_s must be > 0")
+        if self.grace_s < 0:
+            raise ValueError("grace_s must be >= 0")
         if self.api_key_file is not None:
             security.read_api_key(self.api_key_file)
         if self.step_log is not None and not pathlib.Path(self.step_log).parent.is_dir():

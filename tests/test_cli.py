@@ -162,6 +162,9 @@ def test_a_users_mistake_is_a_usage_error_not_a_traceback(args, complaint, capsy
     (["target", "--grace", "-5"], "--grace"),
     (["target", "--num-layers", "0"], "--num-layers"),
     (["serve", "--startup-timeout", "-1"], "--startup-timeout"),  # was a failure after start
+    (["coordinator", "--target", "127.0.0.1:1", "--connect-timeout", "-1"],
+     "connect_timeout_s"),
+    (["coordinator", "--target", "127.0.0.1:1", "--grace", "-1"], "grace_s"),
     (["draft", "--model", "/no/such/draft"], "no such file or directory"),
     (["draft", "--model", "ngram", "--port", "-5"], "port must be"),
     (["bench", "--concurrency", "1,x"], "--concurrency takes whole numbers"),
