@@ -160,6 +160,7 @@ def test_a_users_mistake_is_a_usage_error_not_a_traceback(args, complaint, capsy
     (["target", "--dtype", "float8"], "--dtype"),
     (["target", "--draft-model", "ngram"], "n-gram draft"),
     (["target", "--grace", "-5"], "--grace"),
+    (["target", "--metrics-port", "70000"], "metrics_port"),  # was a traceback after loading
     (["target", "--num-layers", "0"], "--num-layers"),
     (["serve", "--startup-timeout", "-1"], "--startup-timeout"),  # was a failure after start
     (["coordinator", "--target", "127.0.0.1:1", "--connect-timeout", "-1"],
