@@ -83,8 +83,13 @@ class ServiceMetrics:
 
 def serve_metrics(registry, port: int, host: str = "127.0.0.1"):
     """Expose a registry on http://host:port/metrics; returns the HTTP server (port 0 picks
-    a free port: read server.server_port)."""
-    server, _thread = prom.start_http_server(port, addr=host, registry=registry)
+    a free port: read server.server_port). OSError naming the address where it is taken."""
+    try:
+        server, _thread = prom.start_http_server(port, addr=host, registry=registry)
+    except OSError as error:
+        refused = OSError(f"cannot serve metrics on {host}:{port}: {error.strerror or error}")
+        refused.errno = error.errno
+        raise refused from None
     return server
 
 

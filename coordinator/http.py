@@ -700,7 +700,13 @@ async def start(edge: HttpEdge, host: str, port: int, ssl=None):
     ssl.SSLContext. Returns (runner, port); `await runner.cleanup()` stops it."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        refused = OSError(f"cannot serve HTTP on {host}:{port}: {error.strerror or error}")
+        refused.errno = error.errno
+        raise refused from None
     # a client that goes away cancels its handler, so an answer it no longer waits for (one
     # not streamed too) stops at once, its requests cancelled and their caches freed
     runner = web.AppRunner(edge.app(), access_log=None, handler_cancellation=True)

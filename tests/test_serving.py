@@ -457,3 +457,25 @@ def test_a_port_in_use_is_refused_not_shared():
             server_lib.create_server(f"127.0.0.1:{first.port}", [])
     finally:
         first.stop(0).wait(10)
+
+
+def test_an_http_or_metrics_port_in_use_is_named_in_the_refusal():
+    """The coordinator's HTTP edge and any process's metrics say which address they could
+    not take (a bare "Address already in use" left an operator guessing which of three)."""
+    import asyncio
+    import socket
+
+    from batchspec import metrics
+    from coordinator import http
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            metrics.serve_metrics(None, port)
+        with pytest.raises(OSError, match=f"cannot serve HTTP on 127.0.0.1:{port}"):
+            asyncio.run(http.start(None, "127.0.0.1", port))
+    finally:
+        taken.close()
