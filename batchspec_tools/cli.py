@@ -450,6 +450,9 @@ def generate(argv) -> int:
             if error.code() == grpc.StatusCode.UNAVAILABLE:
                 print(f"no batchspec coordinator answers at {args.address}: start one with "
                       "`batchspec serve` (or pass --address HOST:PORT)", file=sys.stderr)
+            elif error.code() == grpc.StatusCode.UNAUTHENTICATED:
+                print(f"\nerror: {error.details()} (pass the server's key with "
+                      "--api-key-file FILE)", file=sys.stderr)
             else:
                 print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)
             return 1

@@ -146,7 +146,7 @@ def test_tls_wiring_through_the_real_cli(model_dirs, tmp_path):
         assert answer.returncode == 0 and answer.stdout.strip(), answer.stderr
         refused = run_cli("generate", "--address", address, "--tls-ca", ca,
                           "--max-new-tokens", "8", "hello robot")
-        assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
+        assert refused.returncode != 0 and "--api-key-file FILE" in refused.stderr
         client = https_client(f"https://127.0.0.1:{ports['http']}/v1", ca, "s3cret")
         reply = client.chat.completions.create(
             model="batchspec", messages=[{"role": "user", "content": "hello robot"}],
