@@ -95,3 +95,13 @@ def test_the_breakdown_splits_steps_by_draft_kind_stage_by_stage(tmp_path):
                           "--rows", "1"], capture_output=True, text=True, check=True).stdout
     row = next(line for line in out.splitlines() if "| kind 0 |" in line)
     assert [cell.strip() for cell in row.split("|")[4:8]] == ["2", "2.00", "28.00", "14.00"]
+
+
+@pytest.mark.parametrize("line, complaint", [("garbage", "line 2: not JSON"),
+                                             ('{"t": 1}', "line 2: not a step (no step_s")])
+def test_a_file_that_is_no_step_log_is_refused_naming_its_line(tmp_path, capsys, line,
+                                                                complaint):
+    (tmp_path / "grpc-c1-r0.jsonl").write_text(json.dumps(step(0, 1, 0, 1, 0.01)) + "\n" + line)
+    with pytest.raises(SystemExit) as exit_:
+        step_summary.main([str(tmp_path)])
+    assert exit_.value.code == 2 and complaint in capsys.readouterr().err

@@ -45,8 +45,24 @@ STAGES = (
 )
 
 
+# What every step of a log holds that the table reads (the coordinator's --step-log lines).
+FIELDS = ("t", "step_s", "committed", "rows", "drafts", "prefill_target_s")
+
+
 def latest_run(path: pathlib.Path) -> list[dict]:
-    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The steps of the log's latest run; ValueError where a line is no step of a step log."""
+    steps = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)
+        except ValueError:
+            raise ValueError(f"{path}, line {number}: not JSON") from None
+        missing = [f for f in FIELDS if f not in step] if isinstance(step, dict) else FIELDS
+        if missing:
+            raise ValueError(f"{path}, line {number}: not a step (no {', '.join(missing)})")
+        steps.append(step)
     for i in range(len(steps) - 1, 0, -1):
         if steps[i]["t"] - steps[i - 1]["t"] > 300:
             return steps[i:]
@@ -155,7 +171,10 @@ def main(argv=None) -> int:
     for path in sorted(args.logs.iterdir()):
         match = NAME.match(path.name)
         if match:
-            runs[(match["method"], int(match["clients"]))].append(latest_run(path))
+            try:
+                runs[(match["method"], int(match["clients"]))].append(latest_run(path))
+            except (OSError, ValueError) as error:
+                parser.error(str(error))
     if not runs:
         parser.error(f"no step logs (METHOD-cC-rR.jsonl) in {args.logs}")
     print("| method | clients | drafted steps tok/s | plain steps tok/s | share drafted | "
