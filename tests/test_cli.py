@@ -169,6 +169,8 @@ def test_a_users_mistake_is_a_usage_error_not_a_traceback(args, complaint, capsy
     (["draft", "--model", "/no/such/draft"], "no such file or directory"),
     (["draft", "--model", "ngram", "--port", "-5"], "port must be"),
     (["bench", "--concurrency", "1,x"], "--concurrency takes whole numbers"),
+    (["bench", "--target", "/no/such"], "no such file or directory"),  # were tracebacks
+    (["bench", "--draft", "/no/such"], "no such file or directory"),
     (["evaluate-draft", "--draft", "/no/such/draft"], "no such file or directory"),
     (["distill", "--target", "/no/such/model"], "no such file or directory"),
     (["distill", "--out", "/dev/null/draft"], "cannot write a draft there"),

@@ -155,6 +155,9 @@ class BenchConfig:
             raise ValueError(f"--prompts {self.prompts}: no such file")
         from batchspec.runtime import models
 
+        for spec in () if self.quick else (self.target, self.draft):  # --quick: tiny models
+            if spec is not None:
+                models.check_spec(spec)
         models.check_device(self.device)
         models.check_present(self.device)
 
