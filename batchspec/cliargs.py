@@ -54,6 +54,14 @@ def bounded(kind, minimum, below=None):
     return parse
 
 
+def check_ports(*named: tuple[str, int | None]) -> None:
+    """ValueError naming the first (name, port) outside 0..65535 (0: a free one; None: no
+    such server)."""
+    for name, port in named:
+        if port is not None and not 0 <= port <= 65535:
+            raise ValueError(f"{name} must be in [0, 65535], not {port}")
+
+
 def positive_seconds(value: str) -> float:
     """An argparse type: a number of seconds > 0."""
     return _number(value, float, "seconds", lambda s: s > 0, "must be > 0")

@@ -95,6 +95,14 @@ def code_number(code: grpc.StatusCode) -> int:
 _BY_REASON = {(Draining.code, Draining.reason): Draining}
 
 
+def address_refused(what: str, host: str, port: int, error: OSError) -> OSError:
+    """The OSError (its errno kept) of a server that could not take host:port, saying which
+    of a process's servers (`what`: gRPC, HTTP, metrics) it was."""
+    refused = OSError(f"cannot serve {what} on {host}:{port}: {error.strerror or error}")
+    refused.errno = error.errno
+    return refused
+
+
 def reason_of(error: BaseException) -> str:
     """The reason word a typed error carries besides its code ("" for most)."""
     return getattr(error, "reason", "")

@@ -3,6 +3,8 @@ dashboards work; what is ours is prefixed `batchspec:`. Each process (or test) b
 own registry: no module-global state."""
 import prometheus_client as prom
 
+from batchspec import errors
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
                    60.0)
 
@@ -87,9 +89,7 @@ def serve_metrics(registry, port: int, host: str = "127.0.0.1"):
     try:
         server, _thread = prom.start_http_server(port, addr=host, registry=registry)
     except OSError as error:
-        refused = OSError(f"cannot serve metrics on {host}:{port}: {error.strerror or error}")
-        refused.errno = error.errno
-        raise refused from None
+        raise errors.address_refused("metrics", host, port, error) from None
     return server
 
 

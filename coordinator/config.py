@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import pathlib
 
-from batchspec import security
+from batchspec import cliargs, security
 from coordinator import membership
 from coordinator.scheduler import CohortPolicy
 
@@ -108,10 +108,8 @@ class CoordinatorConfig:
                                  "in its own process; a target is a service")
         if self.membership_interval_s <= 0:
             raise ValueError("membership_interval_s must be > 0")
-        for name, port in (("port", self.port), ("http_port", self.http_port),
-                           ("metrics_port", self.metrics_port)):
-            if port is not None and not 0 <= port <= 65535:
-                raise ValueError(f"{name} must be in [0, 65535], not {port}")
+        cliargs.check_ports(("port", self.port), ("http_port", self.http_port),
+                            ("metrics_port", self.metrics_port))
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         if self.stall_timeout_s <= 0 or self.connect_timeout_s <= 0:

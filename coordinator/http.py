@@ -704,9 +704,7 @@ async def start(edge: HttpEdge, host: str, port: int, ssl=None):
         sock.bind((host, port))
     except OSError as error:
         sock.close()
-        refused = OSError(f"cannot serve HTTP on {host}:{port}: {error.strerror or error}")
-        refused.errno = error.errno
-        raise refused from None
+        raise errors.address_refused("HTTP", host, port, error) from None
     # a client that goes away cancels its handler, so an answer it no longer waits for (one
     # not streamed too) stops at once, its requests cancelled and their caches freed
     runner = web.AppRunner(edge.app(), access_log=None, handler_cancellation=True)

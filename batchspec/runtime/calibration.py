@@ -3,6 +3,7 @@ that the coordinator's planner reads (runner.step_costs, sent in Describe), and 
 widest step a GGUF model runs in one C++ call (StepWidening). What was measured is kept in the
 user cache (kept_step_costs): a later start of the same build, model and machine reads it."""
 import dataclasses
+import functools
 import hashlib
 import json
 import pathlib
@@ -239,6 +240,7 @@ def machine(runner: ModelRunner) -> str:
                        device])
 
 
+@functools.cache
 def build_digest() -> str:
     """A digest of the runtime's source (Python and C++): a changed forward is measured
     again."""

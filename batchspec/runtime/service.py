@@ -227,9 +227,7 @@ class ServiceConfig:
     def __post_init__(self):
         models.check_spec(self.model)
         models.check_device(self.device)
-        for name, port in (("port", self.port), ("metrics_port", self.metrics_port)):
-            if port is not None and not 0 <= port <= 65535:
-                raise ValueError(f"{name} must be in [0, 65535], not {port}")
+        cliargs.check_ports(("port", self.port), ("metrics_port", self.metrics_port))
         if self.dtype not in models.DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {models.DTYPE_CHOICES}, not {self.dtype!r}")
         if self.num_layers is not None and self.num_layers < 1:
