@@ -98,6 +98,8 @@ class VerifyOutcome:
     cache_len: int
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked
     features: object = None  # cache_pb2.Features of the positions cached, when asked
+    # a verify of rounds (VerifyCommand.rounds): (drafts verified, accepted) of each round run
+    rounds: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,14 +368,17 @@ class TargetClient(ServiceClient):
 
     def verify(self, realign: bool, specs: list[VerifySpec], timeout: float | None = None,
                return_features: bool | None = None,
-               propose: draft_pb2.ProposeCommand | None = None, plain_steps: int = 1):
+               propose: draft_pb2.ProposeCommand | None = None, plain_steps: int = 1,
+               rounds: int = 1):
         """(outcomes, Timing) of a verify; with `propose` (propose_command's, for the draft
         the target hosts, run first), (outcomes, Timing, Hosted). plain_steps > 1: specs
-        without drafts, each decoding that many tokens (VerifyCommand.plain_steps)."""
+        without drafts, each decoding that many tokens (VerifyCommand.plain_steps); rounds
+        > 1: with `propose`, up to that many rounds of it (VerifyCommand.rounds)."""
         if return_features is None:
             return_features = self.features_for_drafts
         command = target_pb2.VerifyCommand(realign=realign, return_features=return_features,
-                                           propose=propose, plain_steps=plain_steps, entries=[
+                                           propose=propose, plain_steps=plain_steps,
+                                           rounds=rounds, entries=[
             target_pb2.VerifyEntry(seq_id=s.seq_id, expected_cache_len=s.expected_cache_len,
                                    append_token_ids=s.append_token_ids,
                                    draft_token_ids=s.draft_token_ids,
@@ -387,7 +392,8 @@ class TargetClient(ServiceClient):
         outcomes = [VerifyOutcome(e.seq_id, e.num_accepted, list(e.output_token_ids),
                                   e.cache_len, _logprobs(e.output_token_ids, e.logprobs)
                                   if s.logprobs is not None else None,
-                                  e.features if return_features else None)
+                                  e.features if return_features else None,
+                                  tuple(zip(e.round_drafts, e.round_accepted)))
                     for e, s in zip(result.entries, specs)]
         if propose is None:
             return outcomes, _timing(result.timing)

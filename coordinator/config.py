@@ -53,6 +53,11 @@ class EngineConfig:
     # than a row has left nor, aside, than the evidence lets before its next probe: a command's
     # fixed cost is paid once for them (1: one).
     plain_steps: int = 4
+    # A cohort whose drafts the target's hosted draft proposes (no row drafting with another
+    # kind or under a grammar, no request waiting) runs up to this many rounds of proposing and
+    # verifying in one verify command (VerifyCommand.rounds), never more than every row's
+    # tokens left allow at K + 1 a round (1: one a command).
+    draft_rounds: int = 4
 
     def __post_init__(self):
         if not 1 <= self.num_draft_tokens <= 32:
@@ -71,6 +76,8 @@ class EngineConfig:
             raise ValueError("prefill_chunk_tokens must be >= 0")
         if not 1 <= self.plain_steps <= 64:
             raise ValueError("plain_steps must be in [1, 64]")
+        if not 1 <= self.draft_rounds <= 64:
+            raise ValueError("draft_rounds must be in [1, 64]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +199,9 @@ ENGINE_FLAGS = (
          "planned, or stepped aside) decodes in one command while no request waits (1: one a "
          "command)",
          EngineConfig.plain_steps, int),
+    Flag(("--draft-rounds",), "rounds of drafting and verifying a cohort drafted by the "
+         "target's hosted draft runs in one command while no request waits (1: one a command)",
+         EngineConfig.draft_rounds, int),
     Flag(("--max-new-tokens",), "largest max_new_tokens a request may ask for",
          CoordinatorConfig.max_new_tokens, int),
     Flag(("--stall-timeout",), "seconds a service may leave a command unanswered before it is "
@@ -240,7 +250,7 @@ def engine_config_from_args(args) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
                         max_prefill_tokens=args.max_prefill_tokens,
                         prefill_chunk_tokens=args.prefill_chunk_tokens,
-                        plain_steps=args.plain_steps)
+                        plain_steps=args.plain_steps, draft_rounds=args.draft_rounds)
 
 
 def peer_tls_from_args(args) -> security.ClientTls | None:

@@ -217,7 +217,8 @@ class Drafter:
 
     def calibrate(self, target, infos) -> None:
         """The policy starts from what each service measured of its forwards at start-up."""
-        self.policy.calibrate(target, infos)
+        self.policy.calibrate(target, infos, frozenset(
+            kind.index for kind in self.kinds if self.hosted(kind)))
 
     # ---- a step's drafts ------------------------------------------------------------------------
     def draft(self, seqs: list[Sequence], timeout: float | None) -> DraftedCohort:
@@ -310,12 +311,13 @@ class Drafter:
                 self._observe_miss(step, i)
                 step.missed[i] = kind.index
 
-    def resolve(self, cohort: DraftedCohort, hosted) -> DraftedCohort:
+    def resolve(self, cohort: DraftedCohort, hosted, rounds: int = 1) -> DraftedCohort:
         """The cohort as drafted, once the verify brought the hosted draft's answer
         (clients.Hosted; None: the verify carried no propose): each deferred row's proposal
         booked as a call's would be (the draft's record of its cache, the cost model, a miss
         as evidence). A refused propose is handled as a refused call: its rows verified no
-        drafts."""
+        drafts. rounds: the rounds the verify ran (the proposal is the last round's; the cost
+        model is given one round's time)."""
         deferred = cohort.deferred
         if deferred is None or hosted is None:
             return cohort
@@ -330,8 +332,10 @@ class Drafter:
             if seq.seq_id in got:
                 seq.drafts[kind.index].cache_len = got[seq.seq_id].cache_len
         if got:
-            self._observe_call(kind, seqs, list(got.values()), deferred.specs, hosted.timing,
-                               hosted.timing.compute_seconds)
+            one = hosted.timing if rounds <= 1 else Timing(
+                *(t / rounds for t in dataclasses.astuple(hosted.timing)))
+            self._observe_call(kind, seqs, list(got.values()), deferred.specs, one,
+                               one.compute_seconds)
         rows = []
         for row in cohort.rows:
             if row.deferred:
@@ -351,6 +355,16 @@ class Drafter:
         return dataclasses.replace(cohort, rows=rows, timing=timing, deferred=None,
                                    round_trip_s=cohort.round_trip_s
                                    + hosted.timing.compute_seconds)
+
+    def _observe_rounds(self, row: RowDraft, outcome: VerifyOutcome) -> None:
+        """The evidence of a verify of rounds' rounds but the last (`observe` weighs that
+        one): each the drafts it verified and those accepted."""
+        if row.aside or row.kind_index is None:
+            return
+        band = goodput.sampling_band(row.seq.sampling)
+        for drafts, accepted in outcome.rounds[:-1]:
+            self.policy.observe_row(row.seq.seq_id, band, row.kind_index,
+                                    (drafts, accepted) if drafts else None)
 
     def _observe_miss(self, step: _Step, i: int) -> None:
         """Row i's miss, if it has one, as evidence: a draft rejected at once, unless a
@@ -473,6 +487,8 @@ class Drafter:
         """Before the row's tokens are committed: how much of the draft's cache now holds
         committed tokens, and what its draft got right, for the policy."""
         seq, index = row.seq, row.kind_index
+        if outcome.rounds:  # a verify of rounds: the last round's proposal, after the others'
+            self._observe_rounds(row, outcome)
         answered = index is not None and row.proposal is not None
         drafted = len(row.proposal.draft_token_ids) if answered else 0
         verified = min(row.num_drafts, drafted)  # its own drafts the target weighed
@@ -482,9 +498,13 @@ class Drafter:
             # first rejection are now committed. A draft lost or re-prefilled since holds
             # none of them (its cache_len moved on). A feature head computed its drafts'
             # positions from its own features, not the target's: it keeps none of them.
+            accepted, before = outcome.num_accepted, 0
+            if outcome.rounds:  # the last round's proposal followed the others' outputs
+                accepted = outcome.rounds[-1][1]
+                before = sum(a + 1 for _, a in outcome.rounds[:-1])
             own = 0 if self.kinds[index].reads_features else min(
-                outcome.num_accepted, verified, max(drafted - 1, 0))  # not forced ones
-            seq.drafts[index].valid_len = seq.committed_len + own
+                accepted, verified, max(drafted - 1, 0))  # not forced ones
+            seq.drafts[index].valid_len = seq.committed_len + before + own
         if row.aside:
             # The evidence, not the plan, kept the row plain: it was not idle in the plan's
             # sense. Counted idle, every row of a cohort aside for a while would be planned
@@ -494,6 +514,9 @@ class Drafter:
             return
         if not answered:
             evidence = None
+        elif outcome.rounds:
+            drafts, accepted = outcome.rounds[-1]
+            evidence = (drafts, accepted) if drafts else None
         elif row.proposal.cut:
             # The draft declined what it was unsure of: the tokens it kept are the evidence
             # (a rejection only if one of them was rejected), and a draft cut to nothing is

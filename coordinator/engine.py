@@ -50,13 +50,15 @@ def prompt_chunk(config: EngineConfig, pool: RequestPool) -> int:
 def step_record(cohort: DraftedCohort, verified: Verified, fallback: bool) -> StepRecord:
     """The stats' and step log's record of a verified cohort (fallback: no draft was up)."""
     return StepRecord(cohort.mixed, fallback, cohort.plain, cohort.timing, verified.timing,
-                      cohort.round_trip_s, verified.seconds, verified.plain_steps)
+                      cohort.round_trip_s, verified.seconds, verified.plain_steps,
+                      verified.rounds)
 
 
 def drafting_config(config: EngineConfig) -> DraftingConfig:
     """The drafting policy's part of the engine's configuration."""
     return DraftingConfig(config.num_draft_tokens, config.draft_policy,
-                          config.min_draft_confidence, config.plain_steps)
+                          config.min_draft_confidence, config.plain_steps,
+                          config.draft_rounds)
 
 
 class Engine:
@@ -83,7 +85,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._thread_exit = False
         self.turnover = Turnover(self.peers, self.pool, config.max_num_seqs)
-        self.verifier = Verifier(self.peers, self.pool, config.overlap, config.plain_steps)
+        self.verifier = Verifier(self.peers, self.pool, config.overlap, config.plain_steps,
+                                 config.draft_rounds)
         self._prepared: DraftedCohort | None = None  # drafted while the last cohort verified
 
     # ---- request side (any thread) --------------------------------------------------------------
@@ -296,8 +299,10 @@ class Engine:
 
     def _finish(self, cohort: DraftedCohort, verified: Verified, started: float) -> None:
         """Commit a verified cohort (on the engine thread); `started`: when its step began."""
-        cohort = self.drafter.resolve(cohort, verified.hosted)
-        self.drafter.observe_verify(cohort, verified.timing, verified.seconds, verified.plain_steps)
+        cohort = self.drafter.resolve(cohort, verified.hosted, verified.rounds)
+        # a command of several plain steps or rounds is priced as one of its forwards
+        self.drafter.observe_verify(cohort, verified.timing, verified.seconds,
+                                    max(verified.plain_steps, verified.rounds))
         record = step_record(cohort, verified, fallback=not self.peers.draft_up)
         self.recorder.step(record)
         finished, trace = [], []
@@ -305,9 +310,10 @@ class Engine:
             commit.check(row.seq, outcome)
             self.drafter.observe(row, outcome)
             before = row.seq.committed_len
-            if commit.commit(self.pool.active[row.seq.seq_id], outcome,
-                             len(row.draft_token_ids), self.stats.num_steps,
-                             self.recorder.telemetry):
+            drafts = sum(d for d, _ in outcome.rounds) if outcome.rounds \
+                else len(row.draft_token_ids)
+            if commit.commit(self.pool.active[row.seq.seq_id], outcome, drafts,
+                             self.stats.num_steps, self.recorder.telemetry):
                 finished.append(row.seq)
             trace.append(row.traced(outcome.num_accepted, row.seq.committed_len - before))
         self._release(finished)

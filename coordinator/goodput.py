@@ -58,6 +58,10 @@ class GoodputConfig:
     # tokens a row a command decodes where no row drafts (the coordinator's --plain-steps):
     # plain decoding's rate pays a command's overhead once for that many
     plain_steps: int = 1
+    # rounds of proposing and verifying a command of the target's hosted drafts runs (the
+    # coordinator's --draft-rounds): a plan drafting only with those pays a command's
+    # overheads once for that many rounds
+    rounds: int = 1
     # a row not drafting with a kind for this many of its steps is planned at `optimism` for
     # it: rows idle for long draft together once enough of them would pay at that acceptance
     # (one widened verify buys the evidence of all of them), never one at a time
@@ -97,8 +101,8 @@ class GoodputConfig:
     def __post_init__(self):
         if not 1 <= self.max_k <= 32:
             raise ValueError("max_k must be in [1, 32]")
-        if self.plain_steps < 1:
-            raise ValueError("plain_steps must be >= 1")
+        if self.plain_steps < 1 or self.rounds < 1:
+            raise ValueError("plain_steps and rounds must be >= 1")
         if min(self.explore_every, self.starve_every, self.measure_plain_every,
                self.cold_horizon, self.explorers) < 1 \
                 or not 0 < self.decay <= 1 or self.prior_weight <= 0 \
@@ -382,10 +386,12 @@ class GoodputPolicy:
     """drafts: one ServiceCost per draft kind (None: not calibrated); target: the target's."""
 
     def __init__(self, config: GoodputConfig, drafts: list[ServiceCost | None],
-                 target: ServiceCost | None):
+                 target: ServiceCost | None, hosted: frozenset[int] = frozenset()):
+        """hosted: the draft kinds the target hosts (their commands run config.rounds)."""
         self.config = config
         self.drafts = list(drafts)
         self.target = target
+        self.hosted = hosted
         # running acceptance over every row, per (draft kind, sampling band): (mean, trials
         # behind it)
         self._means: dict[tuple[int, int], tuple[float, float]] = {}
@@ -504,8 +510,8 @@ class GoodputPolicy:
         gain = self.delivered(kind)
         for k in range(1, self.config.max_k + 1):
             tokens = batch + able * (expected_tokens(self.config.optimism, k) - 1) * gain
-            seconds = self.target.predict(self.target.verify_calls(batch, able, k)) \
-                + self.drafts[kind].predict(draft_calls(able, 1, k))
+            seconds = self._round_s(self.target.predict(self.target.verify_calls(batch, able, k)),
+                                    {kind: self.drafts[kind].predict(draft_calls(able, 1, k))})
             if tokens / seconds > plain:
                 return True
         return False
@@ -557,7 +563,7 @@ class GoodputPolicy:
                 + (self.drafts[d].predict([cold[d]]) / self.config.cold_horizon
                    if d in cold else 0.0)
             verify_s = self.target.predict(self.target.verify_calls(batch, len(chosen), k))
-            rate = tokens / (verify_s + sum(draft_s.values()))
+            rate = tokens / self._round_s(verify_s, draft_s)
             if len(chosen) >= required and (best is None or rate > best[1]):
                 best = (len(chosen), rate)
         if best is None:  # no row can draft with these kinds
@@ -565,6 +571,15 @@ class GoodputPolicy:
         picked = dict(chosen[:best[0]])
         return Plan([row.drafts(k) if i in picked else 0 for i, row in enumerate(rows)],
                     best[1], [picked.get(i) for i in range(batch)])
+
+    def _round_s(self, verify_s: float, draft_s: dict[int, float]) -> float:
+        """Seconds a drafted step of these predicted verify and proposal times takes a
+        round: where every kind drafting is hosted, the command runs config.rounds of them
+        and pays the target's command overhead once (each round's proposal pays its own)."""
+        seconds = verify_s + sum(draft_s.values())
+        if self.config.rounds > 1 and set(draft_s) <= self.hosted:
+            seconds -= self.target.overhead_s * (1 - 1 / self.config.rounds)
+        return max(seconds, 1e-9)
 
     def _draft_s(self, kind: int, rows: int, width: int, k: int) -> float:
         """Predicted seconds of a proposal of k drafts for `rows` rows, the widest feeding

@@ -43,6 +43,7 @@ class DraftingConfig:
     draft_policy: str  # "goodput" or "fixed" (see EngineConfig)
     min_draft_confidence: float | None  # None: calibrated drafts cut at break-even
     plain_steps: int = 1  # tokens a row a command decodes where no row drafts (EngineConfig)
+    draft_rounds: int = 1  # rounds a command of the target's hosted draft runs (EngineConfig)
 
 
 @dataclasses.dataclass
@@ -131,10 +132,11 @@ class DraftingPolicy:
         self._ran: dict[int, tuple[tuple[int, ...], bool]] = {}
 
     # ---- start-up -------------------------------------------------------------------------------
-    def calibrate(self, target, kinds: list) -> None:
+    def calibrate(self, target, kinds: list, hosted: frozenset[int] = frozenset()) -> None:
         """Start from what each service measured of its forwards at start-up (target and each
         kind: its ModelInfo, or None where not known): the planner's costs (without them
-        every row drafts K) and the order kinds are asked in."""
+        every row drafts K) and the order kinds are asked in. hosted: the kinds the target
+        hosts."""
         fixed = self.config.draft_policy == "fixed"
 
         def cost(info):
@@ -152,8 +154,9 @@ class DraftingPolicy:
         if self.planner is None:
             self.planner = goodput.GoodputPolicy(
                 goodput.GoodputConfig(max_k=self.config.num_draft_tokens,
-                                      plain_steps=self.config.plain_steps),
-                [model.cost for model in self.kinds], cost(target))
+                                      plain_steps=self.config.plain_steps,
+                                      rounds=self.config.draft_rounds),
+                [model.cost for model in self.kinds], cost(target), hosted)
 
     # ---- a step's plan --------------------------------------------------------------------------
     def plan(self, rows: list[CohortRow], ask: Ask) -> StepPlan:

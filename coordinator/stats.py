@@ -44,6 +44,7 @@ class StepRecord:
     draft_s: float  # coordinator-side round trips
     verify_s: float
     plain_steps: int = 1  # tokens a row the verify decoded plainly (VerifyCommand.plain_steps)
+    rounds: int = 1  # rounds of the hosted draft's proposals it ran (VerifyCommand.rounds)
 
 
 class StepLog:
@@ -94,6 +95,7 @@ class Recorder:
             "accepted": [r[2] for r in rows], "committed": sum(r[3] for r in rows),
             "step_s": round(step_s, 5), "draft_s": round(record.draft_s, 5),
             "verify_s": round(record.verify_s, 5), "plain_steps": record.plain_steps,
+            "rounds": record.rounds,
             "draft_compute_s": round(draft.compute_seconds, 5) if draft else 0.0,
             "verify_compute_s": round(record.verify_timing.compute_seconds, 5),
             "draft_forward_s": round(draft.forward_seconds, 5) if draft else 0.0,

@@ -2,7 +2,8 @@
 overlaps it with drafting the next cohort (`--overlap`; "auto": only where no service runs on
 the CPU, since services that share the host's cores slow each other down). A cohort that
 decodes plainly (no draft up, none planned, or stepped aside) decodes several tokens a row in
-that one command (`plain_steps`)."""
+that one command (`plain_steps`); a cohort whose drafts the target's hosted draft proposes
+runs several rounds of proposing and verifying in one (`rounds`)."""
 import concurrent.futures
 import dataclasses
 import logging
@@ -26,6 +27,7 @@ class Verified:
     seconds: float  # coordinator-side round trip
     hosted: Hosted | None = None  # the hosted draft's answer to a deferred propose
     plain_steps: int = 1  # the plain steps the command decoded (VerifyCommand.plain_steps)
+    rounds: int = 1  # the rounds of the hosted draft's proposals it ran (VerifyCommand.rounds)
 
 
 def cohort_timeout(handles: list[RequestHandle]) -> float | None:
@@ -39,13 +41,16 @@ def cohort_timeout(handles: list[RequestHandle]) -> float | None:
 
 
 class Verifier:
-    def __init__(self, peers: Peers, pool: RequestPool, overlap: str, plain_steps: int = 1):
+    def __init__(self, peers: Peers, pool: RequestPool, overlap: str, plain_steps: int = 1,
+                 rounds: int = 1):
         """overlap: "on", "off" or "auto" (decided by `configure`); plain_steps: the most
-        tokens a row a plain cohort decodes in one command (see `plain_steps`)."""
+        tokens a row a plain cohort decodes in one command (see `plain_steps`); rounds: the
+        most rounds of the hosted draft a command runs (see `rounds`)."""
         self.peers = peers
         self.pool = pool
         self.overlap = overlap
         self.max_plain_steps = plain_steps
+        self.max_rounds = rounds
         self._overlapping: bool | None = None  # `overlap`, resolved by configure()
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify")
 
@@ -87,13 +92,17 @@ class Verifier:
             outcomes, timing = self.peers.target.verify(cohort.mixed, specs, timeout=timeout,
                                                         plain_steps=steps)
             return Verified(outcomes, timing, time.perf_counter() - started, plain_steps=steps)
+        rounds = self.rounds(cohort)
         outcomes, timing, hosted = self.peers.target.verify(
-            cohort.mixed, specs, timeout=timeout, propose=cohort.deferred.command())
+            cohort.mixed, specs, timeout=timeout, propose=cohort.deferred.command(),
+            rounds=rounds)
         # the draft's part of the command is booked as drafting (Drafter.resolve)
         inside = hosted.timing.compute_seconds
         timing = dataclasses.replace(timing, compute_seconds=max(0.0, timing.compute_seconds
                                                                  - inside))
-        return Verified(outcomes, timing, time.perf_counter() - started - inside, hosted)
+        ran = max((len(o.rounds) for o in outcomes), default=1) if rounds > 1 else 1
+        return Verified(outcomes, timing, time.perf_counter() - started - inside, hosted,
+                        rounds=max(1, ran))
 
     def plain_steps(self, cohort: DraftedCohort) -> int:
         """How many tokens a row the cohort's verify decodes: up to --plain-steps where the
@@ -112,6 +121,20 @@ class Verifier:
             else self.max_plain_steps
         return max(1, min(self.max_plain_steps, room,
                           min(row.seq.draft_room + 1 for row in cohort.rows)))
+
+    def rounds(self, cohort: DraftedCohort) -> int:
+        """How many rounds of the hosted draft's proposals a deferred cohort's verify runs:
+        up to --draft-rounds where no row carries drafts of another kind, no row is under a
+        grammar and no request waits or is part-fed (as for plain steps), each round
+        committing at most K + 1 tokens a row of what every row has left; else one."""
+        k = cohort.deferred.num_drafts
+        if self.max_rounds <= 1 or any(row.draft_token_ids and not row.deferred
+                                       or row.seq.constraint is not None
+                                       for row in cohort.rows) \
+                or self.pool.num_waiting() or self.pool.prefilling() is not None:
+            return 1
+        return max(1, min(self.max_rounds,
+                          min((row.seq.draft_room + 1) // (k + 1) for row in cohort.rows)))
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=False)

@@ -2,15 +2,18 @@
 or the runner called, the result converted. A target may host a draft (`hosted_draft`, a
 DraftServicer on the same server, runner lock and compute thread): a verify may then ask it to
 propose first and verify what it proposed, in one command."""
+import dataclasses
 import time
 
 from batchspec import errors
 from batchspec.runtime import service, wire
 from batchspec.v1 import draft_pb2, target_pb2, target_pb2_grpc
 from target_service import verifier
+from target_service.rounds import Rounds
 
 SERVICE_NAME = "batchspec.v1.TargetService"
 MAX_PLAIN_STEPS = 64  # VerifyCommand.plain_steps
+MAX_ROUNDS = 64  # VerifyCommand.rounds
 
 
 class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceServicer):
@@ -37,7 +40,11 @@ class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceService
             raise errors.InvalidArgument("verify names no sequence")
         if command.plain_steps > 1:
             return "verify", self.decode(command, started)
+        if command.rounds > 1:
+            self.check_rounds(command)
         proposed, hosted = self.propose_first(command)
+        if command.rounds > 1 and isinstance(hosted, draft_pb2.ProposeResult):
+            return "verify", self.speculate(command, proposed, hosted, started)
         rows = wire.verify_rows(command, self.runner.vocab_size, proposed)
         outcomes, group = verifier.verify(self.runner, rows, realign=command.realign,
                                           keep_features=command.return_features)
@@ -62,6 +69,29 @@ class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceService
                                            realign=command.realign,
                                            keep_features=command.return_features)
         return wire.verify_result(outcomes, service.timing(groups, started))
+
+    def check_rounds(self, command) -> None:
+        if command.rounds > MAX_ROUNDS:
+            raise errors.InvalidArgument(f"rounds {command.rounds}: at most {MAX_ROUNDS}")
+        if not command.HasField("propose"):
+            raise errors.InvalidArgument("a verify of rounds verifies a propose's drafts: "
+                                         "send one with it")
+        if any(e.draft_token_ids or e.token_masks for e in command.entries):
+            raise errors.InvalidArgument("a verify of rounds carries no draft_token_ids or "
+                                         "token masks")
+
+    def speculate(self, command, proposed, first, started: float):
+        """A verify of several rounds (VerifyCommand.rounds), the first proposal made."""
+        rows = wire.verify_rows(command, self.runner.vocab_size, proposed)
+        following = Rounds(self.hosted_draft.runner, command, first)
+        outcomes, per_round, groups = verifier.speculate(
+            self.runner, rows, command.rounds, following, realign=command.realign,
+            keep_features=command.return_features or following.reads_features)
+        if not command.return_features:
+            outcomes = [dataclasses.replace(o, features=None) for o in outcomes]
+        result = wire.verify_result(outcomes, service.timing(groups, started), per_round)
+        result.propose.CopyFrom(following.last)
+        return result
 
     def propose_first(self, command):
         """(proposed tokens by sequence, the ProposeResult or the CommandError) of a verify's

@@ -1,5 +1,5 @@
 """Verification of a group's drafts in one target forward pass; plain decoding of several
-steps in one command."""
+steps, or several rounds of drafting and verifying, in one command."""
 import collections
 import dataclasses
 
@@ -93,6 +93,48 @@ def decode(runner: runner_lib.ModelRunner, rows: list[VerifyRow], steps: int, *,
                 for i in range(len(rows))]
     return [VerifiedRow(r.seq_id, 0, out, c, lp, f) for r, out, c, lp, f
             in zip(rows, outputs, cache_lens, scored, features)], [group]
+
+
+def speculate(runner: runner_lib.ModelRunner, rows: list[VerifyRow], rounds: int,
+              propose_next, *, realign: bool, keep_features: bool = False):
+    """Up to `rounds` verifies of the rows, each round after the first verifying the drafts
+    `propose_next(verified)` made from the round before's VerifiedRows ({seq_id: drafts}; a
+    row it names not verifies none; None: the rounds end there). Each round is `verify`'s, so
+    each output is what one verify a command gives. Returns (one VerifiedRow a row, over
+    every round run: the outputs, log-probabilities and features of each in order, num_accepted
+    their sum, cache_len the last's; per row the (drafts, accepted) of each round; the
+    groups run)."""
+    runs: list[list[tuple[VerifyRow, VerifiedRow]]] = [[] for _ in rows]
+    groups = []
+    for j in range(rounds):
+        verified, group = verify(runner, rows, realign=realign, keep_features=keep_features)
+        groups.append(group)
+        for run, row, v in zip(runs, rows, verified):
+            run.append((row, v))
+        drafts = propose_next(verified) if j + 1 < rounds else None
+        if drafts is None:
+            break
+        rows = [_next_round(r, v, drafts.get(r.seq_id, [])) for r, v in zip(rows, verified)]
+        realign = realign or len({r.expected_cache_len for r in rows}) > 1
+    merged = [VerifiedRow(
+        run[0][1].seq_id, sum(v.num_accepted for _, v in run),
+        [t for _, v in run for t in v.output_token_ids], run[-1][1].cache_len,
+        None if run[0][1].logprobs is None else [lp for _, v in run for lp in v.logprobs],
+        torch.cat([v.features for _, v in run]) if keep_features else None) for run in runs]
+    per_round = [[(len(r.draft_token_ids), v.num_accepted) for r, v in run] for run in runs]
+    return merged, per_round, groups
+
+
+def _next_round(row: VerifyRow, verified: VerifiedRow, drafts: list[int]) -> VerifyRow:
+    """The row's next round: its last output appended (the cache holds the others), `drafts`
+    verified, a penalized row's counts counting the round's outputs."""
+    counts = row.output_counts
+    if row.sampling.penalized:
+        counts = dict(collections.Counter(counts or {})
+                      + collections.Counter(verified.output_token_ids))
+    return dataclasses.replace(row, expected_cache_len=verified.cache_len,
+                               append_token_ids=verified.output_token_ids[-1:],
+                               draft_token_ids=drafts, output_counts=counts)
 
 
 def _counted(rows: list[VerifyRow], choices: list[torch.Tensor]) -> list[VerifyRow]:

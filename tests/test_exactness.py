@@ -1,6 +1,7 @@
 """Greedy output through the real gRPC services equals the target alone at batch 1 (float32,
 CPU), under concurrency, mixed prompt lengths, batch sizes 1..16, K 1..8 and early stops."""
 import concurrent.futures
+import json
 import random
 
 import grpc
@@ -96,6 +97,38 @@ def test_a_draft_the_target_hosts_drafts_in_the_verify_and_stays_exact(
     drafted = sum(last.stats.num_drafted_tokens for _, last in results)
     assert 0 < accepted < drafted
     assert not calls  # every proposal came with a verify
+
+
+@pytest.mark.parametrize("arch,batch_size,num_draft_tokens", [
+    ("llama", 8, 3), ("gpt2", 16, 2)])
+def test_rounds_of_the_hosted_draft_in_one_command_stay_exact(
+        model_dirs, references, arch, batch_size, num_draft_tokens, tmp_path):
+    """Requests that all fit the batch (none waits): the hosted draft's cohorts run several
+    rounds of proposing and verifying in one verify command, rows accepting different numbers
+    of drafts in each, and every output is the target alone's; the stats count every
+    round's drafts."""
+    requests = random_requests(seed=batch_size + 31, count=batch_size)
+    requests = [(prompt, max_new + 20) for prompt, max_new in requests]
+    target_dir, draft_dir = model_dirs[arch]
+    log = tmp_path / "steps.jsonl"
+    with running_stack(target_dir, draft_dir, batch_size=batch_size, drafts=("hosted",),
+                       num_draft_tokens=num_draft_tokens, overlap="off", draft_rounds=4,
+                       step_log=str(log)) as stack:
+        results = generate_all(stack.stub(), requests)
+        assert wait_for(lambda: not stack.target_runner.caches and not stack.draft_runner.caches)
+    mismatches = [i for i, ((prompt, max_new), (tokens, _)) in enumerate(zip(requests, results))
+                  if tokens != references(arch, prompt, max_new)]
+    assert not mismatches, f"requests {mismatches} differ from target-only greedy decoding"
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    rounds = [s["rounds"] for s in steps]
+    assert max(rounds) == 4 and sum(r > 1 for r in rounds) >= 3
+    accepted = sum(last.stats.num_accepted_tokens for _, last in results)
+    drafted = sum(last.stats.num_drafted_tokens for _, last in results)
+    assert 0 < accepted < drafted
+    # each round drafts K for a row (this policy's fixed K): more than one round's worth
+    passes = sum(last.stats.num_target_forward_passes for _, last in results)
+    assert drafted > num_draft_tokens * sum(1 for s in steps) / 2
+    assert passes >= len(steps)
 
 
 @pytest.mark.parametrize("arch,batch_size", [("llama", 1), ("gpt2", 4)])

@@ -212,6 +212,45 @@ def test_greedy_output_through_a_feature_draft_is_the_targets_and_it_is_fed_the_
             (prompt, tokens) for prompt, (tokens, _) in zip(PROMPTS, results)], fed)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_rounds_of_a_hosted_head_feed_it_the_targets_rows_and_stay_exact(
+        heads, arch, monkeypatch, tmp_path):
+    """The head hosted by the target, cohorts of rows of different lengths running several
+    rounds of proposing and verifying in one command: the answers are the target's, and every
+    proposal, those of the rounds after a command's first included, is fed the target's own
+    features of the positions before its tokens."""
+    target_dir, head_dir = heads[arch]
+    fed = spy_on_proposals(monkeypatch)
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    log = tmp_path / "steps.jsonl"
+    with running_stack(target_dir, head_dir, batch_size=4, num_draft_tokens=3,
+                       drafts=("hosted",), draft_rounds=4, step_log=str(log)) as stack:
+        results = generate_together(stack, PROMPTS, 24)
+        for prompt, (tokens, _) in zip(PROMPTS, results):
+            assert tokens == tiny_models.greedy_ignoring_eos(model, prompt, 24)
+        assert_fed_the_targets_features(stack.target_runner, [
+            (prompt, tokens) for prompt, (tokens, _) in zip(PROMPTS, results)], fed)
+    assert any(json.loads(line)["rounds"] > 1 for line in log.read_text().splitlines())
+
+
+def test_rounds_of_the_exact_head_have_every_draft_accepted(heads, tmp_path):
+    """The head that computes what the target computes, hosted, K = 3, 13 tokens: one
+    command of three rounds commits 12 (every draft accepted in every round, so the features
+    each round feeds are the target's), then a step of the 13th token."""
+    target_dir, head_dir = heads["exact"]
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    log = tmp_path / "steps.jsonl"
+    with running_stack(target_dir, head_dir, batch_size=4, num_draft_tokens=3,
+                       drafts=("hosted",), draft_rounds=4, step_log=str(log)) as stack:
+        for prompt in PROMPTS[:2]:
+            tokens, stats = generate(stack, prompt, 13)
+            assert tokens == tiny_models.greedy_ignoring_eos(model, prompt, 13)
+            assert stats.num_accepted_tokens == stats.num_drafted_tokens == 9
+            assert stats.num_target_forward_passes == 4
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [s["rounds"] for s in steps if s["committed"] == 12] == [3, 3]
+
+
 def test_a_prompt_fed_in_chunks_feeds_its_feature_draft_the_targets_rows(heads, monkeypatch):
     """Prompts longer than the prefill chunk (4 here), arriving while a stream decodes, are
     fed to the target a chunk a step, their features kept from each chunk's verify: the

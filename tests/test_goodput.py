@@ -54,6 +54,24 @@ def test_the_break_even_confidence_is_a_tokens_cost_over_its_worth_and_grows_wit
     assert cut(32, 32, 2) == 1.0  # no draft pays there: every one is cut
 
 
+def test_a_hosted_drafts_rounds_pay_the_commands_overhead_once():
+    """A target whose command overhead is as large as its forward: plain decoding pays it
+    once for 4 tokens (--plain-steps 4), a drafted command of a draft the target hosts once
+    for 4 rounds. Hosted, a row drafts at acceptances where a draft of its own service's
+    commands would not pay, and drafts fewer tokens where both pay (the overhead no longer
+    rewards long drafts)."""
+    def k(acceptance, hosted):
+        draft, target = cpu_like(verify_per_token=0.002, draft_fraction=0.05)
+        target.overhead_s = 0.03
+        p = goodput.GoodputPolicy(goodput.GoodputConfig(max_k=4, plain_steps=4, rounds=4),
+                                  [draft], target, frozenset({0}) if hosted else frozenset())
+        return p.plan([goodput.Row(acceptance)]).k[0]
+
+    assert [k(a, hosted=False) for a in (0.3, 0.5)] == [0, 0]
+    assert k(0.3, hosted=True) > 0 and k(0.5, hosted=True) > 0
+    assert 0 < k(0.6, hosted=True) < k(0.6, hosted=False) == 4
+
+
 def test_expected_tokens_is_the_geometric_sum():
     assert goodput.expected_tokens(0.5, 0) == 1
     assert goodput.expected_tokens(0.5, 2) == pytest.approx(1.75)

@@ -6,6 +6,7 @@ sampler that rejects everything keeps the target's distribution, so this is asse
 own), the bonus token after a fully accepted draft is the target's, and seeded requests
 repeat."""
 import concurrent.futures
+import json
 from collections import Counter
 
 import pytest
@@ -159,6 +160,37 @@ def test_sampled_output_through_a_feature_head_is_the_targets(feature_heads, hea
     else:
         assert accepted < 0.5 * drafted
     assert_follows_the_target([r[0] for r in results], target_dir, prompt)
+
+
+def test_rounds_of_the_hosted_draft_sample_what_one_round_a_command_samples(model_dirs,
+                                                                           tmp_path):
+    """Seeded sampled requests, some with a frequency penalty, one at a time (none waits,
+    so the hosted draft's cohorts run several rounds a command): each answer is the one the
+    same server gives at one round a command, since every output is the target's seeded
+    choice at its position, whatever drafts were verified before it."""
+    target_dir, near_dir = model_dirs["llama"]
+    prompt = lookup_prompt(target_dir)
+
+    def answers(rounds):
+        log = tmp_path / f"steps-{rounds}.jsonl"
+        with running_stack(target_dir, near_dir, drafts=("hosted",), batch_size=16,
+                           num_draft_tokens=3, draft_rounds=rounds, step_log=str(log)) as stack:
+            got = []
+            for seed in range(24):
+                responses = list(stack.stub().Generate(generate_pb2.GenerateRequest(
+                    prompt_token_ids=prompt, max_new_tokens=14, temperature=TEMPERATURE,
+                    top_p=TOP_P, seed=seed, ignore_eos=True,
+                    frequency_penalty=0.8 if seed % 2 else None), timeout=120))
+                stats = responses[-1].stats
+                got.append(([t for r in responses for t in r.token_ids],
+                            stats.num_drafted_tokens, stats.num_accepted_tokens))
+        return got, [json.loads(line)["rounds"] for line in log.read_text().splitlines()]
+
+    several, rounds = answers(4)
+    one, single = answers(1)
+    assert [a for a, _, _ in several] == [a for a, _, _ in one]
+    assert max(rounds) > 1 and max(single) == 1
+    assert sum(a for _, _, a in several) > 0  # sampled drafts were accepted in rounds
 
 
 def test_a_cohort_mixing_greedy_and_sampled_rows_keeps_both_exact(model_dirs):

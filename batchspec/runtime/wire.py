@@ -208,15 +208,18 @@ def token_masks(masks: list[bytes], vocab_size: int):
     return allowed
 
 
-def verify_result(outcomes: list[VerifiedRow],
-                  spent: cache_pb2.CommandTiming) -> target_pb2.VerifyResult:
+def verify_result(outcomes: list[VerifiedRow], spent: cache_pb2.CommandTiming,
+                  rounds: list[list[tuple[int, int]]] | None = None) -> target_pb2.VerifyResult:
+    """rounds: per outcome, (drafts, accepted) of each round (VerifyCommand.rounds)."""
     return target_pb2.VerifyResult(timing=spent, entries=[
         target_pb2.VerifyResultEntry(seq_id=o.seq_id, num_accepted=o.num_accepted,
                                      output_token_ids=o.output_token_ids, cache_len=o.cache_len,
                                      logprobs=logprobs_messages(o.logprobs or []),
                                      features=None if o.features is None
-                                     else features_message(o.features))
-        for o in outcomes])
+                                     else features_message(o.features),
+                                     round_drafts=[d for d, _ in run],
+                                     round_accepted=[a for _, a in run])
+        for o, run in zip(outcomes, rounds or [[]] * len(outcomes))])
 
 
 def feature_prefixes(command: target_pb2.FeaturesCommand) -> list[list[int]]:

@@ -38,34 +38,40 @@ class VerifyEntry(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[_cache_pb2.LogprobsSpec, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ..., num_proposed: _Optional[int] = ..., output_token_counts: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class VerifyCommand(_message.Message):
-    __slots__ = ("realign", "entries", "return_features", "propose", "plain_steps")
+    __slots__ = ("realign", "entries", "return_features", "propose", "plain_steps", "rounds")
     REALIGN_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
     PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
     realign: bool
     entries: _containers.RepeatedCompositeFieldContainer[VerifyEntry]
     return_features: bool
     propose: _draft_pb2.ProposeCommand
     plain_steps: int
-    def __init__(self, realign: _Optional[bool] = ..., entries: _Optional[_Iterable[_Union[VerifyEntry, _Mapping]]] = ..., return_features: _Optional[bool] = ..., propose: _Optional[_Union[_draft_pb2.ProposeCommand, _Mapping]] = ..., plain_steps: _Optional[int] = ...) -> None: ...
+    rounds: int
+    def __init__(self, realign: _Optional[bool] = ..., entries: _Optional[_Iterable[_Union[VerifyEntry, _Mapping]]] = ..., return_features: _Optional[bool] = ..., propose: _Optional[_Union[_draft_pb2.ProposeCommand, _Mapping]] = ..., plain_steps: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class VerifyResultEntry(_message.Message):
-    __slots__ = ("seq_id", "num_accepted", "output_token_ids", "cache_len", "logprobs", "features")
+    __slots__ = ("seq_id", "num_accepted", "output_token_ids", "cache_len", "logprobs", "features", "round_drafts", "round_accepted")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    ROUND_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_accepted: int
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_len: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_cache_pb2.TokenLogprobs]
     features: _cache_pb2.Features
-    def __init__(self, seq_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_cache_pb2.TokenLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_cache_pb2.Features, _Mapping]] = ...) -> None: ...
+    round_drafts: _containers.RepeatedScalarFieldContainer[int]
+    round_accepted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_cache_pb2.TokenLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_cache_pb2.Features, _Mapping]] = ..., round_drafts: _Optional[_Iterable[int]] = ..., round_accepted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FeaturesCommand(_message.Message):
     __slots__ = ("entries",)
