@@ -57,6 +57,11 @@ class RowDraft:
         own = self.proposal.draft_token_ids[:self.num_drafts] if self.proposal else []
         return own + list(self.forced)
 
+    def drafts_verified(self, outcome: VerifyOutcome) -> int:
+        """The drafts its verify weighed: every round's, for a verify of rounds."""
+        return sum(d for d, _ in outcome.rounds) if outcome.rounds \
+            else len(self.draft_token_ids)
+
     def traced(self, accepted: int, committed: int) -> tuple:
         """The step log's account: (kind or None, drafts verified, accepted, committed). A
         confidence cut may leave a row fewer drafts than planned, or none."""
@@ -332,8 +337,7 @@ class Drafter:
             if seq.seq_id in got:
                 seq.drafts[kind.index].cache_len = got[seq.seq_id].cache_len
         if got:
-            one = hosted.timing if rounds <= 1 else Timing(
-                *(t / rounds for t in dataclasses.astuple(hosted.timing)))
+            one = Timing(*(t / rounds for t in dataclasses.astuple(hosted.timing)))
             self._observe_call(kind, seqs, list(got.values()), deferred.specs, one,
                                one.compute_seconds)
         rows = []
@@ -355,16 +359,6 @@ class Drafter:
         return dataclasses.replace(cohort, rows=rows, timing=timing, deferred=None,
                                    round_trip_s=cohort.round_trip_s
                                    + hosted.timing.compute_seconds)
-
-    def _observe_rounds(self, row: RowDraft, outcome: VerifyOutcome) -> None:
-        """The evidence of a verify of rounds' rounds but the last (`observe` weighs that
-        one): each the drafts it verified and those accepted."""
-        if row.aside or row.kind_index is None:
-            return
-        band = goodput.sampling_band(row.seq.sampling)
-        for drafts, accepted in outcome.rounds[:-1]:
-            self.policy.observe_row(row.seq.seq_id, band, row.kind_index,
-                                    (drafts, accepted) if drafts else None)
 
     def _observe_miss(self, step: _Step, i: int) -> None:
         """Row i's miss, if it has one, as evidence: a draft rejected at once, unless a
@@ -488,7 +482,7 @@ class Drafter:
         committed tokens, and what its draft got right, for the policy."""
         seq, index = row.seq, row.kind_index
         if outcome.rounds:  # a verify of rounds: the last round's proposal, after the others'
-            self._observe_rounds(row, outcome)
+            observe_rounds(self.policy, row, outcome)
         answered = index is not None and row.proposal is not None
         drafted = len(row.proposal.draft_token_ids) if answered else 0
         verified = min(row.num_drafts, drafted)  # its own drafts the target weighed
@@ -498,10 +492,7 @@ class Drafter:
             # first rejection are now committed. A draft lost or re-prefilled since holds
             # none of them (its cache_len moved on). A feature head computed its drafts'
             # positions from its own features, not the target's: it keeps none of them.
-            accepted, before = outcome.num_accepted, 0
-            if outcome.rounds:  # the last round's proposal followed the others' outputs
-                accepted = outcome.rounds[-1][1]
-                before = sum(a + 1 for _, a in outcome.rounds[:-1])
+            accepted, before = last_round(outcome)
             own = 0 if self.kinds[index].reads_features else min(
                 accepted, verified, max(drafted - 1, 0))  # not forced ones
             seq.drafts[index].valid_len = seq.committed_len + before + own
@@ -512,19 +503,40 @@ class Drafter:
             # K for every row: an exploration, far dearer than drafting as planned, which
             # would measure slower and keep the cohort aside.
             return
-        if not answered:
-            evidence = None
-        elif outcome.rounds:
-            drafts, accepted = outcome.rounds[-1]
-            evidence = (drafts, accepted) if drafts else None
-        elif row.proposal.cut:
-            # The draft declined what it was unsure of: the tokens it kept are the evidence
-            # (a rejection only if one of them was rejected), and a draft cut to nothing is
-            # none. The acceptance planned with is that of the drafts a row verifies, while
-            # the cut keeps their number to what pays.
-            evidence = (verified, min(outcome.num_accepted, verified))
-        else:
-            # a kind that found nothing to propose is as good as one rejected at once
-            evidence = (max(row.num_drafts, 1), min(outcome.num_accepted, row.num_drafts))
         self.policy.observe_row(seq.seq_id, goodput.sampling_band(seq.sampling), index,
-                                evidence)
+                                evidence(row, outcome, verified) if answered else None)
+
+
+def evidence(row: RowDraft, outcome: VerifyOutcome, verified: int) -> tuple[int, int] | None:
+    """What an answered row's verify says of its kind's acceptance: (drafts weighed, of them
+    accepted), or None (no evidence); `verified`: its own drafts the target weighed."""
+    if outcome.rounds:
+        drafts, accepted = outcome.rounds[-1]
+        return (drafts, accepted) if drafts else None
+    if row.proposal.cut:
+        # The draft declined what it was unsure of: the tokens it kept are the evidence (a
+        # rejection only if one of them was rejected), and a draft cut to nothing is none.
+        # The acceptance planned with is that of the drafts a row verifies, while the cut
+        # keeps their number to what pays.
+        return verified, min(outcome.num_accepted, verified)
+    # a kind that found nothing to propose is as good as one rejected at once
+    return max(row.num_drafts, 1), min(outcome.num_accepted, row.num_drafts)
+
+
+def last_round(outcome: VerifyOutcome) -> tuple[int, int]:
+    """(drafts accepted by the verify's last round, tokens committed by the rounds before
+    it): a verify of one round is its own last."""
+    if not outcome.rounds:
+        return outcome.num_accepted, 0
+    return outcome.rounds[-1][1], sum(a + 1 for _, a in outcome.rounds[:-1])
+
+
+def observe_rounds(policy: DraftingPolicy, row: RowDraft, outcome: VerifyOutcome) -> None:
+    """The evidence of a verify of rounds' rounds but the last (Drafter.observe weighs that
+    one): each the drafts it verified and those accepted."""
+    if row.aside or row.kind_index is None:
+        return
+    band = goodput.sampling_band(row.seq.sampling)
+    for drafts, accepted in outcome.rounds[:-1]:
+        policy.observe_row(row.seq.seq_id, band, row.kind_index,
+                           (drafts, accepted) if drafts else None)

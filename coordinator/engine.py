@@ -300,9 +300,7 @@ class Engine:
     def _finish(self, cohort: DraftedCohort, verified: Verified, started: float) -> None:
         """Commit a verified cohort (on the engine thread); `started`: when its step began."""
         cohort = self.drafter.resolve(cohort, verified.hosted, verified.rounds)
-        # a command of several plain steps or rounds is priced as one of its forwards
-        self.drafter.observe_verify(cohort, verified.timing, verified.seconds,
-                                    max(verified.plain_steps, verified.rounds))
+        self.drafter.observe_verify(cohort, verified.timing, verified.seconds, verified.forwards)
         record = step_record(cohort, verified, fallback=not self.peers.draft_up)
         self.recorder.step(record)
         finished, trace = [], []
@@ -310,10 +308,9 @@ class Engine:
             commit.check(row.seq, outcome)
             self.drafter.observe(row, outcome)
             before = row.seq.committed_len
-            drafts = sum(d for d, _ in outcome.rounds) if outcome.rounds \
-                else len(row.draft_token_ids)
-            if commit.commit(self.pool.active[row.seq.seq_id], outcome, drafts,
-                             self.stats.num_steps, self.recorder.telemetry):
+            if commit.commit(self.pool.active[row.seq.seq_id], outcome,
+                             row.drafts_verified(outcome), self.stats.num_steps,
+                             self.recorder.telemetry):
                 finished.append(row.seq)
             trace.append(row.traced(outcome.num_accepted, row.seq.committed_len - before))
         self._release(finished)

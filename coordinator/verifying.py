@@ -29,6 +29,11 @@ class Verified:
     plain_steps: int = 1  # the plain steps the command decoded (VerifyCommand.plain_steps)
     rounds: int = 1  # the rounds of the hosted draft's proposals it ran (VerifyCommand.rounds)
 
+    @property
+    def forwards(self) -> int:
+        """The target's forwards a row the command ran: its plain steps or its rounds."""
+        return max(self.plain_steps, self.rounds)
+
 
 def cohort_timeout(handles: list[RequestHandle]) -> float | None:
     """How long a cohort's commands may wait in a service: until the last row's deadline

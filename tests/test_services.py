@@ -309,6 +309,36 @@ def test_a_propose_in_a_verify_is_refused_where_it_cannot_be_run(hosting, target
         hosted_target.release([52])
 
 
+def test_a_verify_of_rounds_is_refused_where_it_cannot_be_run(hosting):
+    """Rounds verify a hosted propose's drafts: without a propose, with drafts sent, or more
+    than 64, the command is refused before anything runs; the caches stay as they were."""
+    hosted_target, hosted_draft, target_runner, draft_runner = hosting
+    hosted_target.prefill([(53, [5, 6, 7])])
+    hosted_draft.prefill([(53, [5, 6, 7])])
+    propose = clients.propose_command(2, False, [ProposeSpec(53, 3, 3, [8], GREEDY)])
+    try:
+        with pytest.raises(errors.InvalidArgument, match="send one with it"):
+            hosted_target.verify(False, [VerifySpec(53, 3, [8], [], GREEDY)], rounds=2)
+        with pytest.raises(errors.InvalidArgument, match="no draft_token_ids"):
+            hosted_target.verify(False, [VerifySpec(53, 3, [8], [9], GREEDY)],
+                                 propose=propose, rounds=2)
+        with pytest.raises(errors.InvalidArgument, match="at most 64"):
+            hosted_target.verify(False, [VerifySpec(53, 3, [8], [], GREEDY, num_proposed=2)],
+                                 propose=propose, rounds=65)
+        assert target_runner.caches[53].length == 3 and draft_runner.caches[53].length == 3
+        [outcome], _, answer = hosted_target.verify(
+            False, [VerifySpec(53, 3, [8], [], GREEDY, num_proposed=2)], propose=propose,
+            rounds=3)
+        assert answer.error is None and len(outcome.rounds) == 3
+        assert outcome.num_accepted == sum(a for _, a in outcome.rounds)
+        assert len(outcome.output_token_ids) == outcome.num_accepted + 3
+        assert outcome.cache_len == 3 + len(outcome.output_token_ids)
+        assert draft_runner.caches[53].length == answer.proposals[0].cache_len
+    finally:
+        hosted_target.release([53])
+        hosted_draft.release([53])
+
+
 def test_memory_the_allocator_holds_free_goes_back_to_the_system_after_start_up():
     """warm_up ends by returning what glibc keeps free in its heap (a calibration's batches
     leave hundreds of MB there) and logs the resident memory left."""

@@ -63,6 +63,7 @@ def run(start, max_new_tokens: int = 96, clients=CLIENTS, requests_per_client: i
                     for count in clients:
                         log = root / f"{kind}-c{count}-r{round_}.jsonl".replace(" ", "-")
                         extra = ("--step-aside", "off", "--plain-steps", str(steps),
+                                 "--draft-rounds", "1",
                                  "--step-log", str(log))
                         with stack.coordinator(workload, max(clients), NUM_DRAFT_TOKENS,
                                                drafts, extra) as (port, _), \
