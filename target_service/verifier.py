@@ -5,6 +5,7 @@ import dataclasses
 
 import torch
 
+from batchspec import errors
 from batchspec.runtime import adjust, sampling
 from batchspec.runtime import logprobs as logprobs_lib
 from batchspec.runtime import runner as runner_lib
@@ -100,18 +101,25 @@ def speculate(runner: runner_lib.ModelRunner, rows: list[VerifyRow], rounds: int
     """Up to `rounds` verifies of the rows, each round after the first verifying the drafts
     `propose_next(verified)` made from the round before's VerifiedRows ({seq_id: drafts}; a
     row it names not verifies none; None: the rounds end there). Each round is `verify`'s, so
-    each output is what one verify a command gives. Returns (one VerifiedRow a row, over
-    every round run: the outputs, log-probabilities and features of each in order, num_accepted
-    their sum, cache_len the last's; per row the (drafts, accepted) of each round; the
-    groups run)."""
+    each output is what one verify a command gives. The rounds end too once every row has
+    output an end-of-sequence token of the model's, and where a later round's verify is
+    refused (nothing of it stored). Returns (one VerifiedRow a row, over every round run: the
+    outputs, log-probabilities and features of each in order, num_accepted their sum,
+    cache_len the last's; per row the (drafts, accepted) of each round; the groups run)."""
     runs: list[list[tuple[VerifyRow, VerifiedRow]]] = [[] for _ in rows]
-    groups = []
+    groups, ended, stops = [], set(), set(runner.eos_token_ids)
     for j in range(rounds):
-        verified, group = verify(runner, rows, realign=realign, keep_features=keep_features)
+        try:
+            verified, group = verify(runner, rows, realign=realign, keep_features=keep_features)
+        except errors.BatchspecError:
+            if not j:
+                raise
+            break  # the rounds before stand: their caches are stored
         groups.append(group)
         for run, row, v in zip(runs, rows, verified):
             run.append((row, v))
-        drafts = propose_next(verified) if j + 1 < rounds else None
+        ended |= {v.seq_id for v in verified if stops.intersection(v.output_token_ids)}
+        drafts = propose_next(verified) if j + 1 < rounds and len(ended) < len(rows) else None
         if drafts is None:
             break
         rows = [_next_round(r, v, drafts.get(r.seq_id, [])) for r, v in zip(rows, verified)]
