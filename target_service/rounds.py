@@ -52,6 +52,9 @@ class Rounds:
             if self.reads_features else None,
             len(e.append_token_ids), made[e.seq_id], wire.sampling(e.sampling),
             taken[e.seq_id]) for e in propose.entries if e.seq_id in made and e.seq_id in taken]
+        # a proposal for a sequence the verify does not name ends the rounds at the first:
+        # the result's proposal must stay every entry's
+        self.complete = len(self.entries) == len(first.entries)
         self.last = first
         self.seconds = first.timing.compute_seconds
         self.forward_seconds = first.timing.forward_seconds
@@ -60,7 +63,10 @@ class Rounds:
     def __call__(self, verified) -> dict[int, list[int]] | None:
         """The next round's drafts by sequence, from the round's VerifiedRows (their features
         kept); None where the rounds end: the draft refused, or the entries cannot be fed
-        the same number of tokens from what the command holds."""
+        the same number of tokens from what the command holds, or the propose named a
+        sequence the verify does not."""
+        if not self.complete:
+            return None
         by_seq = {v.seq_id: v for v in verified}
         for entry in self.entries:
             outputs = by_seq[entry.seq_id].output_token_ids

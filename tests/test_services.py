@@ -339,6 +339,28 @@ def test_a_verify_of_rounds_is_refused_where_it_cannot_be_run(hosting):
         hosted_draft.release([53])
 
 
+def test_rounds_stop_at_the_first_where_the_propose_names_a_sequence_not_verified(hosting):
+    """A propose for two sequences in a verify of one: the result's proposal stays both
+    sequences' (the draft's record of each), so no round follows the first."""
+    hosted_target, hosted_draft, _, draft_runner = hosting
+    for seq_id in (54, 55):
+        hosted_target.prefill([(seq_id, [5, 6, 7])])
+        hosted_draft.prefill([(seq_id, [5, 6, 7])])
+    propose = clients.propose_command(2, False, [ProposeSpec(s, 3, 3, [8], GREEDY)
+                                                 for s in (54, 55)])
+    try:
+        [outcome], _, answer = hosted_target.verify(
+            False, [VerifySpec(54, 3, [8], [], GREEDY, num_proposed=2)], propose=propose,
+            rounds=3)
+        assert len(outcome.rounds) == 1
+        assert [p.seq_id for p in answer.proposals] == [54, 55]
+        assert all(draft_runner.caches[p.seq_id].length == p.cache_len
+                   for p in answer.proposals)
+    finally:
+        hosted_target.release([54, 55])
+        hosted_draft.release([54, 55])
+
+
 def test_memory_the_allocator_holds_free_goes_back_to_the_system_after_start_up():
     """warm_up ends by returning what glibc keeps free in its heap (a calibration's batches
     leave hundreds of MB there) and logs the resident memory left."""
