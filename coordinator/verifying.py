@@ -119,8 +119,7 @@ class Verifier:
         else one. The evidence weighs a step that asked drafts and decoded several on neither
         side (DraftingPolicy.observe_step)."""
         if self.max_plain_steps <= 1 or not cohort.verifies_no_draft \
-                or any(row.seq.constraint is not None for row in cohort.rows) \
-                or self.pool.num_waiting() or self.pool.prefilling() is not None:
+                or not self._may_run_long(cohort):
             return 1
         room = cohort.room if cohort.room is not None and self.peers.draft_up \
             else self.max_plain_steps
@@ -133,13 +132,17 @@ class Verifier:
         grammar and no request waits or is part-fed (as for plain steps), each round
         committing at most K + 1 tokens a row of what every row has left; else one."""
         k = cohort.deferred.num_drafts
-        if self.max_rounds <= 1 or any(row.draft_token_ids and not row.deferred
-                                       or row.seq.constraint is not None
-                                       for row in cohort.rows) \
-                or self.pool.num_waiting() or self.pool.prefilling() is not None:
+        if self.max_rounds <= 1 or not self._may_run_long(cohort) \
+                or any(row.draft_token_ids and not row.deferred for row in cohort.rows):
             return 1
         return max(1, min(self.max_rounds,
                           min((row.seq.draft_room + 1) // (k + 1) for row in cohort.rows)))
+
+    def _may_run_long(self, cohort: DraftedCohort) -> bool:
+        """Whether the cohort's command may decode several tokens a row: no row is under a
+        grammar and no request waits or is part-fed (none waits on those steps)."""
+        return all(row.seq.constraint is None for row in cohort.rows) \
+            and not self.pool.num_waiting() and self.pool.prefilling() is None
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=False)

@@ -8,7 +8,8 @@ target's features of the position before each (float16 on the wire, so rounded a
 
 Invariant per entry, between rounds: `tokens` are the committed tokens from the first
 propose's keep_len on, `features` the features before each (None: the draft reads none),
-`fed` how many of them the draft's cache holds validly, `cache_len` its cache's length.
+`cache_len` its cache's length; the draft holds validly all of `tokens` but the round's
+outputs.
 """
 import dataclasses
 import time
@@ -28,7 +29,6 @@ class _Entry:
     keep_len: int  # the first propose's
     tokens: list[int]
     features: torch.Tensor | None
-    fed: int
     cache_len: int
     sampling: object
     num_proposed: int  # the drafts its verify takes of each proposal
@@ -49,8 +49,7 @@ class Rounds:
         self.entries = [_Entry(
             e.seq_id, e.keep_len, list(e.append_token_ids),
             wire.features_tensor(e.features, f"sequence {e.seq_id}")
-            if self.reads_features else None,
-            len(e.append_token_ids), made[e.seq_id], wire.sampling(e.sampling),
+            if self.reads_features else None, made[e.seq_id], wire.sampling(e.sampling),
             taken[e.seq_id]) for e in propose.entries if e.seq_id in made and e.seq_id in taken]
         # a proposal for a sequence the verify does not name ends the rounds at the first:
         # the result's proposal must stay every entry's
@@ -68,14 +67,13 @@ class Rounds:
         if not self.complete:
             return None
         by_seq = {v.seq_id: v for v in verified}
+        width = max((len(by_seq[e.seq_id].output_token_ids) for e in self.entries), default=0)
         for entry in self.entries:
             outputs = by_seq[entry.seq_id].output_token_ids
-            entry.fed = len(entry.tokens)
             entry.tokens += outputs
             if entry.features is not None:  # the features before each output
                 new = by_seq[entry.seq_id].features[-len(outputs):]
                 entry.features = torch.cat([entry.features, new.half().float()])
-        width = max((len(e.tokens) - e.fed for e in self.entries), default=0)
         if not width or any(len(e.tokens) < width for e in self.entries):
             return None
         rows = [ProposeRow(e.seq_id, e.cache_len, e.keep_len + len(e.tokens) - width,
