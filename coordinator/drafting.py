@@ -62,11 +62,12 @@ class RowDraft:
         return sum(d for d, _ in outcome.rounds) if outcome.rounds \
             else len(self.draft_token_ids)
 
-    def traced(self, accepted: int, committed: int) -> tuple:
-        """The step log's account: (kind or None, drafts verified, accepted, committed). A
-        confidence cut may leave a row fewer drafts than planned, or none."""
-        verified = len(self.draft_token_ids)
-        return self.kind_index if verified else None, verified, accepted, committed
+    def traced(self, outcome: VerifyOutcome, committed: int) -> tuple:
+        """The step log's account: (kind or None, drafts verified, accepted, committed), a
+        verify of rounds' drafts those of every round. A confidence cut may leave a row fewer
+        drafts than planned, or none."""
+        verified = self.drafts_verified(outcome)
+        return self.kind_index if verified else None, verified, outcome.num_accepted, committed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,7 +51,8 @@ def step_record(cohort: DraftedCohort, verified: Verified, fallback: bool) -> St
     """The stats' and step log's record of a verified cohort (fallback: no draft was up)."""
     return StepRecord(cohort.mixed, fallback, cohort.plain, cohort.timing, verified.timing,
                       cohort.round_trip_s, verified.seconds, verified.plain_steps,
-                      verified.rounds)
+                      verified.rounds,
+                      max((len(row.draft_token_ids) for row in cohort.rows), default=0))
 
 
 def drafting_config(config: EngineConfig) -> DraftingConfig:
@@ -312,7 +313,7 @@ class Engine:
                              row.drafts_verified(outcome), self.stats.num_steps,
                              self.recorder.telemetry):
                 finished.append(row.seq)
-            trace.append(row.traced(outcome.num_accepted, row.seq.committed_len - before))
+            trace.append(row.traced(outcome, row.seq.committed_len - before))
         self._release(finished)
         seconds = time.perf_counter() - started
         self.drafter.observe_step(cohort, sum(t[3] for t in trace), seconds, verified.timing,

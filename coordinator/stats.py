@@ -45,6 +45,7 @@ class StepRecord:
     verify_s: float
     plain_steps: int = 1  # tokens a row the verify decoded plainly (VerifyCommand.plain_steps)
     rounds: int = 1  # rounds of the hosted draft's proposals it ran (VerifyCommand.rounds)
+    width: int = 0  # the most drafts a row verified in one forward (one round)
 
 
 class StepLog:
@@ -84,13 +85,14 @@ class Recorder:
             self.telemetry.prefilled(seconds)
 
     def log_step(self, record: "StepRecord", rows: list[tuple], step_s: float) -> None:
-        """rows: per row (draft kind index or None, drafts verified, accepted, committed)."""
+        """rows: per row (draft kind index or None, drafts verified over every round,
+        accepted, committed)."""
         if self.step_log is None:
             return
         draft = record.draft_timing
         self.step_log.write({
             "t": round(time.time(), 4), "step": self.stats.num_steps, "rows": len(rows),
-            "mixed": record.mixed, "width": max(r[1] for r in rows),
+            "mixed": record.mixed, "width": record.width,
             "kinds": [r[0] for r in rows], "drafts": [r[1] for r in rows],
             "accepted": [r[2] for r in rows], "committed": sum(r[3] for r in rows),
             "step_s": round(step_s, 5), "draft_s": round(record.draft_s, 5),

@@ -7,7 +7,8 @@
 # 2. `batchspec serve --device cuda` in float32 and in bfloat16, each answering held-out
 #    prompts beside the target alone (scripts/serve_check.py): float32 must be exact; in
 #    bfloat16 a batch rounds apart from one request alone, so its count is for reading;
-# 3. `batchspec bench --overhead` on the GPU (a step's fixed cost, stage by stage);
+# 3. `batchspec bench --overhead` on the GPU (a step's fixed cost, stage by stage: plain, drafted
+#    one round a command and four, plain steps);
 # 4. the default server against `--draft-model none` at 1, 8 and 32 closed-loop clients.
 #
 # Every part has its own time limit and runs whatever the one before it gave; the summary

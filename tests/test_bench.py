@@ -419,13 +419,13 @@ def test_overhead_times_each_stage_of_plain_and_drafted_steps_of_a_free_model(tm
                                                                               capsys):
     out = tmp_path / "overhead"
     done = subprocess.run([sys.executable, "-m", "batchspec_tools", "bench", "--overhead",
-                           "--max-new-tokens", "16", "--repeat", "2", "--out", str(out)],
+                           "--max-new-tokens", "32", "--repeat", "2", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "results.json").read_text())
     # two rounds in turns: plain first, then plain steps first
     order = [(r["round"], r["kind"]) for r in report["rows"]]
-    kinds = ["plain", "drafted", "plain steps"]
+    kinds = ["plain", "drafted", "drafted rounds", "plain steps"]
     assert order == [(0, k) for k in kinds for _ in (1, 16)] \
         + [(1, k) for k in kinds[::-1] for _ in (1, 16)]
     rows = {(r["kind"], r["clients"]): r for r in report["rows"]}
@@ -442,10 +442,15 @@ def test_overhead_times_each_stage_of_plain_and_drafted_steps_of_a_free_model(tm
         elif kind == "plain steps":  # up to four tokens a row a command
             assert clients < row["committed"] <= 4 * clients
             assert stages["draft forwards"] == stages["draft RPC"] == 0
-        else:  # the model is its own draft: every draft accepted, K + 1 tokens a row (but
-            # where a row has fewer left to commit)
+        elif kind == "drafted":  # the model is its own draft: every draft accepted, K + 1
+            # tokens a row (but where a row has fewer left to commit)
             assert clients * k < row["committed"] <= clients * (k + 1)
             assert rows[("drafted", 1)]["committed"] == k + 1
+            assert stages["draft forwards"] > 0
+        else:  # up to four rounds of K + 1 tokens a row a command, as many as every row has
+            # room for: one client's prefill step runs four (21 tokens), its next step two
+            assert row["most_committed"] <= clients * 4 * (k + 1)
+            assert rows[("drafted rounds", 1)]["most_committed"] == 2 * (k + 1)
             assert stages["draft forwards"] > 0
     markdown = (out / "results.md").read_text()
     assert "| drafted | 16 |" in markdown and "over plain (rounds)" in markdown

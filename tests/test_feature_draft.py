@@ -249,6 +249,9 @@ def test_rounds_of_the_exact_head_have_every_draft_accepted(heads, tmp_path):
             assert stats.num_target_forward_passes == 4
     steps = [json.loads(line) for line in log.read_text().splitlines()]
     assert [s["rounds"] for s in steps if s["committed"] == 12] == [3, 3]
+    # the step log counts every round's drafts; width is one round's
+    assert [(s["drafts"], s["accepted"], s["width"]) for s in steps if s["committed"] == 12] \
+        == [([9], [9], 3)] * 2
 
 
 def test_a_prompt_fed_in_chunks_feeds_its_feature_draft_the_targets_rows(heads, monkeypatch):

@@ -3,8 +3,10 @@
 The served stack (target and model draft services, a coordinator per setting)
 over a model that costs almost nothing: a 2-layer, 64-wide random Llama, the target and its
 own draft, so every draft is accepted. Plain (no draft, a token a command), drafted (K drafts
-for every row, `--draft-policy fixed --step-aside off --min-draft-confidence 0`) and plain
-steps (no draft, `--plain-steps 4`: four tokens a row a command) steps at each client count,
+for every row, `--draft-policy fixed --step-aside off --min-draft-confidence 0`, one propose
+and verify a command), drafted rounds (the same, `--draft-rounds 4`: four of them a command)
+and plain steps (no draft, `--plain-steps 4`: four tokens a row a command) steps at each
+client count,
 closed-loop clients asking for `max_new_tokens` each past any end-of-sequence, `--repeat`
 rounds in turns. From the coordinator's step log, the median of each stage of a step
 (prefills left out; the stages are `batchspec steps`', bench/steps.py STAGES).
@@ -23,6 +25,7 @@ from batchspec_tools.bench.steps import STAGES
 CLIENTS = (1, 16)
 NUM_DRAFT_TOKENS = 4
 PLAIN_STEPS = 4
+DRAFT_ROUNDS = 4
 
 
 def free_model(root: pathlib.Path) -> str:
@@ -49,8 +52,10 @@ def run(start, max_new_tokens: int = 96, clients=CLIENTS, requests_per_client: i
 
     rng = random.Random(0)
     rows = []
-    # plain: one token a command; plain steps: PLAIN_STEPS tokens a row a command
-    kinds = (("plain", (), 1), ("drafted", ("model",), 1), ("plain steps", (), PLAIN_STEPS))
+    # (kind, drafts, plain steps, draft rounds): plain, one token a command; plain steps,
+    # PLAIN_STEPS tokens a row a command; drafted rounds, DRAFT_ROUNDS proposes and verifies
+    kinds = (("plain", (), 1, 1), ("drafted", ("model",), 1, 1),
+             ("drafted rounds", ("model",), 1, DRAFT_ROUNDS), ("plain steps", (), PLAIN_STEPS, 1))
     with tempfile.TemporaryDirectory() as scratch:
         root = pathlib.Path(scratch)
         model = free_model(root)
@@ -59,11 +64,12 @@ def run(start, max_new_tokens: int = 96, clients=CLIENTS, requests_per_client: i
         stack, workload = start(model, prompts)
         try:
             for round_ in range(rounds):
-                for kind, drafts, steps in kinds if round_ % 2 == 0 else kinds[::-1]:
+                for kind, drafts, steps, draft_rounds in kinds if round_ % 2 == 0 \
+                        else kinds[::-1]:
                     for count in clients:
                         log = root / f"{kind}-c{count}-r{round_}.jsonl".replace(" ", "-")
                         extra = ("--step-aside", "off", "--plain-steps", str(steps),
-                                 "--draft-rounds", "1",
+                                 "--draft-rounds", str(draft_rounds),
                                  "--step-log", str(log))
                         with stack.coordinator(workload, max(clients), NUM_DRAFT_TOKENS,
                                                drafts, extra) as (port, _), \
@@ -90,7 +96,8 @@ def read_steps(path: pathlib.Path) -> list[dict]:
 
 def summarise(kind: str, clients: int, steps: list[dict]) -> dict:
     """Median milliseconds of a step and of each stage over the steps of a run's full cohort
-    (the most rows a step of it had), and the tokens such a step committed."""
+    (the most rows a step of it had), and the tokens such a step committed (the median and
+    the most)."""
     if not steps:
         raise RuntimeError(f"{kind} at {clients} clients logged no step without a prefill")
     rows = max(s["rows"] for s in steps)
@@ -98,6 +105,7 @@ def summarise(kind: str, clients: int, steps: list[dict]) -> dict:
     median_ms = lambda f: round(1000 * statistics.median(f(s) for s in full), 3)  # noqa: E731
     return {"kind": kind, "clients": clients, "rows": rows, "steps": len(full),
             "committed": statistics.median(s["committed"] for s in full),
+            "most_committed": max(s["committed"] for s in full),
             "step_ms": median_ms(lambda s: s["step_s"]),
             "stages_ms": {name: median_ms(f) for name, f in STAGES}}
 
