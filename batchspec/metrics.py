@@ -36,7 +36,8 @@ class CoordinatorMetrics:
         self.e2e_latency = histogram("vllm:e2e_request_latency_seconds",
                                      "Time from arrival to the end of a request.")
         self.num_drafts = counter("vllm:spec_decode_num_drafts",
-                                  "Draft proposals (one per sequence per step).")
+                                  "Draft proposals verified (one per sequence per verify; a "
+                                  "command of rounds verifies one a round).")
         self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens.")
         self.num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
                                            "Accepted drafted tokens.")

@@ -45,7 +45,8 @@ def commit(handle: RequestHandle, outcome: VerifyOutcome, num_drafts: int, step:
         seq.cut_at_stop_string(unused)
         committed = committed[:len(committed) - unused]
         accepted = min(accepted, len(committed))
-    telemetry.committed(handle, len(committed), num_drafts, outcome.num_accepted)
+    telemetry.committed(handle, len(committed),
+                        outcome.rounds or ((num_drafts, outcome.num_accepted),))
     if seq.finish is not None:  # recorded before the client can see its last event
         telemetry.finished(handle)
     prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # the first event's

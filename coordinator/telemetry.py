@@ -37,7 +37,9 @@ class Telemetry:
         if self.metrics:
             self.metrics.prefill_seconds.observe(seconds)
 
-    def committed(self, handle, num_tokens: int, num_drafts: int, num_accepted: int) -> None:
+    def committed(self, handle, num_tokens: int, drafts) -> None:
+        """drafts: (drafts verified, of them accepted) of each verify the row's step ran (a
+        verify of rounds: one a round)."""
         now = time.monotonic()
         m = self.metrics
         if m and num_tokens:
@@ -51,12 +53,13 @@ class Telemetry:
         if num_tokens:
             handle.first_token_at = handle.first_token_at or now
             handle.last_token_at = now
-        if m and num_drafts:
-            m.num_drafts.inc()
-            m.num_draft_tokens.inc(num_drafts)
-            m.num_accepted_tokens.inc(num_accepted)
-            for position in range(min(num_accepted, len(m.accepted_per_pos))):
-                m.accepted_per_pos[position].inc()
+        for num_drafts, num_accepted in drafts if m else ():
+            if num_drafts:
+                m.num_drafts.inc()
+                m.num_draft_tokens.inc(num_drafts)
+                m.num_accepted_tokens.inc(num_accepted)
+                for position in range(min(num_accepted, len(m.accepted_per_pos))):
+                    m.accepted_per_pos[position].inc()
 
     def finished(self, handle) -> None:
         if self.metrics:

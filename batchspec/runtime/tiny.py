@@ -6,7 +6,7 @@ import pathlib
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from batchspec.runtime import kvcache
+from batchspec.runtime import kvcache, models
 
 VOCAB = 96
 EOS = 3  # placeholder in the configs; save_pair picks a real one per model (pick_eos)
@@ -84,7 +84,7 @@ def save_pair(arch: str, root: pathlib.Path, noise: float = 0.08) -> tuple[str, 
         path = root / f"{arch}-{name}"
         model.config.eos_token_id = eos
         model.generation_config.eos_token_id = eos
-        model.save_pretrained(path)
+        models.save_model(model, path)
         paths.append(str(path))
     return paths[0], paths[1]
 
@@ -182,7 +182,7 @@ def save_translating_pair(arch: str, root: pathlib.Path, steps: int = 300) -> tu
         eos = tokenizer.token_to_id(EOS_TEXT)
         model.config.eos_token_id = model.generation_config.eos_token_id = eos
         path = root / f"{arch}-{name}-{'bpe' if name == 'target' else 'chars'}"
-        model.save_pretrained(path)
+        models.save_model(model, path)
         PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TEXT,
                                 unk_token="<unk>" if name == "draft" else None
                                 ).save_pretrained(path)
@@ -200,7 +200,7 @@ def save_one_layer_target(root: pathlib.Path) -> str:
     eos = pick_eos(target)
     target.config.eos_token_id = target.generation_config.eos_token_id = eos
     path = root / "llama1-target"
-    target.save_pretrained(path)
+    models.save_model(target, path)
     return str(path)
 
 

@@ -30,11 +30,10 @@ DRAFT_ROUNDS = 4
 
 def free_model(root: pathlib.Path) -> str:
     """The free model's directory: the tests' tiny Llama."""
-    from batchspec.runtime import tiny
+    from batchspec.runtime import models, tiny
 
-    model = tiny.llama(seed=0)
     path = root / "free-llama"
-    model.save_pretrained(path)
+    models.save_model(tiny.llama(seed=0), path)
     return str(path)
 
 
