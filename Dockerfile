@@ -72,11 +72,13 @@ assert models.converted_gguf(models.resolve('smollm2'))" \
 
 # ---- the model-service image (all roles) ---------------------------------------------------
 FROM base AS runtime
-ENV HF_HUB_OFFLINE=1 XDG_CACHE_HOME=/app/cache
+# BATCHSPEC_MEASURED_DIR: what a service times of its machine at start-up (kernel plans, step
+# costs); the compose stacks keep it in a volume, so that a recreated container reads it
+ENV HF_HUB_OFFLINE=1 XDG_CACHE_HOME=/app/cache BATCHSPEC_MEASURED_DIR=/app/measured
 COPY --from=runtime-build /opt/venv /opt/venv
 COPY --from=runtime-build --chown=batchspec /app /app
 WORKDIR /app
-RUN mkdir -p /models && chown batchspec /models
+RUN mkdir -p /models /app/measured && chown batchspec /models /app/measured
 USER batchspec
 EXPOSE 50051 50052 50053 9100
 ENTRYPOINT []

@@ -100,14 +100,17 @@ def test_compose_services_gpus_health_and_wiring(files):
     compose = load_compose(*files)
     services = compose["services"]
     assert {"coordinator", "draft", "target"} <= set(services)
-    assert "models" in compose["volumes"]
+    assert {"models", "measured"} <= set(compose["volumes"])
     model_services = [n for n in services if n != "coordinator"]
     gpus, on_cpu = [], "compose.cpu.yaml" in files
     for name in model_services:
         svc = services[name]
         args = parse_service_command(svc["command"])
-        assert {"type": "volume", "source": "models", "target": "/models"} in \
-            [{k: v[k] for k in ("type", "source", "target")} for v in svc["volumes"]]
+        mounts = [{k: v[k] for k in ("type", "source", "target")} for v in svc["volumes"]]
+        assert {"type": "volume", "source": "models", "target": "/models"} in mounts
+        # what it times of its machine outlives the container
+        assert {"type": "volume", "source": "measured",
+                "target": svc["environment"]["BATCHSPEC_MEASURED_DIR"]} in mounts
         if on_cpu:
             assert gpu_ids(svc) == [] and args.device == "cpu"
         else:

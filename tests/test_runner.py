@@ -646,3 +646,28 @@ def test_a_forward_timed_in_a_busy_stretch_costs_what_more_work_cost():
     assert all(got[k] <= measured[k] for k in measured)
     assert all(got[a] <= got[b] for a in got for b in got if b[0] >= a[0] and b[1] >= a[1])
     assert {(c.rows, c.tokens, c.context) for c in costs} == {(r, t, 128) for r, t in measured}
+
+
+def test_a_service_keeps_what_it_measures_where_batchspec_measured_dir_says(tmp_path,
+                                                                           monkeypatch):
+    """A service's start-up (service.warm_up) keeps the forward costs it measured in
+    $BATCHSPEC_MEASURED_DIR (a container's volume: read again by the next container), else
+    in the user cache; the converted models stay in the user cache either way."""
+    import json
+
+    from batchspec.runtime import cache_dir, models, service, tiny
+
+    monkeypatch.setattr(calibration, "measure_step_costs",
+                        lambda runner, rows=None, proposes=False:
+                        [calibration.StepCost(1, 1, 128, 0.01)])
+    monkeypatch.delenv("BATCHSPEC_MEASURED_DIR", raising=False)
+    assert cache_dir.step_costs_file().parent == cache_dir.kernel_plans_file().parent \
+        == cache_dir.user_cache_dir()
+    monkeypatch.setenv("BATCHSPEC_MEASURED_DIR", str(tmp_path / "measured"))
+    runner = runner_lib.ModelRunner(tiny.llama(seed=1), name="a", device=torch.device("cpu"),
+                                    eos_token_ids=[], max_context_len=256)
+    service.warm_up(runner)
+    assert json.loads((tmp_path / "measured" / "step-costs.json").read_text())
+    assert cache_dir.kernel_plans_file().parent == tmp_path / "measured"
+    gguf = models.resolve(tiny.save_gguf(tmp_path))
+    assert models.gguf_cache_dir(gguf, "models").parent.parent == cache_dir.user_cache_dir()

@@ -14,14 +14,22 @@ def user_cache_dir() -> pathlib.Path:
     return root / "batchspec"
 
 
+def measured_dir() -> pathlib.Path:
+    """Where what a process measures of the machine is kept: $BATCHSPEC_MEASURED_DIR (a
+    container's volume, so that a recreated container does not time its machine again), else
+    batchspec's user cache folder."""
+    given = os.environ.get("BATCHSPEC_MEASURED_DIR")
+    return pathlib.Path(given) if given else user_cache_dir()
+
+
 def kernel_plans_file() -> pathlib.Path:
     """Where the CPU kernel plans of batchspec.runtime.fastlinear are kept for every process."""
-    return user_cache_dir() / "kernel-plans.json"
+    return measured_dir() / "kernel-plans.json"
 
 
 def step_costs_file() -> pathlib.Path:
     """Where the forward costs measured at start-up (batchspec.runtime.calibration) are kept."""
-    return user_cache_dir() / "step-costs.json"
+    return measured_dir() / "step-costs.json"
 
 
 @contextlib.contextmanager
