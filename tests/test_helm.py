@@ -128,6 +128,11 @@ def test_replicas_per_pool_capacity_and_the_models_volume():
     assert args[args.index("--max-sequences") + 1] == "48"
     volumes = deployments["bs-target"]["spec"]["template"]["spec"]["volumes"]
     assert {"name": "models", "persistentVolumeClaim": {"claimName": "models"}} in volumes
+    # what a service times of its machine outlives a restarted container
+    assert {"name": "measured", "emptyDir": {}} in volumes
+    main = container(deployments["bs-target"])
+    measured = next(e["value"] for e in main["env"] if e["name"] == "BATCHSPEC_MEASURED_DIR")
+    assert {"name": "measured", "mountPath": measured} in main["volumeMounts"]
 
 
 def test_cpu_pools_and_the_service_monitor():
