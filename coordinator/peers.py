@@ -358,8 +358,8 @@ def prefill_fresh(target, seqs: list[Sequence], active: list[Sequence],
     computes start from its cache (`shared_prompts`), and where a draft reads features every
     sequence keeps those of its positions. Prompts to score are scored as they are cached,
     once: before the sequence's first step (one command, copying nothing). A prompt longer
-    than `chunk` (0: none) is cached up to its first `chunk` tokens, from no other's cache.
-    Returns {seq_id: positions cached} of those."""
+    than `chunk` (0: none) that no active sequence caches whole is cached up to its first
+    `chunk` tokens. Returns {seq_id: positions cached} of those."""
     scoring = {s.seq_id: (s.prompt_logprobs_top, s.token_ids[-1]) for s in seqs
                if s.prompt_logprobs_top is not None and s.prompt_logprobs is None
                and s.stats.num_target_forward_passes == 0}
@@ -368,8 +368,13 @@ def prefill_fresh(target, seqs: list[Sequence], active: list[Sequence],
         for s in seqs:
             s.prompt_logprobs = scored.get(s.seq_id, s.prompt_logprobs)
         return {}
-    parts = {s.seq_id: chunk for s in seqs if chunk and s.committed_len - 1 > chunk}
-    copies = shared_prompts([s for s in seqs if s.seq_id not in parts], active)
+    copies = shared_prompts(seqs, active)
+    parts = {s.seq_id: chunk for s in seqs
+             if chunk and s.committed_len - 1 > chunk and s.seq_id not in copies}
+    # a prompt fed in chunks is no source within its own prefill: its copies are fed too
+    for seq_id in [s for s, source in copies.items() if source in parts]:
+        del copies[seq_id]
+        parts[seq_id] = chunk
     if target.features_for_drafts:
         features_lib.prefill_target(target, seqs, copies, active, parts)
     else:
@@ -389,13 +394,10 @@ def shared_prompts(new: list[Sequence], active: list[Sequence]) -> dict[int, int
             sources.setdefault(s.prompt_hash, []).append(s)
     copies = {}
     for s in new:
-        if s.num_generated or len(s.prompt_token_ids) < 3:
-            continue
-        same = [t for t in sources.get(s.prompt_hash, [])
-                if t.prompt_token_ids == s.prompt_token_ids]
+        same = [t for t in sources.get(s.prompt_hash, []) if s.shares_prompt(t)]
         if same:
             copies[s.seq_id] = same[0].seq_id
-        else:
+        elif not s.num_generated:
             sources.setdefault(s.prompt_hash, []).append(s)
     return copies
 

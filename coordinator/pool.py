@@ -79,15 +79,26 @@ class RequestPool:
     def next_admission(self, max_prefill_tokens: int,
                        max_count: int | None = None) -> list[RequestHandle]:
         """Take the next run of waiting requests (at most max_count) that fits the pool and
-        one prefill command."""
+        one prefill command. A request whose prompt an active sequence caches whole costs
+        no prefill tokens (its cache is copied: peers.shared_prompts); one whose prompt an
+        active sequence is still being fed in chunks waits until that one holds it whole,
+        then is copied (the prompt is fed once), while the requests behind it go ahead."""
         with self._lock:
             room = self.max_num_seqs - len(self.active)
             if max_count is not None:
                 room = min(room, max_count)
-            runs = scheduler.split_by_tokens([h.seq for h in self.waiting[:room]],
-                                             max_prefill_tokens)
-            count = len(runs[0]) if runs else 0
-            taken, self.waiting = self.waiting[:count], self.waiting[count:]
+            active = [h.seq for h in self.active.values() if h.seq.target.cache_len is not None]
+            fed = [s for s in active if s.prefilling]
+            held = [s for s in active if not s.prefilling]
+            ready = [h for h in self.waiting if not any(h.seq.shares_prompt(s) for s in fed)
+                     ][:room] if fed else self.waiting[:room]
+            copied = frozenset(h.seq.seq_id for h in ready
+                               if any(h.seq.shares_prompt(s) for s in held))
+            runs = scheduler.split_by_tokens([h.seq for h in ready], max_prefill_tokens,
+                                             copied)
+            taken = ready[:len(runs[0]) if runs else 0]
+            ids = {id(h) for h in taken}
+            self.waiting = [h for h in self.waiting if id(h) not in ids]
         return taken
 
     def activate(self, handle: RequestHandle) -> None:

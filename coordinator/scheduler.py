@@ -82,13 +82,15 @@ def form_cohorts(sequences: list[Sequence], batch_size: int) -> list[list[Sequen
     return [sorted(c, key=lambda s: s.seq_id) for c in cohorts]
 
 
-def split_by_tokens(sequences: list[Sequence], budget: int) -> list[list[Sequence]]:
+def split_by_tokens(sequences: list[Sequence], budget: int,
+                    copied: frozenset[int] = frozenset()) -> list[list[Sequence]]:
     """Consecutive runs of sequences whose cached prefixes (all committed tokens but the
     last) total at most `budget` tokens, in order; a longer one goes alone. One run is one
-    prefill command, so no command runs unboundedly long."""
+    prefill command, so no command runs unboundedly long. A sequence in `copied` (its cache
+    a copy of another's: no forward) counts no tokens."""
     runs, run, total = [], [], 0
     for s in sequences:
-        size = s.committed_len - 1
+        size = 0 if s.seq_id in copied else s.committed_len - 1
         if run and total + size > budget:
             runs.append(run)
             run, total = [], 0

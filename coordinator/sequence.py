@@ -121,6 +121,14 @@ class Sequence:
     def num_generated(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
+    def shares_prompt(self, other: "Sequence") -> bool:
+        """Whether this fresh sequence's cache can start as a copy of `other`'s prompt (n
+        choices of one request, a prompt asked again): the same prompt, of more than a token
+        to cache, and nothing generated yet."""
+        return not self.num_generated and len(self.prompt_token_ids) >= 3 \
+            and self.prompt_hash == other.prompt_hash \
+            and self.prompt_token_ids == other.prompt_token_ids
+
     @property
     def generated_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]

@@ -1,6 +1,7 @@
 """A prompt longer than --prefill-chunk-tokens is fed to the target a chunk a step, between
 the steps of the sequences already decoding: its answer is the target alone's, greedy and
 sampled, with every draft kind, and the others step while it is fed."""
+import concurrent.futures
 import random
 import threading
 
@@ -79,3 +80,37 @@ def test_a_long_prompt_alone_is_fed_whole(model_dirs):
             for t in r.token_ids]
     assert answer == tiny_models.reference_greedy(model, long_prompt, 10, ignore_eos=True)
     assert log and all(n <= 4 for _, n in log)  # verifies of K + 1 tokens, never a chunk
+
+
+def test_a_long_prompt_asked_several_times_at_once_is_fed_once(model_dirs):
+    """Three requests of one long prompt (n choices, or clients asking the same) while another
+    stream decodes: the first is fed in chunks, the others wait until it holds the prompt
+    whole and start from a copy of its cache, so the prompt's chunks are fed once, not three
+    times; every answer is the target alone's."""
+    target_dir, draft_dir = model_dirs["llama"]
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    rng = random.Random(7)
+    long_prompt = [rng.randrange(4, tiny_models.VOCAB) for _ in range(5 * CHUNK + 3)]
+    short_prompt = [rng.randrange(4, tiny_models.VOCAB) for _ in range(5)]
+    log = []
+    with running_stack(target_dir, draft_dir, drafts=("model",), batch_size=4,
+                       prefill_chunk_tokens=CHUNK) as stack:
+        fed(stack.target_runner, log)
+        stub = stack.stub()
+
+        def generate(prompt, max_new):
+            return [t for r in stub.Generate(generate_pb2.GenerateRequest(
+                prompt_token_ids=prompt, max_new_tokens=max_new, ignore_eos=True),
+                timeout=120) for t in r.token_ids]
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            short = pool.submit(generate, short_prompt, 150)
+            while not log:  # the short request decodes
+                threading.Event().wait(0.01)
+            answers = list(pool.map(lambda _: generate(long_prompt, 10), range(3)))
+            short = short.result()
+    expected = tiny_models.reference_greedy(model, long_prompt, 10, ignore_eos=True)
+    assert answers == [expected] * 3
+    assert short == tiny_models.reference_greedy(model, short_prompt, 150, ignore_eos=True)
+    # the chunks fed after the first (which the admission's prefill caches): four, once
+    assert sum(n == CHUNK for _, n in log) == 4
