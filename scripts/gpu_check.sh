@@ -67,7 +67,7 @@ for dtype in float32 bfloat16; do
     wait "$server" 2>/dev/null
 done
 
-run overhead 120 batchspec bench --overhead --device "$DEVICE" --out "$OUT/overhead"
+run overhead 150 batchspec bench --overhead --device "$DEVICE" --out "$OUT/overhead"
 
 run served 300 batchspec bench --device "$DEVICE" --prompts docs/bench/heldout_prompts.jsonl \
     --num-prompts "$PROMPTS" --max-new-tokens "$TOKENS" --methods grpc_router,grpc_target_only \
