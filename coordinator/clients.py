@@ -69,6 +69,8 @@ class VerifySpec:
     num_proposed: int = 0
     # with a presence or frequency penalty: {token id: times output} before the first output
     output_counts: dict[int, int] | None = None
+    # a verify of rounds: what a lookup's draft goes on with (VerifyEntry.continuation_token_ids)
+    continuation: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,7 +375,8 @@ class TargetClient(ServiceClient):
         """(outcomes, Timing) of a verify; with `propose` (propose_command's, for the draft
         the target hosts, run first), (outcomes, Timing, Hosted). plain_steps > 1: specs
         without drafts, each decoding that many tokens (VerifyCommand.plain_steps); rounds
-        > 1: with `propose`, up to that many rounds of it (VerifyCommand.rounds)."""
+        > 1: up to that many rounds of `propose` and of the specs' lines (their drafts, then
+        their continuation: VerifyCommand.rounds)."""
         if return_features is None:
             return_features = self.features_for_drafts
         command = target_pb2.VerifyCommand(realign=realign, return_features=return_features,
@@ -386,7 +389,8 @@ class TargetClient(ServiceClient):
                                    logprobs=None if s.logprobs is None
                                    else cache_pb2.LogprobsSpec(num_top=s.logprobs),
                                    token_masks=s.token_masks, num_proposed=s.num_proposed,
-                                   output_token_counts=s.output_counts)
+                                   output_token_counts=s.output_counts,
+                                   continuation_token_ids=s.continuation if rounds > 1 else ())
             for s in specs])
         result = self.stream.call(timeout=timeout, verify=command)
         outcomes = [VerifyOutcome(e.seq_id, e.num_accepted, list(e.output_token_ids),

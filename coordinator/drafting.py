@@ -23,6 +23,7 @@ import operator
 import time
 
 from batchspec import errors
+from batchspec.ngram import NGRAM_MODEL
 from coordinator import clients, features, goodput, scheduler
 from coordinator.clients import Proposal, ProposeSpec, Timing, VerifyOutcome
 from coordinator.drafts import DraftKind
@@ -51,11 +52,22 @@ class RowDraft:
     # it verifies what the target's hosted draft proposes first, up to num_drafts (proposal:
     # None until resolved)
     deferred: bool = False
+    # its drafts are a lookup's line, asked long enough for the rounds of a command: what
+    # follows them is its `continuation`
+    lined: bool = False
 
     @property
     def draft_token_ids(self) -> list[int]:
         own = self.proposal.draft_token_ids[:self.num_drafts] if self.proposal else []
         return own + list(self.forced)
+
+    @property
+    def continuation(self) -> list[int]:
+        """What a lined row's lookup goes on with after its drafts (VerifySpec.continuation);
+        [] for other rows."""
+        if not self.lined or not self.num_drafts or self.forced or self.proposal is None:
+            return []
+        return self.proposal.draft_token_ids[self.num_drafts:]
 
     def drafts_verified(self, outcome: VerifyOutcome) -> int:
         """The drafts its verify weighed: every round's, for a verify of rounds."""
@@ -171,6 +183,7 @@ class _Step:
     spent: list[tuple[Timing, float]] = dataclasses.field(default_factory=list)
     deferred: Deferred | None = None  # the propose the target's hosted draft runs
     later: dict[int, int] = dataclasses.field(default_factory=dict)  # its rows -> drafts
+    lined: set[int] = dataclasses.field(default_factory=set)  # rows drafting a lookup's line
 
     def result(self) -> DraftedCohort:
         asked = dict(self.missed)  # each row's kind to observe: its drafts' or its miss's
@@ -179,7 +192,8 @@ class _Step:
             asked.update((i, self.deferred.kind.index) for i in self.later)
         rows = [RowDraft(seq, self.drafted[i][1] if i in self.drafted
                          else self.later.get(i, 0), asked.get(i), self.answers.get(i),
-                         deferred=i in self.later) for i, seq in enumerate(self.seqs)]
+                         deferred=i in self.later, lined=i in self.lined)
+                for i, seq in enumerate(self.seqs)]
         timing = functools.reduce(operator.add, (t for t, _ in self.spent)) \
             if self.spent else None
         return DraftedCohort(rows, timing, sum(s for _, s in self.spent), self.deferred)
@@ -257,10 +271,11 @@ class Drafter:
     @staticmethod
     def _take_offer(step: _Step, i: int, index: int | None, k: int) -> None:
         """Row i drafts with what kind `index`, asked before planning, offered it (if it
-        did)."""
+        did): a line (see _ask)."""
         if index in step.offers and i in step.offers[index]:
             step.drafted[i] = (index, k)
             step.answers[i] = step.offers[index][i]
+            step.lined.add(i)
 
     def cohort_rows(self, seqs: list[Sequence]) -> list[CohortRow]:
         """The cohort as the policy sees it."""
@@ -273,20 +288,32 @@ class Drafter:
             s.committed_len - 1, s.draft_room) for s in seqs]
 
     def _ask(self, step: _Step, index: int, timeout: float | None) -> dict[int, int]:
-        """Ask kind `index` for every row before planning: {row: tokens it offers}."""
-        got = self._propose(self.kinds[index], step, range(len(step.seqs)),
-                            self.policy.config.num_draft_tokens, timeout)
+        """Ask kind `index` for every row before planning: {row: tokens it offers} (at most
+        K). With rounds (--draft-rounds), a line of as many tokens as a command's rounds can
+        verify: the K a row drafts, then its continuation (RowDraft.continuation)."""
+        k = self.policy.config.num_draft_tokens
+        got = self._propose(self.kinds[index], step, range(len(step.seqs)), self._line(k),
+                            timeout)
         step.offers[index] = {i: p for i, p in got.items() if p.draft_token_ids}
-        return {i: len(p.draft_token_ids) for i, p in step.offers[index].items()}
+        return {i: min(k, len(p.draft_token_ids)) for i, p in step.offers[index].items()}
+
+    def _line(self, k: int) -> int:
+        """How many tokens a lookup is asked for where its rows draft k a round: what a
+        command's rounds verify at most (--draft-rounds of k drafts and one more token)."""
+        return k + (self.policy.config.draft_rounds - 1) * (k + 1)
 
     def _call(self, kind: DraftKind, step: _Step, rows: list[int], plan: StepPlan,
               timeout: float | None) -> None:
-        """Call `kind` for the rows planned with it."""
-        got = self._propose(kind, step, rows, max(plan.k[i] for i in rows), timeout)
+        """Call `kind` for the rows planned with it (the n-gram lookup for lines: _line)."""
+        lookup = kind.name == NGRAM_MODEL
+        k = max(plan.k[i] for i in rows)
+        got = self._propose(kind, step, rows, self._line(k) if lookup else k, timeout)
         step.answers.update(got)
         for i in rows:
             if i in got and got[i].draft_token_ids:
                 step.drafted[i] = (kind.index, plan.k[i])
+                if lookup:
+                    step.lined.add(i)
                 continue
             self._observe_miss(step, i)  # an earlier one: the row's last is observed later
             step.missed[i] = kind.index
@@ -494,8 +521,13 @@ class Drafter:
             # none of them (its cache_len moved on). A feature head computed its drafts'
             # positions from its own features, not the target's: it keeps none of them.
             accepted, before = last_round(outcome)
-            own = 0 if self.kinds[index].reads_features else min(
-                accepted, verified, max(drafted - 1, 0))  # not forced ones
+            own = min(accepted, verified, max(drafted - 1, 0))  # not forced ones
+            if outcome.rounds and not row.deferred:  # a line over rounds: the draft holds its
+                # one proposal, whose tokens the rounds' outputs may go on to match
+                own, before = min(common_prefix(row.proposal.draft_token_ids,
+                                                outcome.output_token_ids), max(drafted - 1, 0)), 0
+            if self.kinds[index].reads_features:
+                own = 0
             seq.drafts[index].valid_len = seq.committed_len + before + own
         if row.aside:
             # The evidence, not the plan, kept the row plain: it was not idle in the plan's
@@ -522,6 +554,11 @@ def evidence(row: RowDraft, outcome: VerifyOutcome, verified: int) -> tuple[int,
         return verified, min(outcome.num_accepted, verified)
     # a kind that found nothing to propose is as good as one rejected at once
     return max(row.num_drafts, 1), min(outcome.num_accepted, row.num_drafts)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens a and b share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def last_round(outcome: VerifyOutcome) -> tuple[int, int]:

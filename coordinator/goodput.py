@@ -387,7 +387,8 @@ class GoodputPolicy:
 
     def __init__(self, config: GoodputConfig, drafts: list[ServiceCost | None],
                  target: ServiceCost | None, hosted: frozenset[int] = frozenset()):
-        """hosted: the draft kinds the target hosts (their commands run config.rounds)."""
+        """hosted: the draft kinds whose commands run config.rounds (the target's hosted
+        draft, and lookups: their lines)."""
         self.config = config
         self.drafts = list(drafts)
         self.target = target
@@ -574,8 +575,9 @@ class GoodputPolicy:
 
     def _round_s(self, verify_s: float, draft_s: dict[int, float]) -> float:
         """Seconds a drafted step of these predicted verify and proposal times takes a
-        round: where every kind drafting is hosted, the command runs config.rounds of them
-        and pays the target's command overhead once (each round's proposal pays its own)."""
+        round: where every kind drafting runs rounds (`hosted`), the command runs
+        config.rounds of them and pays the target's command overhead once (each round's
+        proposal pays its own)."""
         seconds = verify_s + sum(draft_s.values())
         if self.config.rounds > 1 and set(draft_s) <= self.hosted:
             seconds -= self.target.overhead_s * (1 - 1 / self.config.rounds)

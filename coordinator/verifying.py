@@ -2,8 +2,8 @@
 overlaps it with drafting the next cohort (`--overlap`; "auto": only where no service runs on
 the CPU, since services that share the host's cores slow each other down). A cohort that
 decodes plainly (no draft up, none planned, or stepped aside) decodes several tokens a row in
-that one command (`plain_steps`); a cohort whose drafts the target's hosted draft proposes
-runs several rounds of proposing and verifying in one (`rounds`)."""
+that one command (`plain_steps`); a cohort whose drafts the target's hosted draft proposes,
+or a lookup's line gives, runs several rounds of drafting and verifying in one (`rounds`)."""
 import concurrent.futures
 import dataclasses
 import logging
@@ -33,6 +33,11 @@ class Verified:
     def forwards(self) -> int:
         """The target's forwards a row the command ran: its plain steps or its rounds."""
         return max(self.plain_steps, self.rounds)
+
+
+def ran(outcomes: list[VerifyOutcome]) -> int:
+    """The rounds a verify of rounds ran (every row ran the same)."""
+    return max(1, max((len(o.rounds) for o in outcomes), default=1))
 
 
 def cohort_timeout(handles: list[RequestHandle]) -> float | None:
@@ -88,16 +93,22 @@ class Verifier:
         specs = [VerifySpec(row.seq.seq_id, row.seq.target.cache_len,
                             row.seq.token_ids[row.seq.target.cache_len:], row.draft_token_ids,
                             row.seq.sampling, row.seq.logprobs, row.token_masks,
-                            row.num_drafts if row.deferred else 0, row.seq.output_counts())
+                            row.num_drafts if row.deferred else 0, row.seq.output_counts(),
+                            row.continuation)
                  for row in cohort.rows]
         timeout = cohort_timeout(self.pool.handles_of(cohort.seqs))
         started = time.perf_counter()
+        rounds = self.rounds(cohort)
+        if cohort.deferred is None and rounds > 1:  # lookups' lines, in rounds
+            outcomes, timing = self.peers.target.verify(cohort.mixed, specs, timeout=timeout,
+                                                        rounds=rounds)
+            return Verified(outcomes, timing, time.perf_counter() - started,
+                            rounds=ran(outcomes))
         if cohort.deferred is None:
             steps = self.plain_steps(cohort)
             outcomes, timing = self.peers.target.verify(cohort.mixed, specs, timeout=timeout,
                                                         plain_steps=steps)
             return Verified(outcomes, timing, time.perf_counter() - started, plain_steps=steps)
-        rounds = self.rounds(cohort)
         outcomes, timing, hosted = self.peers.target.verify(
             cohort.mixed, specs, timeout=timeout, propose=cohort.deferred.command(),
             rounds=rounds)
@@ -105,9 +116,8 @@ class Verifier:
         inside = hosted.timing.compute_seconds
         timing = dataclasses.replace(timing, compute_seconds=max(0.0, timing.compute_seconds
                                                                  - inside))
-        ran = max((len(o.rounds) for o in outcomes), default=1) if rounds > 1 else 1
         return Verified(outcomes, timing, time.perf_counter() - started - inside, hosted,
-                        rounds=max(1, ran))
+                        rounds=ran(outcomes) if rounds > 1 else 1)
 
     def plain_steps(self, cohort: DraftedCohort) -> int:
         """How many tokens a row the cohort's verify decodes: up to --plain-steps where the
@@ -127,13 +137,17 @@ class Verifier:
                           min(row.seq.draft_room + 1 for row in cohort.rows)))
 
     def rounds(self, cohort: DraftedCohort) -> int:
-        """How many rounds of the hosted draft's proposals a deferred cohort's verify runs:
-        up to --draft-rounds where no row carries drafts of another kind, no row is under a
-        grammar and no request waits or is part-fed (as for plain steps), each round
-        committing at most K + 1 tokens a row of what every row has left; else one."""
-        k = cohort.deferred.num_drafts
-        if self.max_rounds <= 1 or not self._may_run_long(cohort) \
-                or any(row.draft_token_ids and not row.deferred for row in cohort.rows):
+        """How many rounds of drafting and verifying a cohort's verify runs: up to
+        --draft-rounds where some row drafts and every row that drafts does so with the
+        hosted draft or a lookup's line (a drafted row of another kind verifies one round's
+        drafts), no row is under a grammar and no request waits or is part-fed (as for plain
+        steps), each round committing at most K + 1 tokens a row of what every row has left;
+        else one."""
+        k = max(row.num_drafts if row.deferred else len(row.draft_token_ids)
+                for row in cohort.rows)
+        if self.max_rounds <= 1 or not k or not self._may_run_long(cohort) or any(
+                row.draft_token_ids and not row.deferred and not row.continuation
+                for row in cohort.rows):
             return 1
         return max(1, min(self.max_rounds,
                           min((row.seq.draft_room + 1) // (k + 1) for row in cohort.rows)))

@@ -1,4 +1,5 @@
-"""The hosted draft's proposals after a verify command's first round (VerifyCommand.rounds).
+"""The drafts of a verify command's rounds after the first (VerifyCommand.rounds): the hosted
+draft's proposals (`Rounds`), and the lines of a lookup's draft (`Lines`).
 
 A round after the first proposes for each entry of the command's propose what the round
 before committed, as the coordinator would feed it in a command of its own: the draft's
@@ -18,7 +19,7 @@ import torch
 
 from batchspec import errors
 from batchspec.runtime import wire
-from batchspec.runtime.rows import ProposeRow
+from batchspec.runtime.rows import ProposeRow, VerifyRow
 from batchspec.v1 import draft_pb2
 from draft_service import proposer
 
@@ -96,3 +97,27 @@ class Rounds:
             entry.cache_len = proposal.cache_len
         return {p.seq_id: p.draft_token_ids[:e.num_proposed]
                 for e, p in zip(self.entries, proposals)}
+
+
+class Lines:
+    """The drafts of the rounds after the first for the rows that carry a lookup's line (their
+    draft_token_ids, then VerifyEntry.continuation_token_ids): while a row's outputs so far
+    are the line's first tokens, in order, it verifies the next len(draft_token_ids) of it
+    (fewer where it runs out); once they leave it, none (as a lookup asked again would find
+    other text to copy, or none, which this does not look up)."""
+
+    def __init__(self, rows: list[VerifyRow]):
+        self.lines = {r.seq_id: (r.draft_token_ids + r.continuation, len(r.draft_token_ids))
+                      for r in rows if r.draft_token_ids and r.continuation}
+        self.outputs: dict[int, list[int]] = {seq_id: [] for seq_id in self.lines}
+
+    def __call__(self, verified) -> dict[int, list[int]]:
+        """The next round's drafts by sequence, from the round's VerifiedRows."""
+        drafts = {}
+        for v in verified:
+            if v.seq_id in self.lines:
+                (line, k), done = self.lines[v.seq_id], self.outputs[v.seq_id]
+                done += v.output_token_ids
+                if line[:len(done)] == done:
+                    drafts[v.seq_id] = line[len(done):len(done) + k]
+        return drafts

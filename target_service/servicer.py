@@ -9,7 +9,7 @@ from batchspec import errors
 from batchspec.runtime import service, wire
 from batchspec.v1 import draft_pb2, target_pb2, target_pb2_grpc
 from target_service import verifier
-from target_service.rounds import Rounds
+from target_service.rounds import Lines, Rounds
 
 SERVICE_NAME = "batchspec.v1.TargetService"
 MAX_PLAIN_STEPS = 64  # VerifyCommand.plain_steps
@@ -43,7 +43,7 @@ class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceService
         if command.rounds > 1:
             self.check_rounds(command)
         proposed, hosted = self.propose_first(command)
-        if command.rounds > 1 and isinstance(hosted, draft_pb2.ProposeResult):
+        if command.rounds > 1 and (hosted is None or isinstance(hosted, draft_pb2.ProposeResult)):
             return "verify", self.speculate(command, proposed, hosted, started)
         rows = wire.verify_rows(command, self.runner.vocab_size, proposed)
         outcomes, group = verifier.verify(self.runner, rows, realign=command.realign,
@@ -73,24 +73,28 @@ class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceService
     def check_rounds(self, command) -> None:
         if command.rounds > MAX_ROUNDS:
             raise errors.InvalidArgument(f"rounds {command.rounds}: at most {MAX_ROUNDS}")
-        if not command.HasField("propose"):
-            raise errors.InvalidArgument("a verify of rounds verifies a propose's drafts: "
-                                         "send one with it")
-        if any(e.draft_token_ids or e.token_masks for e in command.entries):
-            raise errors.InvalidArgument("a verify of rounds carries no draft_token_ids or "
-                                         "token masks")
+        if any(e.token_masks for e in command.entries):
+            raise errors.InvalidArgument("a verify of rounds carries no token masks")
 
     def speculate(self, command, proposed, first, started: float):
-        """A verify of several rounds (VerifyCommand.rounds), the first proposal made."""
+        """A verify of several rounds (VerifyCommand.rounds), the hosted draft's first
+        proposal made (first: its ProposeResult; None: the command has no propose)."""
         rows = wire.verify_rows(command, self.runner.vocab_size, proposed)
-        following = Rounds(self.hosted_draft.runner, command, first)
+        hosted = None if first is None else Rounds(self.hosted_draft.runner, command, first)
+        lines = Lines(rows)
+
+        def following(verified):
+            drafts = {} if hosted is None else hosted(verified)
+            return None if drafts is None else {**lines(verified), **drafts}
+
         outcomes, per_round, groups = verifier.speculate(
             self.runner, rows, command.rounds, following, realign=command.realign,
-            keep_features=command.return_features or following.reads_features)
+            keep_features=command.return_features or bool(hosted and hosted.reads_features))
         if not command.return_features:
             outcomes = [dataclasses.replace(o, features=None) for o in outcomes]
         result = wire.verify_result(outcomes, service.timing(groups, started), per_round)
-        result.propose.CopyFrom(following.last)
+        if hosted is not None:
+            result.propose.CopyFrom(hosted.last)
         return result
 
     def propose_first(self, command):

@@ -288,3 +288,61 @@ def test_a_draft_of_another_vocabulary_never_fails_a_request(model_dirs, referen
     for (prompt, max_new), (tokens, _) in zip(requests, outputs):
         assert tokens == references("llama", prompt, max_new)
     assert "refused a command" in caplog.text
+
+
+def test_rounds_of_the_lookups_lines_stay_exact(model_dirs, tmp_path, monkeypatch):
+    """The n-gram draft in the coordinator (K every step, nothing waiting): its rows verify
+    a lookup's line in rounds, several a command, rows following and leaving their lines in
+    different rounds, and every answer, greedy and seeded-sampled, is the target alone's
+    (Llama and GPT-2); the lookup's record of what it holds stays right through it."""
+    from batchspec import ngram
+    from batchspec.params import SamplingParams
+
+    looked_up = []  # (its index, what it held) each time the lookup proposed for a sequence
+    propose = ngram.NgramIndex.propose
+    monkeypatch.setattr(ngram.NgramIndex, "propose", lambda index, k: (
+        looked_up.append((index, list(index.tokens))), propose(index, k))[1])
+    sampled = SamplingParams(temperature=0.7, top_p=0.9, seed=5)
+    # prompts whose greedy answers go on to repeat themselves (the tiny models loop), so
+    # that the lookup finds lines the target follows
+    rng = random.Random(11)
+    prompts = [[rng.randrange(4, tiny_models.VOCAB) for _ in range(8)] for _ in range(3)]
+    steps = []
+    for arch in ("llama", "gpt2"):
+        target_dir, _ = model_dirs[arch]
+        model = AutoModelForCausalLM.from_pretrained(target_dir)
+        log = tmp_path / f"{arch}.jsonl"
+        with running_stack(target_dir, None, batch_size=4, num_draft_tokens=3, overlap="off",
+                           drafts=("local:ngram",), draft_rounds=4,
+                           step_log=str(log)) as stack:
+            looked_up.clear()  # (the lookup timed at start-up)
+
+            def ask(prompt, fields):
+                return [t for r in stack.stub().Generate(generate_pb2.GenerateRequest(
+                    prompt_token_ids=prompt, max_new_tokens=40, ignore_eos=True, **fields),
+                    timeout=120) for t in r.token_ids]
+
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                greedy = list(pool.map(lambda p: ask(p, {}), prompts))
+            # alone, a row rolls its lookup back no further than its own record says
+            alone = [ask(p, {}) for p in prompts]
+            answers = [ask(p, {"temperature": 0.7, "top_p": 0.9, "seed": 5}) for p in prompts]
+        assert alone == greedy
+        for prompt, tokens, drawn in zip(prompts, greedy, answers):
+            assert tokens == tiny_models.reference_greedy(model, prompt, 40, ignore_eos=True)
+            assert drawn == tiny_models.reference_sampled(model, prompt, 40, sampled)
+        steps += [json.loads(line) for line in log.read_text().splitlines()]
+        # the lookup proposed from committed tokens only: its record of what it holds never
+        # kept a draft the target did not commit (what it held of a sequence each time: a
+        # prefix of one whole sequence)
+        done = [p + a for p, a in zip(prompts * 2, greedy + answers)]
+        held = {}
+        for index, tokens in looked_up:
+            held.setdefault(id(index), []).append(tokens)
+        assert held and all(any(all(d[:len(t)] == t for t in seen) for d in done)
+                            for seen in held.values())
+        looked_up.clear()
+    lined = [s for s in steps if s["rounds"] > 1]
+    assert lined and sum(sum(s["accepted"]) for s in lined) > 0
+    # a round verifies no more than K drafts a row: a row followed its line past a round
+    assert any(max(s["drafts"]) > 3 for s in lined)

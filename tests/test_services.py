@@ -310,18 +310,17 @@ def test_a_propose_in_a_verify_is_refused_where_it_cannot_be_run(hosting, target
 
 
 def test_a_verify_of_rounds_is_refused_where_it_cannot_be_run(hosting):
-    """Rounds verify a hosted propose's drafts: without a propose, with drafts sent, or more
-    than 64, the command is refused before anything runs; the caches stay as they were."""
+    """A verify of rounds with token masks, or of more than 64, is refused before anything
+    runs; the caches stay as they were."""
     hosted_target, hosted_draft, target_runner, draft_runner = hosting
     hosted_target.prefill([(53, [5, 6, 7])])
     hosted_draft.prefill([(53, [5, 6, 7])])
     propose = clients.propose_command(2, False, [ProposeSpec(53, 3, 3, [8], GREEDY)])
     try:
-        with pytest.raises(errors.InvalidArgument, match="send one with it"):
-            hosted_target.verify(False, [VerifySpec(53, 3, [8], [], GREEDY)], rounds=2)
-        with pytest.raises(errors.InvalidArgument, match="no draft_token_ids"):
-            hosted_target.verify(False, [VerifySpec(53, 3, [8], [9], GREEDY)],
-                                 propose=propose, rounds=2)
+        with pytest.raises(errors.InvalidArgument, match="no token masks"):
+            hosted_target.verify(False, [VerifySpec(53, 3, [8], [9], GREEDY,
+                                                    token_masks=(b"\xff" * 12,) * 2)],
+                                 rounds=2)
         with pytest.raises(errors.InvalidArgument, match="at most 64"):
             hosted_target.verify(False, [VerifySpec(53, 3, [8], [], GREEDY, num_proposed=2)],
                                  propose=propose, rounds=65)
@@ -337,6 +336,33 @@ def test_a_verify_of_rounds_is_refused_where_it_cannot_be_run(hosting):
     finally:
         hosted_target.release([53])
         hosted_draft.release([53])
+
+
+def test_rounds_verify_a_lookups_line_while_the_outputs_follow_it(target):
+    """A verify of rounds without a propose: an entry's drafts, then its continuation, a
+    round's worth (as many as its drafts) after each round whose outputs stayed on the line;
+    once they leave it, no drafts (a token a round). Every output is the target's greedy
+    choice."""
+    client, runner, _ = target
+    client.prefill([(56, [5, 6, 7])])
+    [plain], _ = client.verify(False, [VerifySpec(56, 3, [8], [], GREEDY)], plain_steps=9)
+    greedy = plain.output_token_ids  # the target's next 9 tokens after [5, 6, 7, 8]
+    client.release([56])
+    wrong = [(t + 1) % 96 for t in greedy]
+    try:
+        client.prefill([(57, [5, 6, 7]), (58, [5, 6, 7])])
+        followed, left = client.verify(False, [
+            # on the line for two rounds; the third round's second draft is wrong
+            VerifySpec(57, 3, [8], greedy[:2], GREEDY, continuation=greedy[2:7] + wrong[7:8]),
+            # off the line after the first round: its continuation is wrong at once
+            VerifySpec(58, 3, [8], greedy[:2], GREEDY, continuation=wrong[2:])], rounds=3)[0]
+        assert followed.rounds == ((2, 2), (2, 2), (2, 1))
+        assert followed.output_token_ids == greedy[:8] and followed.num_accepted == 5
+        assert left.rounds == ((2, 2), (0, 0), (0, 0))
+        assert left.output_token_ids == greedy[:5] and left.num_accepted == 2
+        assert runner.caches[57].length == 3 + 1 + 7 and runner.caches[58].length == 3 + 1 + 4
+    finally:
+        client.release([57, 58])
 
 
 def test_rounds_stop_at_the_first_where_the_propose_names_a_sequence_not_verified(hosting):

@@ -27,6 +27,8 @@ class VerifyRow:
     token_masks: torch.Tensor | None = None
     # with a presence or frequency penalty: {token id: times output} before the first output
     output_counts: dict[int, int] | None = None
+    # a verify of rounds: what a lookup's draft goes on with after draft_token_ids
+    continuation: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)

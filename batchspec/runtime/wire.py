@@ -188,7 +188,8 @@ def _verify_row(entry: target_pb2.VerifyEntry, vocab_size: int,
     return VerifyRow(seq_id=entry.seq_id, expected_cache_len=entry.expected_cache_len,
                      append_token_ids=list(entry.append_token_ids),
                      draft_token_ids=drafts, sampling=params, num_top=num_top,
-                     token_masks=masks, output_counts=counts)
+                     token_masks=masks, output_counts=counts,
+                     continuation=list(entry.continuation_token_ids))
 
 
 def token_masks(masks: list[bytes], vocab_size: int):
