@@ -53,10 +53,10 @@ class EngineConfig:
     # than a row has left nor, aside, than the evidence lets before its next probe: a command's
     # fixed cost is paid once for them (1: one).
     plain_steps: int = 4
-    # A cohort whose drafts the target's hosted draft proposes (no row drafting with another
-    # kind or under a grammar, no request waiting) runs up to this many rounds of proposing and
-    # verifying in one verify command (VerifyCommand.rounds), never more than every row's
-    # tokens left allow at K + 1 a round (1: one a command).
+    # A cohort whose drafts the target's hosted draft proposes or a lookup's line gives (no
+    # row drafting with another kind or under a grammar, no request waiting) runs up to this
+    # many rounds of drafting and verifying in one verify command (VerifyCommand.rounds), never
+    # more than every row's tokens left allow at K + 1 a round (1: one a command).
     draft_rounds: int = 4
 
     def __post_init__(self):
@@ -200,7 +200,8 @@ ENGINE_FLAGS = (
          "command)",
          EngineConfig.plain_steps, int),
     Flag(("--draft-rounds",), "rounds of drafting and verifying a cohort drafted by the "
-         "target's hosted draft runs in one command while no request waits (1: one a command)",
+         "target's hosted draft or the n-gram lookup runs in one command while no request "
+         "waits (1: one a command)",
          EngineConfig.draft_rounds, int),
     Flag(("--max-new-tokens",), "largest max_new_tokens a request may ask for",
          CoordinatorConfig.max_new_tokens, int),
