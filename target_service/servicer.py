@@ -84,8 +84,13 @@ class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceService
         lines = Lines(rows)
 
         def following(verified):
+            """The next round's drafts; None where the rounds end (see Rounds), and where no
+            propose runs and every line was left (a lookup asked again finds more)."""
             drafts = {} if hosted is None else hosted(verified)
-            return None if drafts is None else {**lines(verified), **drafts}
+            lined = lines(verified)
+            if drafts is None or (hosted is None and not any(lined.values())):
+                return None
+            return {**lined, **drafts}
 
         outcomes, per_round, groups = verifier.speculate(
             self.runner, rows, command.rounds, following, realign=command.realign,

@@ -341,8 +341,8 @@ def test_a_verify_of_rounds_is_refused_where_it_cannot_be_run(hosting):
 def test_rounds_verify_a_lookups_line_while_the_outputs_follow_it(target):
     """A verify of rounds without a propose: an entry's drafts, then its continuation, a
     round's worth (as many as its drafts) after each round whose outputs stayed on the line;
-    once they leave it, no drafts (a token a round). Every output is the target's greedy
-    choice."""
+    once they leave it, no drafts (a token a round, while another row's line goes on). Every
+    output is the target's greedy choice."""
     client, runner, _ = target
     client.prefill([(56, [5, 6, 7])])
     [plain], _ = client.verify(False, [VerifySpec(56, 3, [8], [], GREEDY)], plain_steps=9)
@@ -361,8 +361,14 @@ def test_rounds_verify_a_lookups_line_while_the_outputs_follow_it(target):
         assert left.rounds == ((2, 2), (0, 0), (0, 0))
         assert left.output_token_ids == greedy[:5] and left.num_accepted == 2
         assert runner.caches[57].length == 3 + 1 + 7 and runner.caches[58].length == 3 + 1 + 4
+        # once every row has left its line (and no propose runs), the rounds end: the next
+        # step's lookup finds more
+        client.prefill([(59, [5, 6, 7])])
+        [alone], _ = client.verify(False, [VerifySpec(59, 3, [8], greedy[:2], GREEDY,
+                                                      continuation=wrong[2:])], rounds=3)
+        assert alone.rounds == ((2, 2),) and alone.output_token_ids == greedy[:3]
     finally:
-        client.release([57, 58])
+        client.release([57, 58, 59])
 
 
 def test_rounds_stop_at_the_first_where_the_propose_names_a_sequence_not_verified(hosting):
