@@ -294,7 +294,8 @@ def test_rounds_of_the_lookups_lines_stay_exact(model_dirs, tmp_path, monkeypatc
     """The n-gram draft in the coordinator (K every step, nothing waiting): its rows verify
     a lookup's line in rounds, several a command, rows following and leaving their lines in
     different rounds, and every answer, greedy and seeded-sampled, is the target alone's
-    (Llama and GPT-2); the lookup's record of what it holds stays right through it."""
+    (Llama and GPT-2, and beside the hosted draft: both kinds' rows in one command of
+    rounds); the lookup's record of what it holds stays right through it."""
     from batchspec import ngram
     from batchspec.params import SamplingParams
 
@@ -308,12 +309,14 @@ def test_rounds_of_the_lookups_lines_stay_exact(model_dirs, tmp_path, monkeypatc
     rng = random.Random(11)
     prompts = [[rng.randrange(4, tiny_models.VOCAB) for _ in range(8)] for _ in range(3)]
     steps = []
-    for arch in ("llama", "gpt2"):
-        target_dir, _ = model_dirs[arch]
+    # (the hosted draft beside it: their rows' rounds in one command)
+    for arch, drafts in (("llama", ("local:ngram",)), ("gpt2", ("local:ngram",)),
+                         ("llama", ("hosted", "local:ngram"))):
+        target_dir, draft_dir = model_dirs[arch]
         model = AutoModelForCausalLM.from_pretrained(target_dir)
-        log = tmp_path / f"{arch}.jsonl"
-        with running_stack(target_dir, None, batch_size=4, num_draft_tokens=3, overlap="off",
-                           drafts=("local:ngram",), draft_rounds=4,
+        log = tmp_path / f"{arch}-{len(drafts)}.jsonl"
+        with running_stack(target_dir, draft_dir, batch_size=4, num_draft_tokens=3,
+                           overlap="off", drafts=drafts, draft_rounds=4,
                            step_log=str(log)) as stack:
             looked_up.clear()  # (the lookup timed at start-up)
 
@@ -332,6 +335,9 @@ def test_rounds_of_the_lookups_lines_stay_exact(model_dirs, tmp_path, monkeypatc
             assert tokens == tiny_models.reference_greedy(model, prompt, 40, ignore_eos=True)
             assert drawn == tiny_models.reference_sampled(model, prompt, 40, sampled)
         steps += [json.loads(line) for line in log.read_text().splitlines()]
+        if len(drafts) > 1:  # a command of rounds with rows of both kinds
+            assert any(len({k for k in s["kinds"] if k is not None}) == 2 and s["rounds"] > 1
+                       for s in steps[-len(log.read_text().splitlines()):])
         # the lookup proposed from committed tokens only: its record of what it holds never
         # kept a draft the target did not commit (what it held of a sequence each time: a
         # prefix of one whole sequence)
