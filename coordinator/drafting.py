@@ -21,6 +21,7 @@ import functools
 import logging
 import operator
 import time
+from collections.abc import Callable
 
 from batchspec import errors
 from batchspec.ngram import NGRAM_MODEL
@@ -225,11 +226,32 @@ def refuse(kind: DraftKind, seqs: list[Sequence], error) -> None:
         pass  # none of them was cached there
 
 
+def propose_specs(kind: DraftKind, seqs: list[Sequence], width: int) -> list[ProposeSpec]:
+    """Each row's propose entry: it appends its last `width` committed tokens."""
+    return [ProposeSpec(s.seq_id, s.drafts[kind.index].cache_len, s.committed_len - width,
+                        s.token_ids[s.committed_len - width:], s.sampling,
+                        s.features.fed_with(s.committed_len - width, s.committed_len)
+                        if kind.reads_features else None) for s in seqs]
+
+
+def take_offer(step: _Step, i: int, index: int | None, k: int) -> None:
+    """Row i drafts with what kind `index`, asked before planning, offered it (if it did): a
+    line (see Drafter._ask)."""
+    if index in step.offers and i in step.offers[index]:
+        step.drafted[i] = (index, k)
+        step.answers[i] = step.offers[index][i]
+        step.lined.add(i)
+
+
 class Drafter:
-    def __init__(self, peers: Peers, policy: DraftingPolicy, recorder: Recorder):
+    def __init__(self, peers: Peers, policy: DraftingPolicy, recorder: Recorder,
+                 quiet: Callable[[], bool] = lambda: True):
+        """quiet: whether no request waits or is part-fed, so a command may run rounds (a
+        lookup is then asked for lines: _line)."""
         self.peers = peers
         self.policy = policy
         self.recorder = recorder
+        self.quiet = quiet
 
     @property
     def kinds(self) -> list[DraftKind]:
@@ -251,7 +273,7 @@ class Drafter:
         if plan.aside:
             return DraftedCohort([RowDraft(seq, aside=True) for seq in seqs], room=plan.room)
         for i in range(len(seqs)):
-            self._take_offer(step, i, plan.kind(i), plan.k[i])
+            take_offer(step, i, plan.kind(i), plan.k[i])
         for kind in sorted(self.kinds, key=lambda kind: self.policy.kinds[kind.index].unit_cost):
             rows = [i for i in range(len(seqs)) if i not in step.drafted and kind.index == (
                 plan.fallback[i] if i in step.missed else plan.kind(i))]
@@ -262,20 +284,11 @@ class Drafter:
             if rows:
                 self._call(kind, step, rows, plan, timeout)
             for i in [i for i in step.missed if i not in step.drafted]:
-                self._take_offer(step, i, plan.fallback[i], plan.k[i])
+                take_offer(step, i, plan.fallback[i], plan.k[i])
         for i in step.missed:
             if i in step.drafted:  # it drafted with its fallback: its miss is evidence too
                 self._observe_miss(step, i)
         return step.result()
-
-    @staticmethod
-    def _take_offer(step: _Step, i: int, index: int | None, k: int) -> None:
-        """Row i drafts with what kind `index`, asked before planning, offered it (if it
-        did): a line (see _ask)."""
-        if index in step.offers and i in step.offers[index]:
-            step.drafted[i] = (index, k)
-            step.answers[i] = step.offers[index][i]
-            step.lined.add(i)
 
     def cohort_rows(self, seqs: list[Sequence]) -> list[CohortRow]:
         """The cohort as the policy sees it."""
@@ -299,8 +312,11 @@ class Drafter:
 
     def _line(self, k: int) -> int:
         """How many tokens a lookup is asked for where its rows draft k a round: what a
-        command's rounds verify at most (--draft-rounds of k drafts and one more token)."""
-        return k + (self.policy.config.draft_rounds - 1) * (k + 1)
+        command's rounds verify at most (--draft-rounds of k drafts and one more token); k
+        where the command cannot run rounds (a request waits), since a lookup indexes what it
+        proposes until the next step rolls it back."""
+        rounds = self.policy.config.draft_rounds if self.quiet() else 1
+        return k + (rounds - 1) * (k + 1)
 
     def _call(self, kind: DraftKind, step: _Step, rows: list[int], plan: StepPlan,
               timeout: float | None) -> None:
@@ -336,7 +352,7 @@ class Drafter:
             seqs, width = ready
             row_of = {step.seqs[i].seq_id: i for i in rows}
             step.later = {row_of[s.seq_id]: plan.k[row_of[s.seq_id]] for s in seqs}
-            step.deferred = Deferred(kind, seqs, self._specs(kind, seqs, width), num_drafts,
+            step.deferred = Deferred(kind, seqs, propose_specs(kind, seqs, width), num_drafts,
                                      self.policy.cut_at(kind.index, len(step.seqs), len(seqs),
                                                         num_drafts))
         for i in rows:
@@ -449,19 +465,11 @@ class Drafter:
             return None
         return ready, width
 
-    @staticmethod
-    def _specs(kind: DraftKind, seqs: list[Sequence], width: int) -> list[ProposeSpec]:
-        """Each row's propose entry: it appends its last `width` committed tokens."""
-        return [ProposeSpec(s.seq_id, s.drafts[kind.index].cache_len, s.committed_len - width,
-                            s.token_ids[s.committed_len - width:], s.sampling,
-                            s.features.fed_with(s.committed_len - width, s.committed_len)
-                            if kind.reads_features else None) for s in seqs]
-
     def _send(self, kind: DraftKind, seqs: list[Sequence], width: int, num_drafts: int,
               timeout: float | None, cut: float = 0.0) -> tuple[list[Proposal], Timing, float]:
         """One propose command; every row appends `width` committed tokens first, and each
         row's draft is cut where the draft's confidence falls below `cut`."""
-        specs = self._specs(kind, seqs, width)
+        specs = propose_specs(kind, seqs, width)
         started = time.perf_counter()
         proposals, timing = kind.client.propose(
             num_drafts, mixed(seqs), specs, timeout=timeout, min_confidence=cut)
@@ -512,23 +520,11 @@ class Drafter:
         if outcome.rounds:  # a verify of rounds: the last round's proposal, after the others'
             observe_rounds(self.policy, row, outcome)
         answered = index is not None and row.proposal is not None
-        drafted = len(row.proposal.draft_token_ids) if answered else 0
-        verified = min(row.num_drafts, drafted)  # its own drafts the target weighed
+        verified = min(row.num_drafts, len(row.proposal.draft_token_ids)) if answered else 0
         if answered and row.proposal.cache_len == seq.drafts[index].cache_len:
-            # The draft cached committed[:before] and at least drafts 1..D-1 (D = drafted,
-            # maybe 0: a confidence cut returns a prefix of what it fed); those up to the
-            # first rejection are now committed. A draft lost or re-prefilled since holds
-            # none of them (its cache_len moved on). A feature head computed its drafts'
-            # positions from its own features, not the target's: it keeps none of them.
-            accepted, before = last_round(outcome)
-            own = min(accepted, verified, max(drafted - 1, 0))  # not forced ones
-            if outcome.rounds and not row.deferred:  # a line over rounds: the draft holds its
-                # one proposal, whose tokens the rounds' outputs may go on to match
-                own, before = min(common_prefix(row.proposal.draft_token_ids,
-                                                outcome.output_token_ids), max(drafted - 1, 0)), 0
-            if self.kinds[index].reads_features:
-                own = 0
-            seq.drafts[index].valid_len = seq.committed_len + before + own
+            # (a draft lost or re-prefilled since holds none of it: its cache_len moved on)
+            seq.drafts[index].valid_len = seq.committed_len + committed_in_draft(
+                row, outcome, self.kinds[index].reads_features)
         if row.aside:
             # The evidence, not the plan, kept the row plain: it was not idle in the plan's
             # sense. Counted idle, every row of a cohort aside for a while would be planned
@@ -554,6 +550,23 @@ def evidence(row: RowDraft, outcome: VerifyOutcome, verified: int) -> tuple[int,
         return verified, min(outcome.num_accepted, verified)
     # a kind that found nothing to propose is as good as one rejected at once
     return max(row.num_drafts, 1), min(outcome.num_accepted, row.num_drafts)
+
+
+def committed_in_draft(row: RowDraft, outcome: VerifyOutcome, reads_features: bool) -> int:
+    """How many of the positions an answered row's draft cached past the row's committed
+    tokens (before this verify) the verify committed. The draft cached the tokens the rounds
+    before its proposal committed (a hosted draft's last proposal) and at least its drafts
+    1..D-1 (D drafted, maybe 0: a confidence cut returns a prefix of what it fed); those up to
+    the first rejection are now committed. A lookup's line over rounds: the line's tokens the
+    rounds' outputs matched, in order. A feature head computed its drafts' positions from its
+    own features, not the target's: it keeps none of them."""
+    drafted = len(row.proposal.draft_token_ids)
+    accepted, before = last_round(outcome)
+    own = min(accepted, row.num_drafts, drafted, max(drafted - 1, 0))  # not forced ones
+    if outcome.rounds and not row.deferred:  # a line: the draft holds its one proposal
+        own, before = min(common_prefix(row.proposal.draft_token_ids,
+                                        outcome.output_token_ids), max(drafted - 1, 0)), 0
+    return before + (0 if reads_features else own)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -82,12 +82,12 @@ class Engine:
         self.policy = DraftingPolicy(
             drafting_config(config), len(drafts), planner=planner,
             evidence=evidence if evidence is not None else default_evidence(config, planner))
-        self.drafter = Drafter(self.peers, self.policy, self.recorder)
+        self.verifier = Verifier(self.peers, self.pool, config.overlap, config.plain_steps,
+                                 config.draft_rounds)
+        self.drafter = Drafter(self.peers, self.policy, self.recorder, self.verifier.quiet)
         self._thread: threading.Thread | None = None
         self._thread_exit = False
         self.turnover = Turnover(self.peers, self.pool, config.max_num_seqs)
-        self.verifier = Verifier(self.peers, self.pool, config.overlap, config.plain_steps,
-                                 config.draft_rounds)
         self._prepared: DraftedCohort | None = None  # drafted while the last cohort verified
 
     # ---- request side (any thread) --------------------------------------------------------------

@@ -154,9 +154,12 @@ class Verifier:
 
     def _may_run_long(self, cohort: DraftedCohort) -> bool:
         """Whether the cohort's command may decode several tokens a row: no row is under a
-        grammar and no request waits or is part-fed (none waits on those steps)."""
-        return all(row.seq.constraint is None for row in cohort.rows) \
-            and not self.pool.num_waiting() and self.pool.prefilling() is None
+        grammar, and `quiet`."""
+        return all(row.seq.constraint is None for row in cohort.rows) and self.quiet()
+
+    def quiet(self) -> bool:
+        """No request waits or is part-fed: none waits on a command that runs long."""
+        return not self.pool.num_waiting() and self.pool.prefilling() is None
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=False)

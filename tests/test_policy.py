@@ -126,3 +126,17 @@ def test_a_command_of_plain_steps_is_priced_as_one_of_its_forwards_beside_its_ov
     assert not target.stale(1, 1)
     assert target.shapes[((2, 1),)] * target._forward_s([(2, 1)]) == pytest.approx(0.01)
     assert target.overhead_s == pytest.approx(0.01)  # the whole command's, once
+
+
+def test_a_lookup_is_asked_for_a_line_only_where_a_command_may_run_rounds():
+    """With --draft-rounds R, a lookup's ask covers what R rounds of K drafts verify, the K a
+    row drafts and its continuation; while a request waits (no command runs rounds), K."""
+    from coordinator.drafting import Drafter
+
+    config = DraftingConfig(num_draft_tokens=4, draft_policy="goodput",
+                            min_draft_confidence=None, draft_rounds=3)
+    waiting = []
+    drafter = Drafter(None, DraftingPolicy(config, 1), None, quiet=lambda: not waiting)
+    assert drafter._line(4) == 4 + 2 * 5 and drafter._line(2) == 2 + 2 * 3
+    waiting.append("a request")
+    assert drafter._line(4) == 4
