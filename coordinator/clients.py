@@ -71,6 +71,7 @@ class VerifySpec:
     output_counts: dict[int, int] | None = None
     # a verify of rounds: what a lookup's draft goes on with (VerifyEntry.continuation_token_ids)
     continuation: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False  # the request goes on past end-of-sequence tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,7 +391,8 @@ class TargetClient(ServiceClient):
                                    else cache_pb2.LogprobsSpec(num_top=s.logprobs),
                                    token_masks=s.token_masks, num_proposed=s.num_proposed,
                                    output_token_counts=s.output_counts,
-                                   continuation_token_ids=s.continuation if rounds > 1 else ())
+                                   continuation_token_ids=s.continuation if rounds > 1 else (),
+                                   ignore_eos=s.ignore_eos)
             for s in specs])
         result = self.stream.call(timeout=timeout, verify=command)
         outcomes = [VerifyOutcome(e.seq_id, e.num_accepted, list(e.output_token_ids),

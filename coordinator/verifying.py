@@ -94,7 +94,7 @@ class Verifier:
                             row.seq.token_ids[row.seq.target.cache_len:], row.draft_token_ids,
                             row.seq.sampling, row.seq.logprobs, row.token_masks,
                             row.num_drafts if row.deferred else 0, row.seq.output_counts(),
-                            row.continuation)
+                            row.continuation, not row.seq.stop_token_ids)
                  for row in cohort.rows]
         timeout = cohort_timeout(self.pool.handles_of(cohort.seqs))
         started = time.perf_counter()

@@ -102,7 +102,8 @@ def speculate(runner: runner_lib.ModelRunner, rows: list[VerifyRow], rounds: int
     `propose_next(verified)` made from the round before's VerifiedRows ({seq_id: drafts}; a
     row it names not verifies none; None: the rounds end there). Each round is `verify`'s, so
     each output is what one verify a command gives. The rounds end too once every row has
-    output an end-of-sequence token of the model's, and where a later round's verify is
+    output an end-of-sequence token of the model's (a row that ignores them never has), and
+    where a later round's verify is
     refused (nothing of it stored). Returns (one VerifiedRow a row, over every round run: the
     outputs, log-probabilities and features of each in order, num_accepted their sum,
     cache_len the last's; per row the (drafts, accepted) of each round; the groups run)."""
@@ -118,7 +119,8 @@ def speculate(runner: runner_lib.ModelRunner, rows: list[VerifyRow], rounds: int
         groups.append(group)
         for run, row, v in zip(runs, rows, verified):
             run.append((row, v))
-        ended |= {v.seq_id for v in verified if stops.intersection(v.output_token_ids)}
+        ended |= {v.seq_id for r, v in zip(rows, verified)
+                  if not r.ignore_eos and stops.intersection(v.output_token_ids)}
         drafts = propose_next(verified) if j + 1 < rounds and len(ended) < len(rows) else None
         if drafts is None:
             break

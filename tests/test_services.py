@@ -371,6 +371,29 @@ def test_rounds_verify_a_lookups_line_while_the_outputs_follow_it(target):
         client.release([57, 58, 59])
 
 
+def test_rounds_end_where_every_row_output_an_end_of_sequence_but_for_ignore_eos(target,
+                                                                               monkeypatch):
+    """A row whose first round outputs an end-of-sequence token of the model's ends the
+    rounds (it would only be cut); a row of a request that ignores them goes on."""
+    client, runner, _ = target
+    client.prefill([(60, [5, 6, 7])])
+    [plain], _ = client.verify(False, [VerifySpec(60, 3, [8], [], GREEDY)], plain_steps=6)
+    greedy = plain.output_token_ids
+    client.release([60])
+    monkeypatch.setattr(runner, "eos_token_ids", [greedy[2]])  # the first round's last output
+    try:
+        client.prefill([(61, [5, 6, 7]), (62, [5, 6, 7])])
+        line = {"continuation": greedy[2:6]}
+        [stops], _ = client.verify(False, [VerifySpec(61, 3, [8], greedy[:2], GREEDY, **line)],
+                                   rounds=3)
+        [goes_on], _ = client.verify(False, [VerifySpec(62, 3, [8], greedy[:2], GREEDY,
+                                                        ignore_eos=True, **line)], rounds=3)
+        assert stops.rounds == ((2, 2),) and stops.output_token_ids == greedy[:3]
+        assert len(goes_on.rounds) == 2 and goes_on.output_token_ids[:6] == greedy[:6]
+    finally:
+        client.release([61, 62])
+
+
 def test_rounds_stop_at_the_first_where_the_propose_names_a_sequence_not_verified(hosting):
     """A propose for two sequences in a verify of one: the result's proposal stays both
     sequences' (the draft's record of each), so no round follows the first."""

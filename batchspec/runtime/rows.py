@@ -29,6 +29,7 @@ class VerifyRow:
     output_counts: dict[int, int] | None = None
     # a verify of rounds: what a lookup's draft goes on with after draft_token_ids
     continuation: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False  # it goes on past an end-of-sequence token (rounds go on)
 
 
 @dataclasses.dataclass(frozen=True)

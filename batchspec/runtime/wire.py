@@ -189,7 +189,8 @@ def _verify_row(entry: target_pb2.VerifyEntry, vocab_size: int,
                      append_token_ids=list(entry.append_token_ids),
                      draft_token_ids=drafts, sampling=params, num_top=num_top,
                      token_masks=masks, output_counts=counts,
-                     continuation=list(entry.continuation_token_ids))
+                     continuation=list(entry.continuation_token_ids),
+                     ignore_eos=entry.ignore_eos)
 
 
 def token_masks(masks: list[bytes], vocab_size: int):

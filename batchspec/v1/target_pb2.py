@@ -26,7 +26,7 @@ from batchspec.v1 import cache_pb2 as batchspec_dot_v1_dot_cache__pb2
 from batchspec.v1 import draft_pb2 as batchspec_dot_v1_dot_draft__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61tchspec/v1/target.proto\x12\x0c\x62\x61tchspec.v1\x1a\x18\x62\x61tchspec/v1/cache.proto\x1a\x18\x62\x61tchspec/v1/draft.proto\"\xb1\x03\n\x0bVerifyEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x65xpected_cache_len\x18\x02 \x01(\r\x12\x18\n\x10\x61ppend_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\x05\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.batchspec.v1.SamplingParams\x12,\n\x08logprobs\x18\x07 \x01(\x0b\x32\x1a.batchspec.v1.LogprobsSpec\x12\x13\n\x0btoken_masks\x18\x08 \x03(\x0c\x12\x14\n\x0cnum_proposed\x18\t \x01(\r\x12M\n\x13output_token_counts\x18\n \x03(\x0b\x32\x30.batchspec.v1.VerifyEntry.OutputTokenCountsEntry\x12\x1e\n\x16\x63ontinuation_token_ids\x18\x0b \x03(\x05\x1a\x38\n\x16OutputTokenCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01J\x04\x08\x05\x10\x06R\x0b\x64raft_probs\"\xb9\x01\n\rVerifyCommand\x12\x0f\n\x07realign\x18\x01 \x01(\x08\x12*\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x19.batchspec.v1.VerifyEntry\x12\x17\n\x0freturn_features\x18\x03 \x01(\x08\x12-\n\x07propose\x18\x04 \x01(\x0b\x32\x1c.batchspec.v1.ProposeCommand\x12\x13\n\x0bplain_steps\x18\x05 \x01(\r\x12\x0e\n\x06rounds\x18\x06 \x01(\r\"\xed\x01\n\x11VerifyResultEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x11\n\tcache_len\x18\x04 \x01(\r\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.batchspec.v1.TokenLogprobs\x12(\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x16.batchspec.v1.Features\x12\x14\n\x0cround_drafts\x18\x07 \x03(\r\x12\x16\n\x0eround_accepted\x18\x08 \x03(\r\"?\n\x0f\x46\x65\x61turesCommand\x12,\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1b.batchspec.v1.FeaturesEntry\"2\n\rFeaturesEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\":\n\x0e\x46\x65\x61turesResult\x12(\n\x08\x66\x65\x61tures\x18\x01 \x03(\x0b\x32\x16.batchspec.v1.Features\"\xde\x01\n\x0cVerifyResult\x12\x30\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1f.batchspec.v1.VerifyResultEntry\x12+\n\x06timing\x18\x02 \x01(\x0b\x32\x1b.batchspec.v1.CommandTiming\x12.\n\x07propose\x18\x03 \x01(\x0b\x32\x1b.batchspec.v1.ProposeResultH\x00\x12\x33\n\rpropose_error\x18\x04 \x01(\x0b\x32\x1a.batchspec.v1.CommandErrorH\x00\x42\n\n\x08proposed\"\xb1\x02\n\rTargetCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12/\n\x07prefill\x18\x02 \x01(\x0b\x32\x1c.batchspec.v1.PrefillCommandH\x00\x12-\n\x06verify\x18\x03 \x01(\x0b\x32\x1b.batchspec.v1.VerifyCommandH\x00\x12)\n\x04trim\x18\x04 \x01(\x0b\x32\x19.batchspec.v1.TrimCommandH\x00\x12/\n\x07release\x18\x05 \x01(\x0b\x32\x1c.batchspec.v1.ReleaseCommandH\x00\x12\x31\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x1d.batchspec.v1.FeaturesCommandH\x00\x42\t\n\x07\x63ommand\"\xc3\x02\n\x0cTargetResult\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.batchspec.v1.CommandErrorH\x00\x12.\n\x07prefill\x18\x03 \x01(\x0b\x32\x1b.batchspec.v1.PrefillResultH\x00\x12,\n\x06verify\x18\x04 \x01(\x0b\x32\x1a.batchspec.v1.VerifyResultH\x00\x12(\n\x04trim\x18\x05 \x01(\x0b\x32\x18.batchspec.v1.TrimResultH\x00\x12.\n\x07release\x18\x06 \x01(\x0b\x32\x1b.batchspec.v1.ReleaseResultH\x00\x12\x30\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x1c.batchspec.v1.FeaturesResultH\x00\x42\x08\n\x06result2\x9f\x01\n\rTargetService\x12J\n\x0bRunCommands\x12\x1b.batchspec.v1.TargetCommand\x1a\x1a.batchspec.v1.TargetResult(\x01\x30\x01\x12\x42\n\x08\x44\x65scribe\x12\x1d.batchspec.v1.DescribeRequest\x1a\x17.batchspec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61tchspec/v1/target.proto\x12\x0c\x62\x61tchspec.v1\x1a\x18\x62\x61tchspec/v1/cache.proto\x1a\x18\x62\x61tchspec/v1/draft.proto\"\xc5\x03\n\x0bVerifyEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x65xpected_cache_len\x18\x02 \x01(\r\x12\x18\n\x10\x61ppend_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\x05\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.batchspec.v1.SamplingParams\x12,\n\x08logprobs\x18\x07 \x01(\x0b\x32\x1a.batchspec.v1.LogprobsSpec\x12\x13\n\x0btoken_masks\x18\x08 \x03(\x0c\x12\x14\n\x0cnum_proposed\x18\t \x01(\r\x12M\n\x13output_token_counts\x18\n \x03(\x0b\x32\x30.batchspec.v1.VerifyEntry.OutputTokenCountsEntry\x12\x1e\n\x16\x63ontinuation_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x1a\x38\n\x16OutputTokenCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01J\x04\x08\x05\x10\x06R\x0b\x64raft_probs\"\xb9\x01\n\rVerifyCommand\x12\x0f\n\x07realign\x18\x01 \x01(\x08\x12*\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x19.batchspec.v1.VerifyEntry\x12\x17\n\x0freturn_features\x18\x03 \x01(\x08\x12-\n\x07propose\x18\x04 \x01(\x0b\x32\x1c.batchspec.v1.ProposeCommand\x12\x13\n\x0bplain_steps\x18\x05 \x01(\r\x12\x0e\n\x06rounds\x18\x06 \x01(\r\"\xed\x01\n\x11VerifyResultEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x11\n\tcache_len\x18\x04 \x01(\r\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.batchspec.v1.TokenLogprobs\x12(\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x16.batchspec.v1.Features\x12\x14\n\x0cround_drafts\x18\x07 \x03(\r\x12\x16\n\x0eround_accepted\x18\x08 \x03(\r\"?\n\x0f\x46\x65\x61turesCommand\x12,\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1b.batchspec.v1.FeaturesEntry\"2\n\rFeaturesEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\":\n\x0e\x46\x65\x61turesResult\x12(\n\x08\x66\x65\x61tures\x18\x01 \x03(\x0b\x32\x16.batchspec.v1.Features\"\xde\x01\n\x0cVerifyResult\x12\x30\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1f.batchspec.v1.VerifyResultEntry\x12+\n\x06timing\x18\x02 \x01(\x0b\x32\x1b.batchspec.v1.CommandTiming\x12.\n\x07propose\x18\x03 \x01(\x0b\x32\x1b.batchspec.v1.ProposeResultH\x00\x12\x33\n\rpropose_error\x18\x04 \x01(\x0b\x32\x1a.batchspec.v1.CommandErrorH\x00\x42\n\n\x08proposed\"\xb1\x02\n\rTargetCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12/\n\x07prefill\x18\x02 \x01(\x0b\x32\x1c.batchspec.v1.PrefillCommandH\x00\x12-\n\x06verify\x18\x03 \x01(\x0b\x32\x1b.batchspec.v1.VerifyCommandH\x00\x12)\n\x04trim\x18\x04 \x01(\x0b\x32\x19.batchspec.v1.TrimCommandH\x00\x12/\n\x07release\x18\x05 \x01(\x0b\x32\x1c.batchspec.v1.ReleaseCommandH\x00\x12\x31\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x1d.batchspec.v1.FeaturesCommandH\x00\x42\t\n\x07\x63ommand\"\xc3\x02\n\x0cTargetResult\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.batchspec.v1.CommandErrorH\x00\x12.\n\x07prefill\x18\x03 \x01(\x0b\x32\x1b.batchspec.v1.PrefillResultH\x00\x12,\n\x06verify\x18\x04 \x01(\x0b\x32\x1a.batchspec.v1.VerifyResultH\x00\x12(\n\x04trim\x18\x05 \x01(\x0b\x32\x18.batchspec.v1.TrimResultH\x00\x12.\n\x07release\x18\x06 \x01(\x0b\x32\x1b.batchspec.v1.ReleaseResultH\x00\x12\x30\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x1c.batchspec.v1.FeaturesResultH\x00\x42\x08\n\x06result2\x9f\x01\n\rTargetService\x12J\n\x0bRunCommands\x12\x1b.batchspec.v1.TargetCommand\x1a\x1a.batchspec.v1.TargetResult(\x01\x30\x01\x12\x42\n\x08\x44\x65scribe\x12\x1d.batchspec.v1.DescribeRequest\x1a\x17.batchspec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYENTRY_OUTPUTTOKENCOUNTSENTRY']._loaded_options = None
   _globals['_VERIFYENTRY_OUTPUTTOKENCOUNTSENTRY']._serialized_options = b'8\001'
   _globals['_VERIFYENTRY']._serialized_start=96
-  _globals['_VERIFYENTRY']._serialized_end=529
-  _globals['_VERIFYENTRY_OUTPUTTOKENCOUNTSENTRY']._serialized_start=454
-  _globals['_VERIFYENTRY_OUTPUTTOKENCOUNTSENTRY']._serialized_end=510
-  _globals['_VERIFYCOMMAND']._serialized_start=532
-  _globals['_VERIFYCOMMAND']._serialized_end=717
-  _globals['_VERIFYRESULTENTRY']._serialized_start=720
-  _globals['_VERIFYRESULTENTRY']._serialized_end=957
-  _globals['_FEATURESCOMMAND']._serialized_start=959
-  _globals['_FEATURESCOMMAND']._serialized_end=1022
-  _globals['_FEATURESENTRY']._serialized_start=1024
-  _globals['_FEATURESENTRY']._serialized_end=1074
-  _globals['_FEATURESRESULT']._serialized_start=1076
-  _globals['_FEATURESRESULT']._serialized_end=1134
-  _globals['_VERIFYRESULT']._serialized_start=1137
-  _globals['_VERIFYRESULT']._serialized_end=1359
-  _globals['_TARGETCOMMAND']._serialized_start=1362
-  _globals['_TARGETCOMMAND']._serialized_end=1667
-  _globals['_TARGETRESULT']._serialized_start=1670
-  _globals['_TARGETRESULT']._serialized_end=1993
-  _globals['_TARGETSERVICE']._serialized_start=1996
-  _globals['_TARGETSERVICE']._serialized_end=2155
+  _globals['_VERIFYENTRY']._serialized_end=549
+  _globals['_VERIFYENTRY_OUTPUTTOKENCOUNTSENTRY']._serialized_start=474
+  _globals['_VERIFYENTRY_OUTPUTTOKENCOUNTSENTRY']._serialized_end=530
+  _globals['_VERIFYCOMMAND']._serialized_start=552
+  _globals['_VERIFYCOMMAND']._serialized_end=737
+  _globals['_VERIFYRESULTENTRY']._serialized_start=740
+  _globals['_VERIFYRESULTENTRY']._serialized_end=977
+  _globals['_FEATURESCOMMAND']._serialized_start=979
+  _globals['_FEATURESCOMMAND']._serialized_end=1042
+  _globals['_FEATURESENTRY']._serialized_start=1044
+  _globals['_FEATURESENTRY']._serialized_end=1094
+  _globals['_FEATURESRESULT']._serialized_start=1096
+  _globals['_FEATURESRESULT']._serialized_end=1154
+  _globals['_VERIFYRESULT']._serialized_start=1157
+  _globals['_VERIFYRESULT']._serialized_end=1379
+  _globals['_TARGETCOMMAND']._serialized_start=1382
+  _globals['_TARGETCOMMAND']._serialized_end=1687
+  _globals['_TARGETRESULT']._serialized_start=1690
+  _globals['_TARGETRESULT']._serialized_end=2013
+  _globals['_TARGETSERVICE']._serialized_start=2016
+  _globals['_TARGETSERVICE']._serialized_end=2175
 # @@protoc_insertion_point(module_scope)

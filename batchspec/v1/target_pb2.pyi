@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyEntry(_message.Message):
-    __slots__ = ("seq_id", "expected_cache_len", "append_token_ids", "draft_token_ids", "sampling", "logprobs", "token_masks", "num_proposed", "output_token_counts", "continuation_token_ids")
+    __slots__ = ("seq_id", "expected_cache_len", "append_token_ids", "draft_token_ids", "sampling", "logprobs", "token_masks", "num_proposed", "output_token_counts", "continuation_token_ids", "ignore_eos")
     class OutputTokenCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class VerifyEntry(_message.Message):
     NUM_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     expected_cache_len: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -37,7 +38,8 @@ class VerifyEntry(_message.Message):
     num_proposed: int
     output_token_counts: _containers.ScalarMap[int, int]
     continuation_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[_cache_pb2.LogprobsSpec, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ..., num_proposed: _Optional[int] = ..., output_token_counts: _Optional[_Mapping[int, int]] = ..., continuation_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    ignore_eos: bool
+    def __init__(self, seq_id: _Optional[int] = ..., expected_cache_len: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_cache_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[_cache_pb2.LogprobsSpec, _Mapping]] = ..., token_masks: _Optional[_Iterable[bytes]] = ..., num_proposed: _Optional[int] = ..., output_token_counts: _Optional[_Mapping[int, int]] = ..., continuation_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class VerifyCommand(_message.Message):
     __slots__ = ("realign", "entries", "return_features", "propose", "plain_steps", "rounds")
