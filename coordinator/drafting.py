@@ -562,7 +562,7 @@ def committed_in_draft(row: RowDraft, outcome: VerifyOutcome, reads_features: bo
     own features, not the target's: it keeps none of them."""
     drafted = len(row.proposal.draft_token_ids)
     accepted, before = last_round(outcome)
-    own = min(accepted, row.num_drafts, drafted, max(drafted - 1, 0))  # not forced ones
+    own = min(accepted, row.num_drafts, max(drafted - 1, 0))  # not forced ones
     if outcome.rounds and not row.deferred:  # a line: the draft holds its one proposal
         own, before = min(common_prefix(row.proposal.draft_token_ids,
                                         outcome.output_token_ids), max(drafted - 1, 0)), 0

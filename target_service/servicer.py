@@ -80,6 +80,8 @@ class TargetServicer(service.ModelServicer, target_pb2_grpc.TargetServiceService
         """A verify of several rounds (VerifyCommand.rounds), the hosted draft's first
         proposal made (first: its ProposeResult; None: the command has no propose)."""
         rows = wire.verify_rows(command, self.runner.vocab_size, proposed)
+        for row in rows:  # refused before anything runs, not at the round that reaches them
+            self.runner.check_token_ids(row.continuation, f"continuation of sequence {row.seq_id}")
         hosted = None if first is None else Rounds(self.hosted_draft.runner, command, first)
         lines = Lines(rows)
 

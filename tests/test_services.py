@@ -310,8 +310,8 @@ def test_a_propose_in_a_verify_is_refused_where_it_cannot_be_run(hosting, target
 
 
 def test_a_verify_of_rounds_is_refused_where_it_cannot_be_run(hosting):
-    """A verify of rounds with token masks, or of more than 64, is refused before anything
-    runs; the caches stay as they were."""
+    """A verify of rounds with token masks, a continuation outside the vocabulary, or of more
+    than 64 rounds, is refused before anything runs; the caches stay as they were."""
     hosted_target, hosted_draft, target_runner, draft_runner = hosting
     hosted_target.prefill([(53, [5, 6, 7])])
     hosted_draft.prefill([(53, [5, 6, 7])])
@@ -321,6 +321,9 @@ def test_a_verify_of_rounds_is_refused_where_it_cannot_be_run(hosting):
             hosted_target.verify(False, [VerifySpec(53, 3, [8], [9], GREEDY,
                                                     token_masks=(b"\xff" * 12,) * 2)],
                                  rounds=2)
+        with pytest.raises(errors.InvalidArgument, match="continuation of sequence 53"):
+            hosted_target.verify(False, [VerifySpec(53, 3, [8], [9], GREEDY,
+                                                    continuation=[10, 96])], rounds=2)
         with pytest.raises(errors.InvalidArgument, match="at most 64"):
             hosted_target.verify(False, [VerifySpec(53, 3, [8], [], GREEDY, num_proposed=2)],
                                  propose=propose, rounds=65)
