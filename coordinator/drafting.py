@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 
 from batchspec import errors
-from batchspec.ngram import NGRAM_MODEL
 from coordinator import clients, features, goodput, scheduler
 from coordinator.clients import Proposal, ProposeSpec, Timing, VerifyOutcome
 from coordinator.drafts import DraftKind
@@ -185,6 +184,8 @@ class _Step:
     deferred: Deferred | None = None  # the propose the target's hosted draft runs
     later: dict[int, int] = dataclasses.field(default_factory=dict)  # its rows -> drafts
     lined: set[int] = dataclasses.field(default_factory=set)  # rows drafting a lookup's line
+    # kinds asked before planning for lines (lookups: DraftKind.lookup), by index
+    line_kinds: set[int] = dataclasses.field(default_factory=set)
 
     def result(self) -> DraftedCohort:
         asked = dict(self.missed)  # each row's kind to observe: its drafts' or its miss's
@@ -236,11 +237,12 @@ def propose_specs(kind: DraftKind, seqs: list[Sequence], width: int) -> list[Pro
 
 def take_offer(step: _Step, i: int, index: int | None, k: int) -> None:
     """Row i drafts with what kind `index`, asked before planning, offered it (if it did): a
-    line (see Drafter._ask)."""
+    lookup's, a line (see Drafter._ask)."""
     if index in step.offers and i in step.offers[index]:
         step.drafted[i] = (index, k)
         step.answers[i] = step.offers[index][i]
-        step.lined.add(i)
+        if index in step.line_kinds:
+            step.lined.add(i)
 
 
 class Drafter:
@@ -259,8 +261,8 @@ class Drafter:
 
     def calibrate(self, target, infos) -> None:
         """The policy starts from what each service measured of its forwards at start-up."""
-        self.policy.calibrate(target, infos, frozenset(
-            kind.index for kind in self.kinds if self.hosted(kind)))
+        self.policy.calibrate(target, infos, frozenset(  # (a lookup's lines run rounds too)
+            kind.index for kind in self.kinds if self.hosted(kind) or kind.lookup))
 
     # ---- a step's drafts ------------------------------------------------------------------------
     def draft(self, seqs: list[Sequence], timeout: float | None) -> DraftedCohort:
@@ -302,11 +304,15 @@ class Drafter:
 
     def _ask(self, step: _Step, index: int, timeout: float | None) -> dict[int, int]:
         """Ask kind `index` for every row before planning: {row: tokens it offers} (at most
-        K). With rounds (--draft-rounds), a line of as many tokens as a command's rounds can
-        verify: the K a row drafts, then its continuation (RowDraft.continuation)."""
-        k = self.policy.config.num_draft_tokens
-        got = self._propose(self.kinds[index], step, range(len(step.seqs)), self._line(k),
-                            timeout)
+        K). A lookup, with rounds (--draft-rounds), for a line of as many tokens as a
+        command's rounds can verify: the K a row drafts, then its continuation
+        (RowDraft.continuation). A model's drafts carry the distributions they were drawn
+        from, a line none, so a model asked first drafts K."""
+        k, kind = self.policy.config.num_draft_tokens, self.kinds[index]
+        if kind.lookup:
+            step.line_kinds.add(index)
+        got = self._propose(kind, step, range(len(step.seqs)),
+                            self._line(k) if kind.lookup else k, timeout)
         step.offers[index] = {i: p for i, p in got.items() if p.draft_token_ids}
         return {i: min(k, len(p.draft_token_ids)) for i, p in step.offers[index].items()}
 
@@ -321,7 +327,7 @@ class Drafter:
     def _call(self, kind: DraftKind, step: _Step, rows: list[int], plan: StepPlan,
               timeout: float | None) -> None:
         """Call `kind` for the rows planned with it (the n-gram lookup for lines: _line)."""
-        lookup = kind.name == NGRAM_MODEL
+        lookup = kind.lookup
         k = max(plan.k[i] for i in rows)
         got = self._propose(kind, step, rows, self._line(k) if lookup else k, timeout)
         step.answers.update(got)

@@ -7,6 +7,8 @@ knows kinds only by index and so calls an index `kind`; what the drafting policy
 kind is its policy.KindModel). A *cohort* is the sequences one step takes; the services run a
 cohort's rows as one *batch*."""
 
+from batchspec.ngram import NGRAM_MODEL
+
 
 class DraftKind:
     """One draft kind: its replicas and whether the current one is reachable.
@@ -25,6 +27,12 @@ class DraftKind:
         # and its cache of its own drafts never holds committed positions (it computed them
         # from its own features, not the target's)
         self.reads_features = False
+
+    @property
+    def lookup(self) -> bool:
+        """Whether its drafts are point masses looked up in the sequence (the n-gram draft):
+        such a draft may be asked for a line (more tokens than a round verifies)."""
+        return self.name == NGRAM_MODEL
 
     @property
     def client(self):

@@ -136,7 +136,7 @@ class DraftingPolicy:
         """Start from what each service measured of its forwards at start-up (target and each
         kind: its ModelInfo, or None where not known): the planner's costs (without them
         every row drafts K) and the order kinds are asked in. hosted: the kinds the target
-        hosts (their commands run rounds, as the lookups' do)."""
+        hosts, and the lookups (their commands run rounds)."""
         fixed = self.config.draft_policy == "fixed"
 
         def cost(info):
@@ -157,8 +157,6 @@ class DraftingPolicy:
                                       plain_steps=self.config.plain_steps,
                                       rounds=self.config.draft_rounds),
                 [model.cost for model in self.kinds], cost(target), hosted)
-            # a lookup's drafts run rounds in one command too (their lines: Verifier.rounds)
-            self.planner.hosted = hosted | frozenset(self.asked_first())
 
     # ---- a step's plan --------------------------------------------------------------------------
     def plan(self, rows: list[CohortRow], ask: Ask) -> StepPlan:

@@ -140,3 +140,33 @@ def test_a_lookup_is_asked_for_a_line_only_where_a_command_may_run_rounds():
     assert drafter._line(4) == 4 + 2 * 5 and drafter._line(2) == 2 + 2 * 3
     waiting.append("a request")
     assert drafter._line(4) == 4
+
+
+def test_only_a_lookup_asked_first_drafts_a_line():
+    """A model draft cheap enough to be asked before planning drafts K, never a line: its
+    tokens carry the distributions they were drawn from, a line's continuation none. The
+    lookup is asked for a line and its rows verify it in rounds."""
+    from coordinator.clients import Proposal
+    from coordinator.drafting import Drafter, _Step, take_offer
+    from coordinator.drafts import DraftKind
+    from coordinator.sequence import Sequence
+
+    config = DraftingConfig(num_draft_tokens=4, draft_policy="goodput",
+                            min_draft_confidence=None, draft_rounds=3)
+    kinds = [DraftKind(0, []), DraftKind(1, [])]
+    kinds[0].name, kinds[1].name = "a-small-model", "ngram"
+    drafter = Drafter(types.SimpleNamespace(kinds=kinds), DraftingPolicy(config, 2), None)
+    asked = []
+
+    def propose(kind, step, rows, num_drafts, timeout):
+        asked.append((kind.index, num_drafts))
+        return {i: Proposal(step.seqs[i].seq_id, [7] * num_drafts, 0) for i in rows}
+
+    drafter._propose = propose
+    for index in (0, 1):
+        step = _Step([Sequence(1, [1, 2, 3], 8, frozenset())])
+        assert drafter._ask(step, index, None) == {0: 4}
+        take_offer(step, 0, index, 4)
+        assert step.drafted[0] == (index, 4) and step.result().rows[0].lined == bool(index)
+    assert asked == [(0, 4), (1, 4 + 2 * 5)]
+    assert not kinds[0].lookup and kinds[1].lookup
