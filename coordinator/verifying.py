@@ -99,16 +99,12 @@ class Verifier:
         timeout = cohort_timeout(self.pool.handles_of(cohort.seqs))
         started = time.perf_counter()
         rounds = self.rounds(cohort)
-        if cohort.deferred is None and rounds > 1:  # lookups' lines, in rounds
-            outcomes, timing = self.peers.target.verify(cohort.mixed, specs, timeout=timeout,
-                                                        rounds=rounds)
-            return Verified(outcomes, timing, time.perf_counter() - started,
-                            rounds=ran(outcomes))
-        if cohort.deferred is None:
+        if cohort.deferred is None:  # (plain steps need no drafts, rounds some: one is 1)
             steps = self.plain_steps(cohort)
             outcomes, timing = self.peers.target.verify(cohort.mixed, specs, timeout=timeout,
-                                                        plain_steps=steps)
-            return Verified(outcomes, timing, time.perf_counter() - started, plain_steps=steps)
+                                                        plain_steps=steps, rounds=rounds)
+            return Verified(outcomes, timing, time.perf_counter() - started, plain_steps=steps,
+                            rounds=ran(outcomes) if rounds > 1 else 1)
         outcomes, timing, hosted = self.peers.target.verify(
             cohort.mixed, specs, timeout=timeout, propose=cohort.deferred.command(),
             rounds=rounds)
