@@ -55,6 +55,22 @@ def step_record(cohort: DraftedCohort, verified: Verified, fallback: bool) -> St
                       max((len(row.draft_token_ids) for row in cohort.rows), default=0))
 
 
+def commit_rows(drafter, pool: RequestPool, cohort: DraftedCohort, verified: Verified,
+                step: int, telemetry) -> tuple[list[Sequence], list[tuple]]:
+    """Commit each row's verified tokens (the drafter observing what its drafts got right
+    first): (the sequences that finished, each row's trace for the step log)."""
+    finished, trace = [], []
+    for row, outcome in zip(cohort.rows, verified.outcomes):
+        commit.check(row.seq, outcome)
+        drafter.observe(row, outcome)
+        before = row.seq.committed_len
+        if commit.commit(pool.active[row.seq.seq_id], outcome, row.drafts_verified(outcome),
+                         step, telemetry):
+            finished.append(row.seq)
+        trace.append(row.traced(outcome, row.seq.committed_len - before))
+    return finished, trace
+
+
 def drafting_config(config: EngineConfig) -> DraftingConfig:
     """The drafting policy's part of the engine's configuration."""
     return DraftingConfig(config.num_draft_tokens, config.draft_policy,
@@ -299,26 +315,21 @@ class Engine:
         return None
 
     def _finish(self, cohort: DraftedCohort, verified: Verified, started: float) -> None:
-        """Commit a verified cohort (on the engine thread); `started`: when its step began."""
+        """Commit a verified cohort (on the engine thread); `started`: when its step began.
+        The evidence weighs the step without its finished requests' releases: the server
+        pays those whether it drafts or not (as admissions), and the step that ends a
+        request, often a short plain one after drafted ones, would carry them all."""
         cohort = self.drafter.resolve(cohort, verified.hosted, verified.rounds)
         self.drafter.observe_verify(cohort, verified.timing, verified.seconds, verified.forwards)
         record = step_record(cohort, verified, fallback=not self.peers.draft_up)
         self.recorder.step(record)
-        finished, trace = [], []
-        for row, outcome in zip(cohort.rows, verified.outcomes):
-            commit.check(row.seq, outcome)
-            self.drafter.observe(row, outcome)
-            before = row.seq.committed_len
-            if commit.commit(self.pool.active[row.seq.seq_id], outcome,
-                             row.drafts_verified(outcome), self.stats.num_steps,
-                             self.recorder.telemetry):
-                finished.append(row.seq)
-            trace.append(row.traced(outcome, row.seq.committed_len - before))
+        finished, trace = commit_rows(self.drafter, self.pool, cohort, verified,
+                                      self.stats.num_steps, self.recorder.telemetry)
+        committed_s = time.perf_counter() - started
         self._release(finished)
-        seconds = time.perf_counter() - started
-        self.drafter.observe_step(cohort, sum(t[3] for t in trace), seconds, verified.timing,
-                                  verified.plain_steps)
-        self.recorder.log_step(record, trace, seconds)
+        self.drafter.observe_step(cohort, sum(t[3] for t in trace), committed_s,
+                                  verified.timing, verified.plain_steps)
+        self.recorder.log_step(record, trace, time.perf_counter() - started)
 
     # ---- endings --------------------------------------------------------------------------------
     def _target_lost(self, error: errors.Unavailable) -> None:

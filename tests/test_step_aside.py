@@ -4,6 +4,7 @@ drafts, and either way every output is the target alone's (greedy decoding, or f
 requests its seeded samples). Counting drafted and plain
 steps keeps "exact through the services" from quietly becoming plain decoding everywhere."""
 import json
+import time
 
 import pytest
 import torch
@@ -127,3 +128,34 @@ def test_a_lone_request_stepped_aside_decodes_several_tokens_a_command(model_dir
     # its draft was up throughout (the planner may find the rolled draft hopeless from the
     # start and never ask it: a drafted step is not guaranteed)
     assert fallback_steps == 0
+
+
+def test_the_evidence_weighs_a_step_without_its_requests_releases(model_dirs, tmp_path):
+    """Releasing a finished request's caches costs the server the same whether it drafts or
+    not, and falls on the step that ends it (often a short plain one after drafted ones):
+    the evidence weighs that step without it, the step log keeps the whole step."""
+    target_dir, draft_dir = model_dirs["llama"]
+    step_log = tmp_path / "steps.jsonl"
+    with running_stack(target_dir, draft_dir, batch_size=4, num_draft_tokens=4,
+                       draft_policy="goodput", overlap="off", step_log=str(step_log)) as stack:
+        engine = stack.router.engines[0]
+        release, observe_step = engine.peers.release, engine.drafter.observe_step
+        released, weighed = [], []
+
+        def slow_release(seqs):
+            if seqs:
+                released.extend(seqs)
+                time.sleep(0.3)
+            return release(seqs)
+
+        def weighing(cohort, num_committed, seconds, *args):
+            weighed.append(seconds)
+            return observe_step(cohort, num_committed, seconds, *args)
+
+        engine.peers.release, engine.drafter.observe_step = slow_release, weighing
+        requests = [(prompt, 12) for prompt, _ in random_requests(seed=63, count=2)]
+        results = generate_all(stack.stub(), requests, ignore_eos=True)
+    assert_exact(target_dir, requests, results)
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    assert len(released) == 2 and weighed and max(weighed) < 0.3, weighed
+    assert sum(s["step_s"] >= 0.3 for s in steps) >= 1
