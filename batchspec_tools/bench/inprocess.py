@@ -91,7 +91,10 @@ class InProcessTarget(_InProcess):
         return [wire.features_message(f)
                 for f in self.runner.features([t for _, t in prefixes])]
 
-    def verify(self, realign, specs, timeout=None, return_features=None, plain_steps=1):
+    def verify(self, realign, specs, timeout=None, return_features=None, plain_steps=1,
+               rounds=1):
+        if rounds > 1:  # (the in-process engine hosts no draft and runs no lines)
+            raise ValueError("the in-process target runs one round a verify")
         if return_features is None:
             return_features = self.features_for_drafts
         started = time.perf_counter()

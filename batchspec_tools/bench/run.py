@@ -512,6 +512,7 @@ def run_engine(runners, workload: Workload, batch_size: int, k: int) -> Run:
                     [[InProcessDraft(runners["draft"], "draft")]],
                     EngineConfig(num_draft_tokens=k, draft_policy=workload.draft_policy,
                                  overlap="off",  # both models in this one process
+                                 draft_rounds=1,  # (its target hosts no draft: see inprocess)
                                  min_draft_confidence=workload.min_draft_confidence,
                                  cohort_policy=CohortPolicy(batch_size=batch_size),
                                  max_num_seqs=count, max_queue=count),
