@@ -18,7 +18,8 @@ VALUE_SETS = {
             "apiKey": {"secretName": "bs-api-key"}},
     "3 targets, 2 drafts": {"target": {"replicas": 3, "maxSequences": 48},
                             "draft": {"replicas": 2}, "models": {
-                                "volume": {"persistentVolumeClaim": {"claimName": "models"}}}},
+                                "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
+                            "measured": {"volume": {"hostPath": {"path": "/var/cache/bs"}}}},
 }
 
 
@@ -128,8 +129,11 @@ def test_replicas_per_pool_capacity_and_the_models_volume():
     assert args[args.index("--max-sequences") + 1] == "48"
     volumes = deployments["bs-target"]["spec"]["template"]["spec"]["volumes"]
     assert {"name": "models", "persistentVolumeClaim": {"claimName": "models"}} in volumes
-    # what a service times of its machine outlives a restarted container
-    assert {"name": "measured", "emptyDir": {}} in volumes
+    # what a service times of its machine: on the volume given (kept across pods on a node),
+    # by default an emptyDir (it outlives a restarted container)
+    assert {"name": "measured", "hostPath": {"path": "/var/cache/bs"}} in volumes
+    default = by_kind(render({}), "Deployment")["bs-draft"]["spec"]["template"]["spec"]
+    assert {"name": "measured", "emptyDir": {}} in default["volumes"]
     main = container(deployments["bs-target"])
     measured = next(e["value"] for e in main["env"] if e["name"] == "BATCHSPEC_MEASURED_DIR")
     assert {"name": "measured", "mountPath": measured} in main["volumeMounts"]
@@ -167,7 +171,8 @@ def test_cpu_pools_and_the_service_monitor():
                                     {"target": {"replicas": "three"}},
                                     {"numDraftTokens": 0}, {"draftPolicy": "fast"},
                                     {"tls": {"enabled": True, "secretName": ""}},
-                                    {"target": {"gpu": 1}}])
+                                    {"target": {"gpu": 1}},
+                                    {"measured": {"hostPath": {"path": "/x"}}}])
 def test_the_values_schema_refuses_bad_values(values):
     chart = helm().Chart.load(str(CHART))
     with pytest.raises(helm().HelmValuesError):
