@@ -567,11 +567,12 @@ def committed_in_draft(row: RowDraft, outcome: VerifyOutcome, reads_features: bo
     rounds' outputs matched, in order. A feature head computed its drafts' positions from its
     own features, not the target's: it keeps none of them."""
     drafted = len(row.proposal.draft_token_ids)
-    accepted, before = last_round(outcome)
-    own = min(accepted, row.num_drafts, max(drafted - 1, 0))  # not forced ones
     if outcome.rounds and not row.deferred:  # a line: the draft holds its one proposal
         own, before = min(common_prefix(row.proposal.draft_token_ids,
                                         outcome.output_token_ids), max(drafted - 1, 0)), 0
+    else:
+        accepted, before = last_round(outcome)
+        own = min(accepted, row.num_drafts, max(drafted - 1, 0))  # not forced ones
     return before + (0 if reads_features else own)
 
 

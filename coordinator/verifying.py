@@ -36,8 +36,8 @@ class Verified:
 
 
 def ran(outcomes: list[VerifyOutcome]) -> int:
-    """The rounds a verify of rounds ran (every row ran the same)."""
-    return max(1, max((len(o.rounds) for o in outcomes), default=1))
+    """The rounds a verify ran (every row ran the same; one where it ran no rounds)."""
+    return max([1] + [len(o.rounds) for o in outcomes])
 
 
 def cohort_timeout(handles: list[RequestHandle]) -> float | None:
@@ -104,7 +104,7 @@ class Verifier:
             outcomes, timing = self.peers.target.verify(cohort.mixed, specs, timeout=timeout,
                                                         plain_steps=steps, rounds=rounds)
             return Verified(outcomes, timing, time.perf_counter() - started, plain_steps=steps,
-                            rounds=ran(outcomes) if rounds > 1 else 1)
+                            rounds=ran(outcomes))
         outcomes, timing, hosted = self.peers.target.verify(
             cohort.mixed, specs, timeout=timeout, propose=cohort.deferred.command(),
             rounds=rounds)
@@ -113,7 +113,7 @@ class Verifier:
         timing = dataclasses.replace(timing, compute_seconds=max(0.0, timing.compute_seconds
                                                                  - inside))
         return Verified(outcomes, timing, time.perf_counter() - started - inside, hosted,
-                        rounds=ran(outcomes) if rounds > 1 else 1)
+                        rounds=ran(outcomes))
 
     def plain_steps(self, cohort: DraftedCohort) -> int:
         """How many tokens a row the cohort's verify decodes: up to --plain-steps where the
