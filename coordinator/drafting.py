@@ -108,6 +108,7 @@ class DraftedCohort:
     # stepped aside: tokens a row its command may decode before the evidence's next probe
     # (StepPlan.room); None: no such bound
     room: int | None = None
+    aside_lookups: bool = False  # stepped aside, its rows draft lookups' offers only
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -261,8 +262,9 @@ class Drafter:
 
     def calibrate(self, target, infos) -> None:
         """The policy starts from what each service measured of its forwards at start-up."""
-        self.policy.calibrate(target, infos, frozenset(  # (a lookup's lines run rounds too)
-            kind.index for kind in self.kinds if self.hosted(kind) or kind.lookup))
+        self.policy.calibrate(target, infos,
+                              frozenset(kind.index for kind in self.kinds if self.hosted(kind)),
+                              frozenset(kind.index for kind in self.kinds if kind.lookup))
 
     # ---- a step's drafts ------------------------------------------------------------------------
     def draft(self, seqs: list[Sequence], timeout: float | None) -> DraftedCohort:
@@ -290,7 +292,12 @@ class Drafter:
         for i in step.missed:
             if i in step.drafted:  # it drafted with its fallback: its miss is evidence too
                 self._observe_miss(step, i)
-        return step.result()
+        cohort = step.result()
+        if plan.aside_lookups:  # its rows without drafts were kept plain by the evidence
+            return dataclasses.replace(cohort, aside_lookups=True, room=plan.room, rows=[
+                row if row.num_drafts else dataclasses.replace(row, aside=True)
+                for row in cohort.rows])
+        return cohort
 
     def cohort_rows(self, seqs: list[Sequence]) -> list[CohortRow]:
         """The cohort as the policy sees it."""
@@ -511,13 +518,17 @@ class Drafter:
         asked any draft counts as drafted even where nothing was verified (a lookup that found
         nothing, a plan that kept every row plain after asking): what drafting costs is
         weighed on its side, and the plain side is only steps that cost what decoding
-        without drafts does."""
+        without drafts does. A cohort aside that drafted lookups' offers is weighed on
+        neither side."""
+        if cohort.aside_lookups:  # tokens a row, as a plain command's steps count
+            plain_steps = max(1, round(num_committed / len(cohort.rows)))
         self.policy.observe_step(
             tuple(row.seq.seq_id for row in cohort.rows),
             cohort.timing is not None or any(row.num_drafts for row in cohort.rows),
             any(row.draft_token_ids for row in cohort.rows), sampled(cohort.seqs),
             num_committed, seconds,
-            verify_timing.realign_seconds if verify_timing is not None else 0.0, plain_steps)
+            verify_timing.realign_seconds if verify_timing is not None else 0.0, plain_steps,
+            cohort.aside_lookups)
 
     def observe(self, row: RowDraft, outcome: VerifyOutcome) -> None:
         """Before the row's tokens are committed: how much of the draft's cache now holds

@@ -5,9 +5,10 @@ delivered: committed tokens per second of the engine's own time (from choosing t
 streaming its tokens, draft prefills included; admissions and turnover copies, which the
 server pays whether it drafts or not, left out: policy.DraftingPolicy.realign_shares) of
 drafted steps and of plain steps, per batch-size bucket. Where drafted steps measure slower
-than plain ones, cohorts step aside (decode plainly, asking no draft at all, so they cost what
-the same server without drafts costs); where they measure faster again, the policy plans as
-before.
+than plain ones, cohorts step aside (decode plainly, asking no model draft, so they cost what
+the same server without drafts costs; a cohort of at most `cheap_probe_rows` still drafts what
+the lookups offer, steps weighed on neither side: lookups_aside); where they measure faster
+again, the policy plans as before.
 Each side is kept measured: while one is chosen, the other is tried every few steps of its
 bucket.
 
@@ -189,6 +190,12 @@ class Evidence:
             bucket.backoff = min(2 * bucket.backoff, self.config.max_backoff)
             return Decision.PLAN if bucket.aside else Decision.PLAIN
         return Decision.PLAIN if bucket.aside else Decision.PLAN
+
+    def lookups_aside(self, rows: int) -> bool:
+        """Whether a cohort of `rows` stepped aside still drafts what lookups offer (a bucket
+        of at most `cheap_probe_rows`, where a lookup's line costs a fraction of a step at
+        worst); larger cohorts aside decode plainly."""
+        return rows <= self.config.cheap_probe_rows
 
     def room(self, rows: int, sampled: bool = False) -> int | None:
         """Tokens a row the command of a step just chosen plain may decode before the side not

@@ -100,6 +100,8 @@ class StepPlan:
     kinds: tuple[int | None, ...]
     asked_first: tuple[int, ...] = ()  # kinds asked for every row before planning
     aside: bool = False  # the evidence stepped the cohort aside: no draft is asked
+    # the evidence stepped the cohort aside, and rows draft what lookups offered them
+    aside_lookups: bool = False
     room: int | None = None  # aside: tokens a row its command may decode before the next probe
     # per row, the kind that drafts its k where its own proposes nothing (None: it decodes
     # plainly): with measured costs, a kind asked first that offered it something (paid
@@ -126,18 +128,22 @@ class DraftingPolicy:
         self.planner = planner
         self.evidence = evidence
         self._target_unit_cost: float | None = None  # seconds of its cheapest command
+        self._lookups: frozenset[int] = frozenset()  # kinds that are lookups (calibrate)
         self._rows: dict[int, list[goodput.RowState]] = {}  # seq_id -> per kind
         # seq_id -> (the seq_ids its last verify ran with, in order; whether it verified
         # drafts): see realign_shares
         self._ran: dict[int, tuple[tuple[int, ...], bool]] = {}
 
     # ---- start-up -------------------------------------------------------------------------------
-    def calibrate(self, target, kinds: list, hosted: frozenset[int] = frozenset()) -> None:
+    def calibrate(self, target, kinds: list, hosted: frozenset[int] = frozenset(),
+                  lookups: frozenset[int] = frozenset()) -> None:
         """Start from what each service measured of its forwards at start-up (target and each
         kind: its ModelInfo, or None where not known): the planner's costs (without them
         every row drafts K) and the order kinds are asked in. hosted: the kinds the target
-        hosts, and the lookups (their commands run rounds)."""
+        hosts; lookups: the kinds that look up what a sequence repeats (DraftKind.lookup).
+        The commands of both run rounds."""
         fixed = self.config.draft_policy == "fixed"
+        self._lookups = lookups
 
         def cost(info):
             return None if fixed or info is None else \
@@ -156,20 +162,36 @@ class DraftingPolicy:
                 goodput.GoodputConfig(max_k=self.config.num_draft_tokens,
                                       plain_steps=self.config.plain_steps,
                                       rounds=self.config.draft_rounds),
-                [model.cost for model in self.kinds], cost(target), hosted)
+                [model.cost for model in self.kinds], cost(target), hosted | lookups)
 
     # ---- a step's plan --------------------------------------------------------------------------
     def plan(self, rows: list[CohortRow], ask: Ask) -> StepPlan:
-        """The step's plan for a cohort of `rows`: stepped aside where the evidence says so
-        (nothing asked); else, after asking the lookups due (`ask`) what they have for each
-        row, each row's kind and K by the planner. Greedy and sampled rows alike: a seeded
+        """The step's plan for a cohort of `rows`: after asking the lookups due (`ask`) what
+        they have for each row, each row's kind and K by the planner. Where the evidence
+        steps the cohort aside, no model draft is asked: a small cohort (Evidence.
+        lookups_aside) still drafts what its lookups offer (StepPlan.aside_lookups), every
+        other one decodes plainly and asks nothing. Greedy and sampled rows alike: a seeded
         request's tokens do not depend on the plan."""
-        none = (None,) * len(rows)
         sampled = any(r.band for r in rows)
-        if self.evidence is not None and self.evidence.choose(len(rows), sampled) \
-                is Decision.PLAIN:
-            return StepPlan((0,) * len(rows), none, aside=True,
-                            room=self.evidence.room(len(rows), sampled))
+        if self.evidence is None or self.evidence.choose(len(rows), sampled) is Decision.PLAN:
+            return self._planned(rows, ask)
+        aside = StepPlan((0,) * len(rows), (None,) * len(rows), aside=True,
+                         room=self.evidence.room(len(rows), sampled))
+        if not self._lookups or not self.evidence.lookups_aside(len(rows)):
+            return aside
+        # the lookups cost next to nothing and their drafts are weighed on neither side
+        # (observe_step): the evidence decides for the model drafts alone
+        plan = self._planned(rows, ask, self._lookups)
+        return dataclasses.replace(plan, aside_lookups=True, room=aside.room) \
+            if any(plan.k) else dataclasses.replace(aside, asked_first=plan.asked_first)
+
+    def _planned(self, rows: list[CohortRow], ask: Ask,
+                 only: frozenset[int] | None = None) -> StepPlan:
+        """The planner's plan for the cohort, with the kinds in `only` (None: every kind)."""
+        none = (None,) * len(rows)
+        if only is not None:
+            rows = [dataclasses.replace(r, catch_up=tuple(
+                c if i in only else None for i, c in enumerate(r.catch_up))) for r in rows]
         # a lookup not due this step sits it out, as if asked and offering nothing
         first = self.asked_first(rows)
         due = tuple(i for i in first if self.kinds[i].ask_due())
@@ -263,20 +285,23 @@ class DraftingPolicy:
 
     def observe_step(self, seq_ids: tuple[int, ...], drafted: bool, verified: bool,
                      sampled: bool, num_committed: int, seconds: float,
-                     realign_s: float, steps: int = 1) -> None:
+                     realign_s: float, steps: int = 1, aside_lookups: bool = False) -> None:
         """A verified cohort's measured delivery, for the evidence of its class. `drafted`: the
         step asked a draft or verified drafts (what drafting costs is weighed on its side even
         where nothing was verified, unless it then decoded several plain steps: weighed on
-        neither side); `verified`: it verified drafts; `steps`: tokens a row its plain command
-        decoded. Turnover is left out of both sides, and compaction after a drafted step
-        charged to it (see realign_shares)."""
+        neither side); `verified`: it verified drafts; `steps`: tokens a row its command
+        decoded (each row's mean, for a step of drafts). `aside_lookups`: the cohort was aside
+        and drafted lookups' offers (StepPlan.aside_lookups): weighed on neither side, and
+        for the model drafts' catch-up a stretch of plain steps. Turnover is left out of both
+        sides, and compaction after a drafted step charged to it (see realign_shares)."""
         turnover, carried = self.realign_shares(seq_ids, verified, realign_s)
         for model in self.kinds:
             model.decoded(steps)
         if self.evidence is not None:
-            self.evidence.observe(len(seq_ids), drafted, num_committed,
+            self.evidence.observe(len(seq_ids), drafted and not aside_lookups, num_committed,
                                   max(0.0, seconds - turnover), carried, sampled, steps,
-                                  weighed=verified or not drafted or steps <= 1)
+                                  weighed=not aside_lookups and (
+                                      verified or not drafted or steps <= 1))
 
     def realign_shares(self, seq_ids: tuple[int, ...], verified: bool,
                        realign_s: float) -> tuple[float, float]:

@@ -71,6 +71,45 @@ def test_a_cohort_the_evidence_steps_aside_asks_no_draft():
     assert plan.room == 5  # its command may decode what the evidence lets before its probe
 
 
+class AsideWithLookups:
+    """Evidence that steps every cohort aside; cohorts of at most two rows draft lookups."""
+
+    def __init__(self):
+        self.observed = []
+
+    def choose(self, rows, sampled=False):
+        return evidence_lib.Decision.PLAIN
+
+    def room(self, rows, sampled=False):
+        return 3
+
+    def lookups_aside(self, rows):
+        return rows <= 2
+
+    def observe(self, rows, drafted, tokens, seconds, carried, sampled, steps, weighed):
+        self.observed.append((drafted, steps, weighed))
+
+
+def test_a_small_cohort_aside_drafts_only_what_its_lookups_offer():
+    """Aside, no model draft is planned; a cohort of one or two rows still drafts what the
+    lookup offers, a larger one asks nothing. Its step is weighed on neither side and counts
+    as plain steps for the drafts' catch-up."""
+    p = DraftingPolicy(DraftingConfig(4, "goodput", None), 2, evidence=AsideWithLookups())
+    p.calibrate(info(0.05), [info(0.01), info(0.0001)], lookups=frozenset({1}))
+    ask = Asked({0: 4})
+    plan = p.plan([row(1), row(2)], ask)
+    assert ask.kinds == [1] and plan.aside_lookups and not plan.aside and plan.room == 3
+    assert plan.kinds == (1, None) and plan.k[0] > 0 and plan.k[1] == 0
+    ask = Asked({})  # offered nothing: the cohort decodes plainly
+    plan = p.plan([row(1), row(2)], ask)
+    assert ask.kinds == [1] and plan.aside and plan.k == (0, 0) and plan.kinds == (None, None)
+    ask = Asked({0: 4})
+    plan = p.plan([row(1), row(2), row(3)], ask)
+    assert ask.kinds == [] and plan.aside and plan.k == (0, 0, 0)
+    p.observe_step((1, 2), True, True, False, 9, 0.1, 0.0, steps=5, aside_lookups=True)
+    assert p.evidence.observed == [(False, 5, False)]
+
+
 def test_what_a_row_accepted_moves_its_plan_and_is_forgotten_with_it():
     p = policy()
     for _ in range(30):  # kind 0 accepted every draft of row 1, none of row 2's

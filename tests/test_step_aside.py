@@ -5,12 +5,15 @@ requests its seeded samples). Counting drafted and plain
 steps keeps "exact through the services" from quietly becoming plain decoding everywhere."""
 import json
 import time
+from collections import Counter
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from batchspec.params import SamplingParams
+from coordinator import engine as engine_lib
+from coordinator.evidence import Decision, Evidence
 
 import tiny_models
 from conftest import running_stack
@@ -159,3 +162,33 @@ def test_the_evidence_weighs_a_step_without_its_requests_releases(model_dirs, tm
     steps = [json.loads(line) for line in step_log.read_text().splitlines()]
     assert len(released) == 2 and weighed and max(weighed) < 1.0, weighed
     assert sum(s["step_s"] >= 1.0 for s in steps) >= 1
+
+
+class AlwaysAside(Evidence):
+    def choose(self, rows, sampled=False):
+        return Decision.PLAIN
+
+
+@pytest.mark.parametrize("fields", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_a_lone_request_aside_still_drafts_its_lookups_offers(model_dirs, tmp_path, fields,
+                                                             monkeypatch):
+    """Stepped aside, the model draft is never asked, but the lookup is: a lone request
+    drafts what it offers (its lines cost next to nothing), and its answer is still the
+    target alone's."""
+    target_dir, draft_dir = model_dirs["llama"]
+    monkeypatch.setattr(engine_lib, "default_evidence", lambda config, planner: AlwaysAside())
+    prompt, max_new = [11, 12, 13, 14] * 4, 60
+    with running_stack(target_dir, draft_dir, batch_size=4, drafts=("model", "local:ngram"),
+                       draft_policy="goodput", overlap="off", plain_steps=4) as stack:
+        drafter = stack.router.engines[0].drafter
+        asked = Counter()
+        original = drafter._propose
+
+        def counting(kind, step, rows, *args):
+            asked[kind.index] += len(rows)
+            return original(kind, step, rows, *args)
+        drafter._propose = counting
+        results = generate_all(stack.stub(), [(prompt, max_new)], ignore_eos=True, **fields)
+    assert_exact(target_dir, [(prompt, max_new)], results, **fields)
+    assert asked[0] == 0 and asked[1] > 0, asked
+    assert results[0][1].stats.num_drafted_tokens > 0  # the lookup's offers were verified
