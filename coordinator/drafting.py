@@ -150,6 +150,12 @@ class DraftedCohort:
             rows.append(row)
         return dataclasses.replace(self, rows=rows)
 
+    def kept_aside(self, room: int | None) -> "DraftedCohort":
+        """The cohort drafted while stepped aside (StepPlan.aside_lookups): its rows without
+        drafts were kept plain by the evidence, not the plan."""
+        return dataclasses.replace(self, aside_lookups=True, room=room, rows=[
+            row if row.num_drafts else dataclasses.replace(row, aside=True) for row in self.rows])
+
     def still_open(self, active) -> "DraftedCohort | None":
         """The cohort less the rows that ended since (not in `active`); None if none is left."""
         rows = [row for row in self.rows if row.seq.seq_id in active]
@@ -292,12 +298,7 @@ class Drafter:
         for i in step.missed:
             if i in step.drafted:  # it drafted with its fallback: its miss is evidence too
                 self._observe_miss(step, i)
-        cohort = step.result()
-        if plan.aside_lookups:  # its rows without drafts were kept plain by the evidence
-            return dataclasses.replace(cohort, aside_lookups=True, room=plan.room, rows=[
-                row if row.num_drafts else dataclasses.replace(row, aside=True)
-                for row in cohort.rows])
-        return cohort
+        return step.result().kept_aside(plan.room) if plan.aside_lookups else step.result()
 
     def cohort_rows(self, seqs: list[Sequence]) -> list[CohortRow]:
         """The cohort as the policy sees it."""
@@ -519,16 +520,15 @@ class Drafter:
         nothing, a plan that kept every row plain after asking): what drafting costs is
         weighed on its side, and the plain side is only steps that cost what decoding
         without drafts does. A cohort aside that drafted lookups' offers is weighed on
-        neither side."""
-        if cohort.aside_lookups:  # tokens a row, as a plain command's steps count
-            plain_steps = max(1, round(num_committed / len(cohort.rows)))
+        neither side, its tokens a row counted as a plain command's steps."""
         self.policy.observe_step(
             tuple(row.seq.seq_id for row in cohort.rows),
             cohort.timing is not None or any(row.num_drafts for row in cohort.rows),
             any(row.draft_token_ids for row in cohort.rows), sampled(cohort.seqs),
             num_committed, seconds,
-            verify_timing.realign_seconds if verify_timing is not None else 0.0, plain_steps,
-            cohort.aside_lookups)
+            verify_timing.realign_seconds if verify_timing is not None else 0.0,
+            max(1, round(num_committed / len(cohort.rows))) if cohort.aside_lookups
+            else plain_steps, cohort.aside_lookups)
 
     def observe(self, row: RowDraft, outcome: VerifyOutcome) -> None:
         """Before the row's tokens are committed: how much of the draft's cache now holds
