@@ -48,7 +48,7 @@ class RowDraft:
     # forced tokens it verifies after its own drafts (see DraftedCohort.constrained)
     token_masks: tuple[bytes, ...] = ()
     forced: tuple[int, ...] = ()
-    aside: bool = False  # its cohort stepped aside: no plan was made for it
+    aside: bool = False  # its cohort stepped aside: no plan was made for it, or lookups' only
     # it verifies what the target's hosted draft proposes first, up to num_drafts (proposal:
     # None until resolved)
     deferred: bool = False
@@ -151,10 +151,10 @@ class DraftedCohort:
         return dataclasses.replace(self, rows=rows)
 
     def kept_aside(self, room: int | None) -> "DraftedCohort":
-        """The cohort drafted while stepped aside (StepPlan.aside_lookups): its rows without
-        drafts were kept plain by the evidence, not the plan."""
+        """The cohort drafted while stepped aside (StepPlan.aside_lookups): the evidence, not
+        the plan, kept its rows from every other kind."""
         return dataclasses.replace(self, aside_lookups=True, room=room, rows=[
-            row if row.num_drafts else dataclasses.replace(row, aside=True) for row in self.rows])
+            dataclasses.replace(row, aside=True) for row in self.rows])
 
     def still_open(self, active) -> "DraftedCohort | None":
         """The cohort less the rows that ended since (not in `active`); None if none is left."""
@@ -517,10 +517,9 @@ class Drafter:
                      verify_timing: Timing | None = None, plain_steps: int = 1) -> None:
         """A verified cohort's measured delivery, for the evidence of its class. A step that
         asked any draft counts as drafted even where nothing was verified (a lookup that found
-        nothing, a plan that kept every row plain after asking): what drafting costs is
-        weighed on its side, and the plain side is only steps that cost what decoding
-        without drafts does. A cohort aside that drafted lookups' offers is weighed on
-        neither side, its tokens a row counted as a plain command's steps."""
+        nothing, a plan that kept every row plain after asking), so the plain side is only
+        steps that cost what decoding without drafts does. A cohort aside that drafted
+        lookups' offers: on neither side, its tokens a row counted as plain steps."""
         self.policy.observe_step(
             tuple(row.seq.seq_id for row in cohort.rows),
             cohort.timing is not None or any(row.num_drafts for row in cohort.rows),
@@ -542,15 +541,17 @@ class Drafter:
             # (a draft lost or re-prefilled since holds none of it: its cache_len moved on)
             seq.drafts[index].valid_len = seq.committed_len + committed_in_draft(
                 row, outcome, self.kinds[index].reads_features)
-        if row.aside:
+        if row.aside and not answered:
             # The evidence, not the plan, kept the row plain: it was not idle in the plan's
             # sense. Counted idle, every row of a cohort aside for a while would be planned
             # at the optimistic acceptance, so that the step trying drafting again drafted
             # K for every row: an exploration, far dearer than drafting as planned, which
-            # would measure slower and keep the cohort aside.
+            # would measure slower and keep the cohort aside. (One that drafted a lookup's
+            # offer: that kind's evidence alone.)
             return
         self.policy.observe_row(seq.seq_id, goodput.sampling_band(seq.sampling), index,
-                                evidence(row, outcome, verified) if answered else None)
+                                evidence(row, outcome, verified) if answered else None,
+                                fade_others=not row.aside)
 
 
 def evidence(row: RowDraft, outcome: VerifyOutcome, verified: int) -> tuple[int, int] | None:
@@ -603,9 +604,9 @@ def last_round(outcome: VerifyOutcome) -> tuple[int, int]:
 def observe_rounds(policy: DraftingPolicy, row: RowDraft, outcome: VerifyOutcome) -> None:
     """The evidence of a verify of rounds' rounds but the last (Drafter.observe weighs that
     one): each the drafts it verified and those accepted."""
-    if row.aside or row.kind_index is None:
+    if row.kind_index is None:
         return
     band = goodput.sampling_band(row.seq.sampling)
     for drafts, accepted in outcome.rounds[:-1]:
         policy.observe_row(row.seq.seq_id, band, row.kind_index,
-                           (drafts, accepted) if drafts else None)
+                           (drafts, accepted) if drafts else None, fade_others=not row.aside)

@@ -268,13 +268,15 @@ class DraftingPolicy:
             self.planner.target.observe(calls, forward_s, round_trip_s)
 
     def observe_row(self, seq_id: int, band: int, kind: int | None,
-                    evidence: tuple[int, int] | None) -> None:
+                    evidence: tuple[int, int] | None, fade_others: bool = True) -> None:
         """A row's verified step: `kind` was asked for it (None: none was), with `evidence`
         (drafts weighed, of them accepted; None: it answered nothing, no evidence). Every
-        other kind's evidence fades."""
+        other kind's evidence fades, unless not `fade_others` (a row stepped aside: the
+        evidence, not the plan, kept the other kinds from it)."""
         for index, state in enumerate(self._states(seq_id, band)):
             if index != kind:
-                self.planner.observe(state, 0, 0, index)
+                if fade_others:
+                    self.planner.observe(state, 0, 0, index)
             elif evidence is not None:
                 self.planner.observe(state, *evidence, index)
 

@@ -108,6 +108,12 @@ def test_a_small_cohort_aside_drafts_only_what_its_lookups_offer():
     assert ask.kinds == [] and plan.aside and plan.k == (0, 0, 0)
     p.observe_step((1, 2), True, True, False, 9, 0.1, 0.0, steps=5, aside_lookups=True)
     assert p.evidence.observed == [(False, 5, False)]
+    # the row's lookup evidence is weighed; the model's, kept from it by the evidence, stays
+    model = p._states(1, 0)[0]
+    p.observe_row(1, 0, 1, (4, 4), fade_others=False)
+    assert model.idle_steps == 0 and p._states(1, 0)[1].accepted == 4
+    p.observe_row(1, 0, 1, (4, 4))  # planned: the model was idle
+    assert model.idle_steps == 1
 
 
 def test_what_a_row_accepted_moves_its_plan_and_is_forgotten_with_it():
